@@ -1,0 +1,277 @@
+"""DQN with the Ape-X pieces: n-step returns, double Q, dueling head, prioritized replay.
+
+Read top to bottom: ``Config`` (every setting, documented), the Q network,
+``Parameter`` (weights <-> arrays), ``Worker`` (acts ε-greedily, builds n-step
+transitions, computes their initial priorities) and ``Trainer`` (samples,
+learns, returns priority updates). Must never: know about Redis or queues.
+
+Exploration: a lone worker uses ``epsilon``; actor i of N > 1 uses the Ape-X
+schedule ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srl.base.env import EnvSpec
+from srl.base.rl import Columns, Parameter, RLConfig, Trainer, TrainStats, Worker, torch_from_arrays, torch_to_arrays
+from srl.rl.blocks import MLPBlockConfig
+from srl.rl.memories import Memory
+
+
+@dataclass
+class Config(RLConfig):
+    """DQN settings. ``hidden_block.set_mlp((64, 64))``, ``memory.set_proportional_memory()``."""
+
+    algorithm: ClassVar[str] = "dqn"
+
+    hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
+    """the layers between observation and Q head"""
+    lr: float = 1e-3
+    """Adam learning rate"""
+    gamma: float = 0.99
+    """discount factor"""
+    n_step: int = 3
+    """steps summed into each return before bootstrapping"""
+    target_update_interval: int = 500
+    """train steps between copies of the online network into the target network"""
+    double_q: bool = True
+    """choose the next action with the online network, value it with the target network"""
+    dueling: bool = True
+    """split the head into state value and action advantages"""
+    epsilon: float = 0.1
+    """exploration rate of a lone worker (single process, or one actor)"""
+    apex_epsilon: float = 0.4
+    """Ape-X base ε: actor i of N > 1 explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
+    apex_alpha: float = 7.0
+    """Ape-X exponent spread across actors"""
+    test_epsilon: float = 0.0
+    """exploration rate while evaluating"""
+    max_grad_norm: float = 10.0
+    """gradient norm clip"""
+    reward_scale: float = 1.0
+    """rewards are multiplied by this before learning"""
+
+    def validate(self) -> None:
+        super().validate()
+        self.hidden_block.validate()
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.n_step < 1:
+            raise ValueError(f"n_step must be >= 1, got {self.n_step}")
+        if self.target_update_interval < 1:
+            raise ValueError(f"target_update_interval must be >= 1, got {self.target_update_interval}")
+        for name in ("epsilon", "apex_epsilon", "test_epsilon"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
+        """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
+        if actor_num <= 1:
+            return self.epsilon
+        return float(self.apex_epsilon ** (1.0 + self.apex_alpha * actor_index / (actor_num - 1)))
+
+    def make_parameter(self, spec: EnvSpec, device: torch.device) -> DQNParameter:
+        return DQNParameter(self, spec, device)
+
+    def make_worker(
+        self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
+    ) -> DQNWorker:
+        assert isinstance(parameter, DQNParameter)
+        return DQNWorker(self, parameter, self.actor_epsilon(actor_index, actor_num), seed)
+
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, memory: Memory) -> DQNTrainer:
+        assert isinstance(parameter, DQNParameter)
+        return DQNTrainer(self, parameter, memory)
+
+
+class QNetwork(nn.Module):
+    def __init__(self, config: Config, obs_size: int, n_actions: int) -> None:
+        super().__init__()
+        self.body, size = config.hidden_block.build(obs_size)
+        self.dueling = config.dueling
+        if self.dueling:
+            self.value = nn.Linear(size, 1)
+            self.advantage = nn.Linear(size, n_actions)
+        else:
+            self.q = nn.Linear(size, n_actions)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        h = self.body(obs)
+        if self.dueling:
+            adv = self.advantage(h)
+            return self.value(h) + adv - adv.mean(dim=-1, keepdim=True)
+        q: torch.Tensor = self.q(h)
+        return q
+
+
+class DQNParameter(Parameter):
+    """The online Q network (the target network is the trainer's own)."""
+
+    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
+        self.device = device
+        self.q = QNetwork(config, spec.obs_shape[0], spec.n_actions).to(device)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return torch_to_arrays({"q": self.q})
+
+    def from_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        torch_from_arrays({"q": self.q}, arrays)
+
+
+def td_targets(
+    q_online_next: torch.Tensor, q_target_next: torch.Tensor, reward: torch.Tensor, discount: torch.Tensor,
+    double_q: bool,
+) -> torch.Tensor:
+    """reward + discount * Q_target(s', a*), a* from the online net when double_q."""
+    if double_q:
+        best = q_online_next.argmax(dim=1, keepdim=True)
+        next_v = q_target_next.gather(1, best).squeeze(1)
+    else:
+        next_v = q_target_next.max(dim=1).values
+    return reward + discount * next_v
+
+
+class DQNWorker(Worker):
+    """ε-greedy acting; n-step transitions with columns obs, action, reward, next_obs, discount.
+
+    ``discount`` is gamma**k for a k-step return that bootstraps, 0 when the episode terminated.
+    """
+
+    def __init__(self, config: Config, parameter: DQNParameter, epsilon: float, seed: int | None) -> None:
+        self.config = config
+        self.parameter = parameter
+        self.epsilon = epsilon
+        self.rng = np.random.default_rng(seed)
+        self.n_actions = int(parameter.q.advantage.out_features if config.dueling else parameter.q.q.out_features)
+        self._window: deque[tuple[np.ndarray, int, float]] = deque()
+        self._rows: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "next_obs", "discount")}
+        self._gammas = config.gamma ** np.arange(config.n_step + 1)
+
+    def on_reset(self, obs: np.ndarray) -> None:
+        self._window.clear()
+
+    def act(self, obs: np.ndarray) -> int:
+        eps = self.epsilon if self.training else self.config.test_epsilon
+        if eps > 0.0 and self.rng.random() < eps:
+            return int(self.rng.integers(self.n_actions))
+        with torch.inference_mode():
+            q = self.parameter.q(torch.from_numpy(obs).to(self.parameter.device).unsqueeze(0))
+        return int(q.argmax(dim=1).item())
+
+    def on_step(
+        self, obs: np.ndarray, action: int, reward: float, next_obs: np.ndarray, terminated: bool, truncated: bool
+    ) -> None:
+        if not self.training:
+            return
+        self._window.append((obs, action, reward * self.config.reward_scale))
+        if len(self._window) == self.config.n_step:
+            self._emit(next_obs, bootstrap=not terminated)
+        if terminated or truncated:
+            while self._window:
+                self._emit(next_obs, bootstrap=not terminated)
+
+    def _emit(self, next_obs: np.ndarray, bootstrap: bool) -> None:
+        """The oldest step of the window becomes one transition; it leaves the window."""
+        k = len(self._window)
+        ret = float(sum(self._gammas[i] * self._window[i][2] for i in range(k)))
+        obs, action, _ = self._window.popleft()
+        rows = self._rows
+        rows["obs"].append(obs)
+        rows["action"].append(action)
+        rows["reward"].append(ret)
+        rows["next_obs"].append(next_obs)
+        rows["discount"].append(self._gammas[k] if bootstrap else 0.0)
+
+    def pending(self) -> int:
+        return len(self._rows["action"])
+
+    def take_transitions(self) -> Columns | None:
+        if not self._rows["action"]:
+            return None
+        rows = self._rows
+        columns: Columns = {
+            "obs": np.stack(rows["obs"]).astype(np.float32, copy=False),
+            "action": np.asarray(rows["action"], dtype=np.int64),
+            "reward": np.asarray(rows["reward"], dtype=np.float32),
+            "next_obs": np.stack(rows["next_obs"]).astype(np.float32, copy=False),
+            "discount": np.asarray(rows["discount"], dtype=np.float32),
+        }
+        for v in rows.values():
+            v.clear()
+        return columns
+
+    def initial_priorities(self, columns: Columns) -> np.ndarray:
+        """|TD error| with this worker's weights (its copy stands in for the target network)."""
+        device = self.parameter.device
+        with torch.inference_mode():
+            obs = torch.from_numpy(columns["obs"]).to(device)
+            next_obs = torch.from_numpy(columns["next_obs"]).to(device)
+            q_all = self.parameter.q(torch.cat([obs, next_obs]))
+            q, q_next = q_all[: len(obs)], q_all[len(obs) :]
+            action = torch.from_numpy(columns["action"]).to(device)
+            q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
+            target = td_targets(
+                q_next, q_next, torch.from_numpy(columns["reward"]).to(device),
+                torch.from_numpy(columns["discount"]).to(device), self.config.double_q,
+            )
+            return (target - q_sa).abs().cpu().numpy().astype(np.float32)
+
+
+class DQNTrainer(Trainer):
+    """One gradient step per ``train()``: sample, Huber loss weighted by importance, priority update."""
+
+    def __init__(self, config: Config, parameter: DQNParameter, memory: Memory) -> None:
+        self.config = config
+        self.parameter = parameter
+        self.memory = memory
+        self.device = parameter.device
+        self.target = copy.deepcopy(parameter.q)
+        self.target.requires_grad_(False)
+        self.optimizer = torch.optim.Adam(parameter.q.parameters(), lr=config.lr)
+        self.train_count = 0
+
+    def sync_target(self) -> None:
+        self.target.load_state_dict(self.parameter.q.state_dict())
+
+    def train(self) -> TrainStats | None:
+        if len(self.memory) < self.config.warmup_size:
+            return None
+        sample = self.memory.sample(self.config.batch_size)
+        b, dev = sample.batch, self.device
+        obs = torch.from_numpy(b["obs"]).to(dev)
+        next_obs = torch.from_numpy(b["next_obs"]).to(dev)
+        action = torch.from_numpy(b["action"]).to(dev)
+        reward = torch.from_numpy(b["reward"]).to(dev)
+        discount = torch.from_numpy(b["discount"]).to(dev)
+        weights = torch.from_numpy(sample.weights).to(dev)
+
+        q_net = self.parameter.q
+        q_all = q_net(torch.cat([obs, next_obs]))
+        q, q_online_next = q_all[: len(obs)], q_all[len(obs) :].detach()
+        q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
+        with torch.no_grad():
+            target = td_targets(q_online_next, self.target(next_obs), reward, discount, self.config.double_q)
+        td = target - q_sa
+        loss = (weights * F.smooth_l1_loss(q_sa, target, reduction="none")).mean()
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(q_net.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+
+        td_abs = td.detach().abs().cpu().numpy()
+        self.memory.update_priorities(sample.indices, td_abs, sample.generations)
+        self.train_count += 1
+        self.parameter.version = self.train_count
+        if self.train_count % self.config.target_update_interval == 0:
+            self.sync_target()
+        return TrainStats(loss=float(loss.item()), extra={"td_abs": float(td_abs.mean())})

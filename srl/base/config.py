@@ -1,0 +1,105 @@
+"""Typed configuration dataclasses as plain data (JSON-able dicts), both ways.
+
+Owns: turning a config dataclass into a dict and back, with errors that name
+the field. Must never: evaluate code or import classes named in the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration cannot be built from the data given."""
+
+
+def config_to_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass instance as a JSON-able dict (nested dataclasses become dicts)."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"expected a dataclass instance, got {type(obj).__name__}")
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        out[f.name] = _to_data(getattr(obj, f.name))
+    return out
+
+
+def _to_data(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return config_to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_to_data(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_data(v) for k, v in value.items()}
+    return value
+
+
+def config_from_dict(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
+    """Build ``cls`` from ``data``; unknown or mistyped fields raise :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected an object of fields, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else f"{cls.__name__}.{name}"
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {sorted(fields)}"
+            raise ConfigError(f"{path}: no such field in {cls.__name__}{hint}")
+        kwargs[name] = _from_data(hints[name], value, path)
+    return cls(**kwargs)
+
+
+def _from_data(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _from_data(arg, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} fits none of {tp}: {errors}")
+    if origin is typing.Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: expected one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return config_from_dict(tp, value, where=path)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_from_data(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected an object, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    return value

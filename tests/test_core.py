@@ -1,0 +1,231 @@
+"""Env adapter, config-as-data, DQN worker/parameter pieces, Runner smoke runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import srl
+from srl.algorithms import UnknownAlgorithmError, config_class, dqn
+from srl.base.config import ConfigError, config_from_dict, config_to_dict
+from srl.base.env import EnvAdapter, EnvConfig, EnvError
+
+
+def small_config(**changes: object) -> dqn.Config:
+    config = dqn.Config(batch_size=16, warmup_size=64, seed=1)
+    config.hidden_block.set_mlp((16, 16))
+    config.memory.set_replay_memory(1000)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+# ------------------------------------------------------------------ env adapter
+def test_box_actions_are_discretized_per_dimension() -> None:
+    env = EnvAdapter(EnvConfig("Pendulum-v1"), "dqn", action_bins=5)
+    assert env.spec.n_actions == 5
+    assert env.spec.action_values is not None
+    np.testing.assert_allclose(env.spec.action_values.reshape(-1), [-2.0, -1.0, 0.0, 1.0, 2.0])
+    env.reset()
+    obs, reward, _, _ = env.step(4)  # the largest torque
+    assert obs.dtype == np.float32 and obs.shape == (3,)
+    assert reward <= 0.0
+
+
+def test_multi_dimensional_box_grid_is_the_cartesian_product() -> None:
+    from gymnasium.spaces import Box
+
+    from srl.base.env import make_spec
+
+    class TwoDim:
+        observation_space = Box(-1.0, 1.0, (4,), np.float32)
+        action_space = Box(np.array([-1.0, 0.0], np.float32), np.array([1.0, 2.0], np.float32))
+
+    spec = make_spec(TwoDim(), "two-dim", "dqn", action_bins=3)  # type: ignore[arg-type]
+    assert spec.n_actions == 9 and spec.action_values is not None
+    rows = {tuple(r) for r in spec.action_values.tolist()}
+    assert rows == {(a, b) for a in (-1.0, 0.0, 1.0) for b in (0.0, 1.0, 2.0)}
+
+
+def test_discrete_observation_is_one_hot() -> None:
+    env = EnvAdapter(EnvConfig("FrozenLake-v1"), "dqn", action_bins=5, seed=0)
+    obs = env.reset()
+    assert obs.shape == (16,) and obs.sum() == 1.0 and obs[0] == 1.0
+
+
+def test_misspelled_env_names_close_ids() -> None:
+    with pytest.raises(EnvError, match="Pendulum-v1"):
+        EnvConfig("Pendulm-v1").make()
+
+
+def test_unsupported_space_says_which_space_and_algorithm() -> None:
+    from gymnasium.spaces import Box, Dict, MultiBinary
+
+    from srl.base.env import make_spec
+
+    class DictObs:
+        observation_space = Dict({"a": Box(0, 1, (2,))})
+        action_space = MultiBinary(3)
+
+    with pytest.raises(EnvError, match=r"dqn cannot use the observation space Dict"):
+        make_spec(DictObs(), "dict-env", "dqn", 5)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ config as data
+def test_config_round_trips_through_plain_data() -> None:
+    config = small_config(gamma=0.95, n_step=5)
+    config.memory.set_proportional_memory(capacity=5000, alpha=0.7)
+    data = config_to_dict(config)
+    import json
+
+    rebuilt = config_from_dict(config_class("dqn"), json.loads(json.dumps(data)))
+    assert rebuilt == config
+    assert rebuilt.hidden_block.layer_sizes == (16, 16)
+
+
+def test_config_with_misspelled_field_names_it() -> None:
+    data = config_to_dict(small_config())
+    data["gamme"] = 0.9
+    with pytest.raises(ConfigError, match=r"Config.gamme.*did you mean 'gamma'"):
+        config_from_dict(dqn.Config, data)
+
+
+def test_unknown_algorithm_lists_known() -> None:
+    with pytest.raises(UnknownAlgorithmError, match=r"Did you mean 'dqn'"):
+        config_class("dqm")
+
+
+# ------------------------------------------------------------------ DQN pieces
+def make_worker(config: dqn.Config) -> dqn.DQNWorker:
+    runner = srl.Runner("CartPole-v1", config)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    assert isinstance(worker, dqn.DQNWorker)
+    return worker
+
+
+def test_n_step_returns_match_a_hand_computed_episode() -> None:
+    worker = make_worker(small_config(gamma=0.5, n_step=3))
+    obs = [np.full(4, i, np.float32) for i in range(6)]
+    rewards = [1.0, 2.0, 4.0, 8.0, 16.0]
+    worker.on_reset(obs[0])
+    for t in range(5):
+        worker.on_step(obs[t], t % 2, rewards[t], obs[t + 1], terminated=(t == 4), truncated=False)
+    cols = worker.take_transitions()
+    assert cols is not None and worker.pending() == 0
+    # t=0: 1 + .5*2 + .25*4 = 3, bootstraps from obs3 with .125
+    # t=1: 2 + 2 + 2 = 6 from obs4; t=2: 4 + 4 + 4 = 12 from obs5 but episode terminated -> discount 0
+    np.testing.assert_allclose(cols["reward"], [3.0, 6.0, 12.0, 16.0, 16.0])
+    np.testing.assert_allclose(cols["discount"], [0.125, 0.125, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(cols["next_obs"][:, 0], [3, 4, 5, 5, 5])
+    np.testing.assert_allclose(cols["obs"][:, 0], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(cols["action"], [0, 1, 0, 1, 0])
+
+
+def test_truncated_episode_keeps_bootstrapping() -> None:
+    worker = make_worker(small_config(gamma=0.5, n_step=3))
+    o = [np.full(4, i, np.float32) for i in range(3)]
+    worker.on_reset(o[0])
+    worker.on_step(o[0], 0, 1.0, o[1], False, False)
+    worker.on_step(o[1], 0, 1.0, o[2], False, True)
+    cols = worker.take_transitions()
+    assert cols is not None
+    np.testing.assert_allclose(cols["reward"], [1.5, 1.0])
+    np.testing.assert_allclose(cols["discount"], [0.25, 0.5])
+
+
+def test_apex_epsilon_schedule() -> None:
+    config = dqn.Config()
+    assert config.actor_epsilon(0, 1) == config.epsilon
+    assert config.actor_epsilon(0, 8) == pytest.approx(0.4)
+    assert config.actor_epsilon(7, 8) == pytest.approx(0.4**8)
+    assert config.actor_epsilon(3, 8) == pytest.approx(0.4 ** (1 + 7 * 3 / 7))
+
+
+def test_initial_priorities_are_abs_td_errors() -> None:
+    config = small_config(double_q=False, n_step=1)
+    worker = make_worker(config)
+    rng = np.random.default_rng(0)
+    cols = {
+        "obs": rng.normal(size=(8, 4)).astype(np.float32),
+        "action": rng.integers(0, 2, 8),
+        "reward": rng.normal(size=8).astype(np.float32),
+        "next_obs": rng.normal(size=(8, 4)).astype(np.float32),
+        "discount": np.full(8, 0.99, np.float32),
+    }
+    pr = worker.initial_priorities(cols)
+    with torch.no_grad():
+        q = worker.parameter.q(torch.from_numpy(cols["obs"])).numpy()
+        qn = worker.parameter.q(torch.from_numpy(cols["next_obs"])).numpy()
+    expected = np.abs(cols["reward"] + 0.99 * qn.max(1) - q[np.arange(8), cols["action"]])
+    np.testing.assert_allclose(pr, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_parameter_round_trip_through_bytes() -> None:
+    a = srl.Runner("CartPole-v1", small_config(seed=1))
+    b = srl.Runner("CartPole-v1", small_config(seed=2))
+    a.parameter.version = 42
+    obs = torch.ones(1, 4)
+    assert not torch.allclose(a.parameter.q(obs), b.parameter.q(obs))  # type: ignore[attr-defined]
+    meta = b.parameter.from_bytes(a.parameter.to_bytes({"epoch": 3}))
+    assert meta["epoch"] == 3 and b.parameter.version == 42
+    assert torch.allclose(a.parameter.q(obs), b.parameter.q(obs))  # type: ignore[attr-defined]
+
+
+def test_parameters_of_another_shape_are_refused_by_name() -> None:
+    a = srl.Runner("CartPole-v1", small_config())
+    config = small_config()
+    config.hidden_block.set_mlp((8,))
+    b = srl.Runner("CartPole-v1", config)
+    with pytest.raises(ValueError, match="has shape"):
+        b.parameter.from_bytes(a.parameter.to_bytes())
+
+
+def test_invalid_config_is_refused_with_the_field_name() -> None:
+    with pytest.raises(ValueError, match="warmup_size"):
+        srl.Runner("CartPole-v1", dqn.Config(batch_size=64, warmup_size=10))
+
+
+# ------------------------------------------------------------------ Runner
+def test_smoke_train_evaluate_save_load(tmp_path: object) -> None:
+    runner = srl.Runner("CartPole-v1", small_config())
+    runner.train(max_train_count=200, progress_interval=None)
+    assert runner.train_count == 200
+    rewards = runner.evaluate(max_episodes=3)
+    assert len(rewards) == 3 and all(r >= 1.0 for r in rewards)
+    path = f"{tmp_path}/cartpole.srl"
+    runner.save(path)
+    with open(path, "rb") as f:
+        assert f.read(4) == b"SRLA"  # our container, not a pickle
+    other = srl.Runner.from_checkpoint(path)
+    assert other.train_count == 200
+    assert other.evaluate(max_episodes=3, seed=5) == runner.evaluate(max_episodes=3, seed=5)
+
+
+def test_same_seed_same_run() -> None:
+    def run() -> list[float]:
+        runner = srl.Runner("CartPole-v1", small_config(seed=7))
+        runner.train(max_train_count=150, progress_interval=None)
+        return runner.evaluate(max_episodes=2)
+
+    assert run() == run()
+
+
+def test_train_needs_a_limit() -> None:
+    with pytest.raises(ValueError, match="needs a limit"):
+        srl.Runner("CartPole-v1", small_config()).train()
+
+
+@pytest.mark.slow
+def test_dqn_learns_cartpole() -> None:
+    config = dqn.Config(seed=3, lr=1e-3, batch_size=64, warmup_size=500, target_update_interval=200, epsilon=0.05)
+    config.hidden_block.set_mlp((64, 64))
+    config.memory.set_proportional_memory(capacity=20_000)
+    runner = srl.Runner("CartPole-v1", config)
+    best = 0.0
+    for _ in range(8):
+        runner.train(max_train_count=2_500, progress_interval=None)
+        best = max(best, float(np.mean(runner.evaluate(max_episodes=5))))
+        if best >= 195:
+            break
+    assert best >= 195
