@@ -1,0 +1,388 @@
+"""The wire format of experience batches and parameters.
+
+Owns: every byte that crosses a broker between an actor, the trainer and a
+client — the frame, its version byte, the optional zlib compression and the
+optional HMAC-SHA256 signature. Must never: use pickle (or anything else that
+runs code) on bytes read from a broker, raise anything but :class:`DecodeError`
+on bad input, or allocate more than ``max_bytes`` while decoding one message.
+
+What it trusts: nothing it reads. With a shared secret (``Codec(secret=...)``
+or the ``SRL_SECRET`` environment variable) every message is signed and an
+unsigned or tampered message is refused *before* it is decompressed or parsed.
+Without a secret, a message is checked for shape and size only: anyone who can
+write to the broker can inject experience, but never run code.
+
+Frame::
+
+    b"SRLW" | u8 wire version | u8 kind | u8 flags | payload | [32-byte HMAC-SHA256]
+
+``kind`` is :data:`KIND_BATCH` or :data:`KIND_PARAMS`; ``flags`` bit 0 means the
+payload is zlib-compressed, bit 1 means the 32-byte trailer is present (an
+HMAC-SHA256 over everything before it). The payload is an
+:mod:`srl.base.arrays` container: a JSON header, then raw numpy buffers.
+
+A batch's arrays are its columns (named ``"c:" + column``) and, optionally, the
+initial priorities (``"p"``); its JSON meta is the :class:`BatchHeader`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib.metadata
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from srl.base.arrays import pack_arrays, unpack_arrays
+
+MAGIC = b"SRLW"
+"""first four bytes of every srl message"""
+WIRE_VERSION = 1
+"""bumped whenever the frame or the batch/params layout changes incompatibly"""
+KIND_BATCH = 1
+KIND_PARAMS = 2
+FLAG_COMPRESSED = 0x01
+FLAG_SIGNED = 0x02
+_KNOWN_FLAGS = FLAG_COMPRESSED | FLAG_SIGNED
+_KIND_NAMES = {KIND_BATCH: "BATCH", KIND_PARAMS: "PARAMS"}
+
+_FRAME = struct.Struct("<4sBBB")
+SIGNATURE_BYTES = 32
+SECRET_ENV = "SRL_SECRET"
+DEFAULT_MAX_BYTES = 256 * 2**20
+
+_COLUMN_PREFIX = "c:"
+_PRIORITIES = "p"
+# Bytes a batch message needs beyond its raw buffers: frame, signature, the
+# array container prefix and the JSON header (a generous bound, see
+# Codec.max_rows).
+_BATCH_FIXED_OVERHEAD = _FRAME.size + SIGNATURE_BYTES + 9 + 400
+_PER_ARRAY_OVERHEAD = 96
+
+
+def _srl_version() -> str:
+    try:
+        return importlib.metadata.version("srl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class DecodeError(ValueError):
+    """The bytes are not a valid message for this srl: count it, log its source, go on."""
+
+
+@dataclass(frozen=True)
+class BatchHeader:
+    """Who sent a batch and where it sits in that sender's stream."""
+
+    actor_id: str
+    """unique id of the actor process that sent the batch"""
+    actor_index: int
+    """the actor slot (0 .. actor_num-1) the sender held"""
+    epoch: int
+    """the trainer epoch whose params the actor was using (0 before the first params)"""
+    seq: int
+    """per-actor sequence number: (actor_id, seq) identifies a batch, so duplicates are recognised"""
+    params_version: int
+    """version of the params that produced the actions"""
+    count: int
+    """number of transitions (rows) in the batch"""
+    created_at: float
+    """time.time() at the actor when the batch was closed"""
+
+
+def _int_field(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if type(value) is not int:
+        raise DecodeError(f"batch header field {key!r} must be an integer, found {value!r}")
+    return value
+
+
+def _load_secret(secret: bytes | str | None) -> bytes | None:
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV, "")
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return secret or None
+
+
+def _check_batch(count: int, columns: Mapping[str, np.ndarray], priorities: np.ndarray | None) -> str | None:
+    """Why ``columns``/``priorities`` do not form a batch of ``count`` rows, or None."""
+    if count < 0:
+        return f"count must be >= 0, found {count}"
+    for name, column in columns.items():
+        if not isinstance(name, str) or not name:
+            return f"column names must be non-empty text, found {name!r}"
+        if column.ndim == 0 or column.shape[0] != count:
+            return f"column {name!r} has shape {column.shape}; expected {count} rows (the header count)"
+    if priorities is not None:
+        if priorities.shape != (count,) or priorities.dtype.kind != "f":
+            return (
+                f"priorities have shape {priorities.shape} and dtype {priorities.dtype}; "
+                f"expected floats of shape ({count},)"
+            )
+        if count and not (np.isfinite(priorities).all() and (priorities >= 0).all()):
+            return "priorities must be finite and >= 0"
+    return None
+
+
+def row_nbytes(columns: Mapping[str, np.ndarray], priorities: np.ndarray | None = None) -> int:
+    """Raw bytes one row of this batch takes on the wire (before compression)."""
+    total = 0
+    for column in columns.values():
+        total += column.dtype.itemsize * int(np.prod(column.shape[1:], dtype=np.int64))
+    if priorities is not None:
+        total += priorities.dtype.itemsize
+    return total
+
+
+def split_columns(
+    columns: Mapping[str, np.ndarray], priorities: np.ndarray | None, max_rows: int
+) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
+    """Cut a batch into consecutive chunks of at most ``max_rows`` rows (views, no copies)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, found {max_rows}")
+    lengths = {len(c) for c in columns.values()}
+    if priorities is not None:
+        lengths.add(len(priorities))
+    if len(lengths) > 1:
+        raise ValueError(f"columns and priorities have different lengths {sorted(lengths)}")
+    count = lengths.pop() if lengths else 0
+    chunks: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
+    for start in range(0, count, max_rows):
+        stop = start + max_rows
+        chunks.append(
+            (
+                {name: column[start:stop] for name, column in columns.items()},
+                None if priorities is None else priorities[start:stop],
+            )
+        )
+    return chunks
+
+
+class Codec:
+    """Encodes and decodes srl messages; one instance per process is enough (it is thread-safe).
+
+    ``secret``: the shared HMAC key; None reads ``SRL_SECRET`` (unset or empty:
+    unsigned). With a secret, unsigned messages are refused; without one,
+    signed messages are refused too (a half-configured deployment should fail
+    loudly, not silently skip verification).
+    ``compress``: zlib-compress payloads at ``compress_level`` when encoding
+    (decoding accepts either).
+    ``max_bytes``: the largest message accepted, and the largest payload a
+    compressed message may expand to.
+    """
+
+    def __init__(
+        self,
+        secret: bytes | str | None = None,
+        compress: bool = False,
+        compress_level: int = 1,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if not 0 <= compress_level <= 9:
+            raise ValueError(f"compress_level must be 0..9 (zlib), found {compress_level}")
+        if max_bytes < 1024:
+            raise ValueError(f"max_bytes must be at least 1024, found {max_bytes}")
+        key = _load_secret(secret)
+        self._mac = None if key is None else hmac.new(key, digestmod=hashlib.sha256)
+        self.compress = compress
+        self.compress_level = compress_level
+        self.max_bytes = max_bytes
+
+    @property
+    def signed(self) -> bool:
+        """Whether this codec signs what it writes and demands signatures on what it reads."""
+        return self._mac is not None
+
+    # ------------------------------------------------------------------ frame
+
+    def _seal(self, kind: int, payload: bytes) -> bytes:
+        flags = 0
+        if self.compress:
+            payload = zlib.compress(payload, self.compress_level)
+            flags |= FLAG_COMPRESSED
+        if self._mac is not None:
+            flags |= FLAG_SIGNED
+        head = _FRAME.pack(MAGIC, WIRE_VERSION, kind, flags)
+        if self._mac is None:
+            frame = head + payload
+        else:
+            mac = self._mac.copy()
+            mac.update(head)
+            mac.update(payload)
+            frame = b"".join((head, payload, mac.digest()))
+        if len(frame) > self.max_bytes:
+            raise ValueError(
+                f"encoded {_KIND_NAMES[kind]} message is {len(frame)} bytes, over max_bytes={self.max_bytes}; "
+                "split the batch (split_columns / Codec.max_rows) or raise max_bytes everywhere"
+            )
+        return frame
+
+    def _open(self, data: bytes | bytearray | memoryview, kind: int) -> memoryview:
+        """Check the frame and signature; the (decompressed) payload."""
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError as e:
+            raise DecodeError(f"expected bytes, found {type(data).__name__}: {e}") from e
+        size = len(view)
+        if size > self.max_bytes:
+            raise DecodeError(f"message is {size} bytes, over max_bytes={self.max_bytes}")
+        if size < _FRAME.size:
+            raise DecodeError(f"truncated: {size} bytes is shorter than the {_FRAME.size}-byte frame header")
+        magic, version, found_kind, flags = _FRAME.unpack_from(view, 0)
+        if magic != MAGIC:
+            raise DecodeError(f"not an srl message: expected magic {MAGIC!r}, found {bytes(magic)!r}")
+        if version != WIRE_VERSION:
+            raise DecodeError(
+                f"message uses srl wire version {version}; this srl ({_srl_version()}) reads wire version "
+                f"{WIRE_VERSION}; run the same srl version on every actor, trainer and client"
+            )
+        if found_kind != kind:
+            raise DecodeError(
+                f"expected a {_KIND_NAMES[kind]} message, found kind {_KIND_NAMES.get(found_kind, found_kind)}"
+            )
+        if flags & ~_KNOWN_FLAGS:
+            raise DecodeError(f"unknown flag bits {flags:#04x} (this srl knows {_KNOWN_FLAGS:#04x})")
+        end = size
+        if flags & FLAG_SIGNED:
+            if self._mac is None:
+                raise DecodeError(
+                    f"message is signed but no secret is set here; set {SECRET_ENV} (or Codec(secret=...)) "
+                    "to the same value on every actor, trainer and client"
+                )
+            end = size - SIGNATURE_BYTES
+            if end < _FRAME.size:
+                raise DecodeError(f"truncated: {size} bytes cannot hold the frame header and a signature")
+            mac = self._mac.copy()
+            mac.update(view[:end])
+            if not hmac.compare_digest(mac.digest(), view[end:]):
+                raise DecodeError("bad signature: the message was tampered with or signed with another secret")
+        elif self._mac is not None:
+            raise DecodeError(
+                f"unsigned message refused: a secret is set here; set {SECRET_ENV} on the sender too"
+            )
+        payload = view[_FRAME.size : end]
+        if flags & FLAG_COMPRESSED:
+            payload = memoryview(self._inflate(payload))
+        return payload
+
+    def _inflate(self, payload: memoryview) -> bytes:
+        inflater = zlib.decompressobj()
+        try:
+            out = inflater.decompress(payload, self.max_bytes)
+        except zlib.error as e:
+            raise DecodeError(f"corrupt compressed payload: {e}") from e
+        if inflater.unconsumed_tail or (not inflater.eof and len(out) >= self.max_bytes):
+            raise DecodeError(f"compressed payload expands past max_bytes={self.max_bytes}; refused")
+        if not inflater.eof:
+            raise DecodeError("truncated compressed payload")
+        if inflater.unused_data:
+            raise DecodeError(f"{len(inflater.unused_data)} stray bytes after the compressed payload")
+        return out
+
+    @staticmethod
+    def _unpack(payload: memoryview, copy: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        try:
+            return unpack_arrays(payload, copy=copy)
+        except Exception as e:  # the array container is untrusted input: whatever it trips on is a DecodeError
+            raise DecodeError(f"bad array payload: {e}") from e
+
+    # ---------------------------------------------------------------- batches
+
+    def encode_batch(
+        self, header: BatchHeader, columns: Mapping[str, np.ndarray], priorities: np.ndarray | None
+    ) -> bytes:
+        """One BATCH message; raises ValueError if the arrays do not match ``header.count``."""
+        problem = _check_batch(header.count, columns, priorities)
+        if problem is not None:
+            raise ValueError(f"cannot encode batch from {header.actor_id!r}: {problem}")
+        arrays = {_COLUMN_PREFIX + name: column for name, column in columns.items()}
+        if priorities is not None:
+            arrays[_PRIORITIES] = priorities
+        meta = {
+            "actor_id": header.actor_id,
+            "actor_index": header.actor_index,
+            "epoch": header.epoch,
+            "seq": header.seq,
+            "params_version": header.params_version,
+            "count": header.count,
+            "created_at": header.created_at,
+        }
+        return self._seal(KIND_BATCH, pack_arrays(arrays, meta))
+
+    def decode_batch(
+        self, data: bytes | bytearray | memoryview, *, copy: bool = True
+    ) -> tuple[BatchHeader, dict[str, np.ndarray], np.ndarray | None]:
+        """The header, columns and priorities of a BATCH message, or DecodeError.
+
+        With ``copy=False`` the arrays are read-only views into ``data`` (or
+        into the decompressed payload): faster, for a caller that copies them
+        into its memory anyway.
+        """
+        meta, arrays = self._unpack(self._open(data, KIND_BATCH), copy)
+        actor_id = meta.get("actor_id")
+        created_at = meta.get("created_at")
+        if not isinstance(actor_id, str):
+            raise DecodeError(f"batch header field 'actor_id' must be text, found {actor_id!r}")
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
+            raise DecodeError(f"batch header field 'created_at' must be a number, found {created_at!r}")
+        header = BatchHeader(
+            actor_id=actor_id,
+            actor_index=_int_field(meta, "actor_index"),
+            epoch=_int_field(meta, "epoch"),
+            seq=_int_field(meta, "seq"),
+            params_version=_int_field(meta, "params_version"),
+            count=_int_field(meta, "count"),
+            created_at=float(created_at),
+        )
+        priorities = arrays.pop(_PRIORITIES, None)
+        columns: dict[str, np.ndarray] = {}
+        for name, array in arrays.items():
+            if not name.startswith(_COLUMN_PREFIX):
+                raise DecodeError(f"unexpected array {name!r} in a batch")
+            columns[name[len(_COLUMN_PREFIX) :]] = array
+        problem = _check_batch(header.count, columns, priorities)
+        if problem is not None:
+            raise DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: {problem}")
+        return header, columns, priorities
+
+    def max_rows(
+        self, columns: Mapping[str, np.ndarray], priorities: np.ndarray | None, max_message_bytes: int
+    ) -> int:
+        """How many rows of a batch shaped like this fit in one message of ``max_message_bytes``.
+
+        A conservative bound (assumes no compression gain, a long header); use
+        it with :func:`split_columns` to stay under a broker's message limit.
+        """
+        limit = min(max_message_bytes, self.max_bytes)
+        overhead = _BATCH_FIXED_OVERHEAD + sum(_PER_ARRAY_OVERHEAD + len(n) for n in columns)
+        if priorities is not None:
+            overhead += _PER_ARRAY_OVERHEAD
+        per_row = max(1, row_nbytes(columns, priorities))
+        # zlib's worst case grows incompressible data by ~0.03% plus a few bytes.
+        rows = int((limit - overhead - 64) / (per_row * 1.001))
+        if rows < 1:
+            raise ValueError(
+                f"one row of this batch needs {per_row} bytes (+{overhead} of header) but a message "
+                f"may hold {limit}; raise the broker's message limit or shrink the observation"
+            )
+        return rows
+
+    # ----------------------------------------------------------------- params
+
+    def encode_params(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> bytes:
+        """One PARAMS message: named tensors and a JSON-able ``meta`` (epoch, version, train_count, ...)."""
+        return self._seal(KIND_PARAMS, pack_arrays(dict(arrays), dict(meta)))
+
+    def decode_params(
+        self, data: bytes | bytearray | memoryview, *, copy: bool = True
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """``(meta, arrays)`` of a PARAMS message, or DecodeError."""
+        return self._unpack(self._open(data, KIND_PARAMS), copy)

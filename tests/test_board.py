@@ -1,0 +1,282 @@
+"""The Redis blackboard against a real Redis: leases, fencing, task lifecycle, cleanup."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from srl.runner.distribution.board import (
+    BOARD_FORMAT_VERSION,
+    Board,
+    BoardFormatError,
+    TaskExistsError,
+    TaskNotFoundError,
+    TaskState,
+)
+
+CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
+
+
+@pytest.fixture()
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def board(client: redis.Redis, namespace: str) -> Iterator[Board]:
+    b = Board(client, namespace)
+    yield b
+    b.delete_task()
+
+
+def wait_until(condition: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def test_lease_claim_is_exclusive_under_a_race(board: Board) -> None:
+    threads_n = 32
+    barrier = threading.Barrier(threads_n)
+    results: list[bool] = [False] * threads_n
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        results[i] = board.claim_lease("trainer", f"uid-{i}", 10_000)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(results) == 1
+    holder, ttl = board.lease_holder("trainer")
+    assert holder == f"uid-{results.index(True)}"
+    assert 0 < ttl <= 10_000
+
+
+def test_claim_trainer_race_consumes_one_epoch(board: Board) -> None:
+    threads_n = 16
+    barrier = threading.Barrier(threads_n)
+    epochs: list[int | None] = [None] * threads_n
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        epochs[i] = board.claim_trainer(f"t-{i}", 10_000)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(e for e in epochs if e is not None) == [1]
+    winner = f"t-{epochs.index(1)}"
+    assert board.release_lease("trainer", winner)
+    assert board.claim_trainer("t-next", 10_000) == 2
+
+
+def test_renew_and_release_only_by_the_holder(board: Board) -> None:
+    assert board.claim_lease("actor:0", "a", 5_000)
+    assert not board.claim_lease("actor:0", "b", 5_000)
+    assert not board.renew_lease("actor:0", "b", 60_000)
+    assert not board.release_lease("actor:0", "b")
+    assert board.renew_lease("actor:0", "a", 60_000)
+    assert board.lease_holder("actor:0")[1] > 5_000
+    assert board.release_lease("actor:0", "a")
+    assert board.lease_holder("actor:0") == (None, -2)
+    with pytest.raises(ValueError, match="lease name"):
+        board.claim_lease("actor:x", "a", 1000)
+
+
+def test_lease_expiry_frees_the_slot(board: Board) -> None:
+    assert board.claim_actor_slot("a", actor_num=1, ttl_ms=150) == 0
+    assert board.claim_actor_slot("b", actor_num=1, ttl_ms=150) is None
+    wait_until(lambda: board.lease_holder("actor:0")[0] is None)
+    assert not board.renew_lease("actor:0", "a", 150)
+    assert board.claim_actor_slot("b", actor_num=1, ttl_ms=10_000) == 0
+
+
+def test_claim_actor_slot_fills_in_order(board: Board) -> None:
+    assert [board.claim_actor_slot(f"a{i}", 3, 10_000) for i in range(3)] == [0, 1, 2]
+    assert board.claim_actor_slot("a3", 3, 10_000) is None
+    assert board.claim_actor_slot("a1", 3, 10_000) == 1  # a holder keeps its own slot
+    assert board.release_lease("actor:1", "a1")
+    assert board.claim_actor_slot("a4", 3, 10_000) == 1
+
+
+def test_fencing_refuses_older_epoch_and_non_holder(board: Board) -> None:
+    board.create_task(CONFIG, actor_num=1)
+    old = board.claim_trainer("old", 10_000)
+    assert old == 1
+    assert board.publish_params("old", old, 1, b"old-params", 10)
+    assert board.get_params_version() == (1, 1)
+    # the old trainer pauses, its lease lapses, a new one takes over
+    assert board.release_lease("trainer", "old")
+    new = board.claim_trainer("new", 10_000)
+    assert new == 2
+    assert board.publish_params("new", new, 1, b"new-params", 20)
+    # the zombie wakes up: no lease, older epoch -> refused
+    assert not board.publish_params("old", old, 2, b"zombie", 30)
+    # even the lease holder cannot write with an older epoch
+    assert not board.publish_params("new", old, 3, b"stale", 40)
+    # a non-holder cannot write with the current epoch
+    assert not board.publish_params("intruder", new, 4, b"intruder", 50)
+    assert board.get_params() == (2, 1, 20, b"new-params")
+    assert board.get_params_version() == (2, 1)
+    status = board.get_status()
+    assert status is not None and (status.params_epoch, status.params_version, status.train_count) == (2, 1, 20)
+
+
+def test_publish_refused_without_task(board: Board) -> None:
+    epoch = board.claim_trainer("t", 10_000)
+    assert epoch is not None
+    assert not board.publish_params("t", epoch, 1, b"x", 0)
+    assert board.get_params() is None and board.get_params_version() is None
+
+
+def test_task_lifecycle(board: Board) -> None:
+    assert board.get_status() is None
+    with pytest.raises(TaskNotFoundError):
+        board.get_task_config()
+    created = board.create_task(CONFIG, actor_num=2, max_train_count=100, timeout=60.0)
+    assert created.status is TaskState.INIT and created.board_format == BOARD_FORMAT_VERSION
+    assert (created.actor_num, created.max_train_count, created.max_steps, created.timeout) == (2, 100, None, 60.0)
+    assert board.get_task_config() == json.loads(CONFIG)
+    with pytest.raises(TaskExistsError, match=r"already exists and is INIT.*overwrite=True"):
+        board.create_task(CONFIG, actor_num=1)
+    assert board.set_active() and not board.set_active()
+    with pytest.raises(TaskExistsError, match="ACTIVE"):
+        board.create_task(CONFIG, actor_num=1)
+    assert board.end_task(TaskState.END, "max_train_count reached")
+    assert not board.end_task(TaskState.FAILED, "late")  # first end wins
+    status = board.get_status()
+    assert status is not None and status.status is TaskState.END and status.end_reason == "max_train_count reached"
+    assert status.ended_at is not None and status.started_at is not None
+    # an ended task may be replaced without overwrite; its old keys go
+    board.log_event("old event")
+    assert board.create_task(CONFIG, actor_num=1).status is TaskState.INIT
+    assert board.get_events() == []
+
+
+def test_create_task_from_a_mapping_takes_limits_from_it(board: Board) -> None:
+    config = {"algorithm": "dqn", "actor_num": 4, "max_train_count": 50, "max_steps": None, "timeout": 9.5}
+    status = board.create_task(config)
+    assert (status.actor_num, status.max_train_count, status.max_steps, status.timeout) == (4, 50, None, 9.5)
+    assert board.get_task_config() == config
+    with pytest.raises(ValueError, match="JSON object"):
+        board.create_task("[1, 2]", overwrite=True)
+
+
+def test_overwrite_replaces_an_active_task_and_its_leases(board: Board) -> None:
+    board.create_task(CONFIG, actor_num=1)
+    board.set_active()
+    assert board.claim_actor_slot("a", 1, 10_000) == 0
+    board.create_task(CONFIG, actor_num=1, overwrite=True)
+    status = board.get_status()
+    assert status is not None and status.status is TaskState.INIT
+    assert not board.heartbeat("actor:0", "a", 10_000, "actor:0")
+
+
+def test_other_board_format_is_a_clear_error(board: Board, client: redis.Redis) -> None:
+    board.create_task(CONFIG, actor_num=1)
+    client.hset(board.prefix + "task", "format", str(BOARD_FORMAT_VERSION + 1))
+    for read in (board.get_task_config, board.get_status):
+        with pytest.raises(BoardFormatError, match=f"board format {BOARD_FORMAT_VERSION + 1}.*same srl version"):
+            read()
+
+
+def test_heartbeat_is_one_round_trip_and_reports_task(board: Board, client: redis.Redis) -> None:
+    board.create_task(CONFIG, actor_num=1)
+    epoch = board.claim_trainer("t", 10_000)
+    assert epoch is not None and board.publish_params("t", epoch, 7, b"p", 3)
+    assert board.claim_actor_slot("a", 1, 1_000) == 0
+    # warm up: the first call may load the script
+    board.heartbeat("actor:0", "a", 1_000, "actor:0", {"steps_per_s": 1.0}, {"env_steps": 1})
+    before = int(client.info("stats")["total_commands_processed"])
+    beat = board.heartbeat(
+        "actor:0", "a", 5_000, "actor:0", {"steps_per_s": 812.5, "epsilon": 0.4},
+        {"sent_batches": 2, "sent_transitions": 512, "env_steps": 511, "episodes": 2, "backpressure_wait_s": 0.25},
+    )
+    spent = int(client.info("stats")["total_commands_processed"]) - before - 1  # minus the INFO itself
+    assert beat and beat.lease_held and beat.task_status is TaskState.INIT
+    assert (beat.params_epoch, beat.params_version) == (1, 7)
+    assert board.lease_holder("actor:0")[1] > 1_000
+    assert spent <= 8, f"a heartbeat cost {spent} Redis commands"
+    counters = board.get_counters()
+    assert counters["env_steps"] == 512 and counters["backpressure_wait_s"] == 0.25
+    assert board.get_role_counters()["actor:0"]["sent_transitions"] == 512
+    stats = board.get_all_stats()
+    assert stats["actor:0"]["steps_per_s"] == 812.5 and "updated_at" in stats["actor:0"]
+    # a lost lease is reported, counters still land (the work was done)
+    assert not board.heartbeat("actor:0", "someone-else", 5_000, "actor:9", None, {"env_steps": 1})
+    assert board.get_counters()["env_steps"] == 513
+
+
+def test_counters_sum_over_roles_and_stats_expire(client: redis.Redis, namespace: str) -> None:
+    board = Board(client, namespace, stats_ttl_ms=100)
+    try:
+        board.incr_counters("actor:0", received_batches=1, bad_messages=0)
+        board.incr_counters("trainer", received_batches=2, train_count=10)
+        board.incr_counters("trainer", received_batches=1, backpressure_wait_s=0.5)
+        assert board.get_counters() == {"received_batches": 4, "train_count": 10, "backpressure_wait_s": 0.5}
+        with pytest.raises(ValueError, match="counter name"):
+            board.incr_counters("trainer", **{"bad-name": 1})
+        board.put_stats("trainer", {"loss": 0.5})
+        assert board.get_all_stats()["trainer"]["loss"] == 0.5
+        wait_until(lambda: board.get_all_stats() == {})
+    finally:
+        board.delete_task()
+
+
+def test_event_log_is_capped(client: redis.Redis, namespace: str) -> None:
+    board = Board(client, namespace, event_cap=10)
+    try:
+        for i in range(25):
+            board.log_event(f"event {i}", "WARNING" if i % 2 else "INFO", source="test")
+        assert client.llen(board.prefix + "events") == 10
+        events = board.get_events(100)
+        assert [e.text for e in events] == [f"event {i}" for i in range(15, 25)]
+        assert events[-1].level == "INFO" and events[-2].level == "WARNING" and events[-1].source == "test"
+        assert [e.text for e in board.get_events(2)] == ["event 23", "event 24"]
+    finally:
+        board.delete_task()
+
+
+def test_delete_task_leaves_no_key(board: Board, client: redis.Redis, namespace: str) -> None:
+    board.create_task(CONFIG, actor_num=3)
+    epoch = board.claim_trainer("t", 60_000)
+    assert epoch is not None
+    board.publish_params("t", epoch, 1, b"blob", 1)
+    for i in range(3):
+        board.claim_actor_slot(f"a{i}", 3, 60_000)
+        board.heartbeat(f"actor:{i}", f"a{i}", 60_000, f"actor:{i}", {"x": i}, {"env_steps": i + 1})
+    board.log_event("hello")
+    client.xadd(board.queue_key("batches"), {"b": b"x"})  # a queue backend's key under the prefix
+    other = Board(client, namespace + "x")  # a neighbour whose name extends ours is untouched
+    other.create_task(CONFIG, actor_num=1)
+    try:
+        keys = board.task_keys()
+        assert board.prefix + "queue:batches" in keys and board.prefix + "stats:actor:2" in keys
+        assert len(keys) >= 13
+        assert board.delete_task() == len(keys)
+        assert list(client.scan_iter(match=board.prefix + "*")) == []
+        assert board.get_status() is None
+        assert other.get_status() is not None
+    finally:
+        other.delete_task()
+
+
+def test_rejects_decoded_client_and_bad_names(redis_url: str) -> None:
+    with pytest.raises(ValueError, match="decode_responses"):
+        Board(redis.Redis.from_url(redis_url, decode_responses=True), "t")
+    with pytest.raises(ValueError, match="task name"):
+        Board(redis.Redis.from_url(redis_url), "bad name*")
