@@ -44,6 +44,13 @@ def wait_until(condition: object, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.fixture()
+def task(board: Board) -> Board:
+    """A board with a task created on it."""
+    board.create_task(CONFIG, actor_num=3)
+    return board
+
+
 def test_lease_claim_is_exclusive_under_a_race(board: Board) -> None:
     threads_n = 32
     barrier = threading.Barrier(threads_n)
@@ -64,7 +71,8 @@ def test_lease_claim_is_exclusive_under_a_race(board: Board) -> None:
     assert 0 < ttl <= 10_000
 
 
-def test_claim_trainer_race_consumes_one_epoch(board: Board) -> None:
+def test_claim_trainer_race_consumes_one_epoch(task: Board) -> None:
+    board = task
     threads_n = 16
     barrier = threading.Barrier(threads_n)
     epochs: list[int | None] = [None] * threads_n
@@ -97,7 +105,8 @@ def test_renew_and_release_only_by_the_holder(board: Board) -> None:
         board.claim_lease("actor:x", "a", 1000)
 
 
-def test_lease_expiry_frees_the_slot(board: Board) -> None:
+def test_lease_expiry_frees_the_slot(task: Board) -> None:
+    board = task
     assert board.claim_actor_slot("a", actor_num=1, ttl_ms=150) == 0
     assert board.claim_actor_slot("b", actor_num=1, ttl_ms=150) is None
     wait_until(lambda: board.lease_holder("actor:0")[0] is None)
@@ -105,7 +114,8 @@ def test_lease_expiry_frees_the_slot(board: Board) -> None:
     assert board.claim_actor_slot("b", actor_num=1, ttl_ms=10_000) == 0
 
 
-def test_claim_actor_slot_fills_in_order(board: Board) -> None:
+def test_claim_actor_slot_fills_in_order(task: Board) -> None:
+    board = task
     assert [board.claim_actor_slot(f"a{i}", 3, 10_000) for i in range(3)] == [0, 1, 2]
     assert board.claim_actor_slot("a3", 3, 10_000) is None
     assert board.claim_actor_slot("a1", 3, 10_000) == 1  # a holder keeps its own slot
@@ -136,10 +146,21 @@ def test_fencing_refuses_older_epoch_and_non_holder(board: Board) -> None:
     assert status is not None and (status.params_epoch, status.params_version, status.train_count) == (2, 1, 20)
 
 
-def test_publish_refused_without_task(board: Board) -> None:
+def test_a_deleted_task_grows_no_keys_back(task: Board, client: redis.Redis) -> None:
+    """Roles still finishing after delete_task must not recreate keys under the prefix."""
+    board = task
     epoch = board.claim_trainer("t", 10_000)
-    assert epoch is not None
+    assert epoch is not None and board.claim_actor_slot("a", 3, 10_000) == 0
+    board.delete_task()
     assert not board.publish_params("t", epoch, 1, b"x", 0)
+    beat = board.heartbeat("actor:0", "a", 10_000, "actor:0", {"x": 1}, {"env_steps": 5})
+    assert not beat and beat.task_status is None
+    board.incr_counters("trainer", received_batches=1)
+    board.put_stats("trainer", {"loss": 1.0})
+    board.log_event("late")
+    assert board.claim_trainer("t2", 10_000) is None
+    assert board.claim_actor_slot("b", 3, 10_000) is None
+    assert list(client.scan_iter(match=board.prefix + "*")) == []
     assert board.get_params() is None and board.get_params_version() is None
 
 
@@ -223,6 +244,7 @@ def test_heartbeat_is_one_round_trip_and_reports_task(board: Board, client: redi
 
 def test_counters_sum_over_roles_and_stats_expire(client: redis.Redis, namespace: str) -> None:
     board = Board(client, namespace, stats_ttl_ms=100)
+    board.create_task(CONFIG, actor_num=1)
     try:
         board.incr_counters("actor:0", received_batches=1, bad_messages=0)
         board.incr_counters("trainer", received_batches=2, train_count=10)
@@ -239,6 +261,7 @@ def test_counters_sum_over_roles_and_stats_expire(client: redis.Redis, namespace
 
 def test_event_log_is_capped(client: redis.Redis, namespace: str) -> None:
     board = Board(client, namespace, event_cap=10)
+    board.create_task(CONFIG, actor_num=1)
     try:
         for i in range(25):
             board.log_event(f"event {i}", "WARNING" if i % 2 else "INFO", source="test")
@@ -280,3 +303,12 @@ def test_rejects_decoded_client_and_bad_names(redis_url: str) -> None:
         Board(redis.Redis.from_url(redis_url, decode_responses=True), "t")
     with pytest.raises(ValueError, match="task name"):
         Board(redis.Redis.from_url(redis_url), "bad name*")
+
+
+def test_scripts_reload_after_a_script_flush(board: Board, client: redis.Redis) -> None:
+    """A restarted (or flushed) Redis forgets loaded scripts: EVALSHA falls back to loading them."""
+    board.create_task(CONFIG, actor_num=1)
+    assert board.claim_actor_slot("a", 1, 10_000) == 0
+    client.script_flush()
+    assert board.heartbeat("actor:0", "a", 10_000, "actor:0", {"x": 1}, {"env_steps": 1})
+    assert board.get_counters() == {"env_steps": 1}

@@ -192,6 +192,9 @@ def test_bad_array_headers_are_decode_errors() -> None:
         pack_arrays({"c:obs": columns["obs"], "other": columns["obs"]}, meta),  # unknown array
         pack_arrays({"c:obs": columns["obs"]}, {**meta, "seq": "41"}),  # wrong type
         pack_arrays({"c:obs": columns["obs"]}, {**meta, "epoch": True}),
+        pack_arrays({"c:obs": columns["obs"]}, {**meta, "actor_index": -1}),
+        pack_arrays({"c:obs": columns["obs"]}, {**meta, "created_at": float("nan")}),
+        pack_arrays({"c:obs": columns["obs"]}, {**meta, "actor_id": ""}),
         pack_arrays({"c:obs": columns["obs"]}, {k: v for k, v in meta.items() if k != "actor_id"}),
         pack_arrays({"c:s": np.float32(1.0).reshape(())}, meta),  # a 0-d column
         b"SRLA\x01\xff\xff\xff\x7f{",  # header length past the end

@@ -25,8 +25,12 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
 
 Cost (the system-wide budget is about 0.05 Redis commands per transition):
 an actor's heartbeat — lease renewal, stats, counters and the read of task
-status and params version it needs — is ONE ``EVALSHA`` (about seven commands
-counted inside it, whatever the number of counters).
+status and params version it needs — is ONE ``EVALSHA`` (Redis counts seven
+commands for it in all, whatever the number of counters).
+
+Writes that a role may still make after :meth:`Board.delete_task` (heartbeat,
+counters, stats, events, claims) first check that the task exists and are
+dropped otherwise, so a deleted task never grows keys back.
 
 Works with Redis 6.2 (the embedded server) and 7.x. The client must return
 bytes (``decode_responses=False``): params blobs are binary.
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,8 +64,6 @@ _SCAN_COUNT = 500
 
 
 def _srl_version() -> str:
-    import sys
-
     return str(getattr(sys.modules.get("srl"), "__version__", "unknown"))
 
 
@@ -174,25 +177,31 @@ end
 return 0
 """
 
-# KEYS: trainer lease, epoch. ARGV: uid, ttl_ms. The epoch is consumed only by the winner.
+# Writes that could run after delete_task (a role still finishing) check that the task
+# exists first, so a deleted task never grows keys back.
+
+# KEYS: trainer lease, epoch, task. ARGV: uid, ttl_ms. The epoch is consumed only by the winner.
 _CLAIM_TRAINER_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return false end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
 return false
 """
 
-# KEYS: actor slot leases in order. ARGV: uid, ttl_ms. A slot this uid already holds is kept.
+# KEYS: task, then the actor slot leases in order. ARGV: uid, ttl_ms. A slot this uid already holds is kept.
 _CLAIM_SLOT_LUA = """
-for i, key in ipairs(KEYS) do
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+for i = 2, #KEYS do
+  local key = KEYS[i]
   if redis.call('GET', key) == ARGV[1] then
     redis.call('PEXPIRE', key, ARGV[2])
-    return i - 1
+    return i - 2
   end
 end
-for i, key in ipairs(KEYS) do
-  if redis.call('SET', key, ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return i - 1
+for i = 2, #KEYS do
+  if redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return i - 2
   end
 end
 return -1
@@ -224,14 +233,35 @@ local function add_counters(key, role, deltas_json)
 end
 """
 
+# KEYS: counters, task. ARGV: role_id, deltas_json.
 _INCR_COUNTERS_LUA = _ADD_COUNTERS_LUA + """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 add_counters(KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: stats:<role>, roles, task. ARGV: role_id, stats_json, stats_ttl_ms.
+_PUT_STATS_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+if not redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'GET') then
+  redis.call('SADD', KEYS[2], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: events, task. ARGV: event_json, cap.
+_LOG_EVENT_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[2]) - 1)
 return 1
 """
 
 # KEYS: lease, stats:<role>, roles, counters, task.
 # ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none).
 _HEARTBEAT_LUA = _ADD_COUNTERS_LUA + """
+local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version')
+if not head[1] then return {0, false, false, false} end
 local held = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -243,7 +273,6 @@ if ARGV[4] ~= '' then
   end
 end
 if ARGV[6] ~= '' then add_counters(KEYS[4], ARGV[3], ARGV[6]) end
-local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version')
 return {held, head[1], head[2], head[3]}
 """
 
@@ -341,6 +370,8 @@ class Board:
         self._claim_slot = client.register_script(_CLAIM_SLOT_LUA)
         self._publish = client.register_script(_PUBLISH_PARAMS_LUA)
         self._incr = client.register_script(_INCR_COUNTERS_LUA)
+        self._put_stats = client.register_script(_PUT_STATS_LUA)
+        self._log_event = client.register_script(_LOG_EVENT_LUA)
         self._heartbeat = client.register_script(_HEARTBEAT_LUA)
         self._create = client.register_script(_CREATE_TASK_LUA)
         self._set_active = client.register_script(_SET_ACTIVE_LUA)
@@ -428,10 +459,10 @@ class Board:
             config_json = json.dumps(parsed, separators=(",", ":"))
         if not isinstance(parsed, dict):
             raise ValueError(f"task config must be a JSON object, found {type(parsed).__name__}")
-        actor_num = int(parsed.get("actor_num", 1)) if actor_num is None else actor_num
-        max_train_count = parsed.get("max_train_count") if max_train_count is None else max_train_count
-        max_steps = parsed.get("max_steps") if max_steps is None else max_steps
-        timeout = parsed.get("timeout") if timeout is None else timeout
+        actor_num = int(parsed.get("actor_num", 1)) if actor_num is None else int(actor_num)
+        max_train_count = _limit(parsed, "max_train_count", max_train_count, int)
+        max_steps = _limit(parsed, "max_steps", max_steps, int)
+        timeout = _limit(parsed, "timeout", timeout, float)
         if actor_num < 1:
             raise ValueError(f"actor_num must be >= 1, found {actor_num}")
         state = _text(self.client.hget(self._task_key, "status"))
@@ -544,13 +575,14 @@ class Board:
 
     def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int) -> int | None:
         """The lowest free actor slot, now leased to ``owner_uid`` (or the one it already holds); None if full."""
-        keys = [self.lease_key(f"actor:{i}") for i in range(actor_num)]
+        keys = [self._task_key, *(self.lease_key(f"actor:{i}") for i in range(actor_num))]
         slot = int(self._claim_slot(keys=keys, args=[owner_uid, _ttl(ttl_ms)]))
         return None if slot < 0 else slot
 
     def claim_trainer(self, owner_uid: str, ttl_ms: int) -> int | None:
         """Take the trainer lease; the new epoch (fencing token) if taken, None if someone holds it."""
-        epoch = self._claim_trainer(keys=[self.lease_key("trainer"), self._epoch_key], args=[owner_uid, _ttl(ttl_ms)])
+        keys = [self.lease_key("trainer"), self._epoch_key, self._task_key]
+        epoch = self._claim_trainer(keys=keys, args=[owner_uid, _ttl(ttl_ms)])
         return None if epoch is None else int(epoch)
 
     def heartbeat(
@@ -612,7 +644,7 @@ class Board:
         """Add ``deltas`` (sent_batches=1, backpressure_wait_s=0.3, ...) to ``role_id``'s totals."""
         deltas_json = _deltas_json(deltas)
         if deltas_json:
-            self._incr(keys=[self._counters_key], args=[_check_role(role_id), deltas_json])
+            self._incr(keys=[self._counters_key, self._task_key], args=[_check_role(role_id), deltas_json])
 
     def get_role_counters(self) -> dict[str, dict[str, float]]:
         """Running totals per role id."""
@@ -635,10 +667,8 @@ class Board:
 
         They expire ``stats_ttl_ms`` after this write.
         """
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.stats_key(role_id), _stats_json(stats), px=self.stats_ttl_ms)
-        pipe.sadd(self._roles_key, role_id)
-        pipe.execute()
+        keys = [self.stats_key(role_id), self._roles_key, self._task_key]
+        self._put_stats(keys=keys, args=[role_id, _stats_json(stats), self.stats_ttl_ms])
 
     def get_all_stats(self, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Latest stats per live role id (expired ones are absent; older than ``max_age_s`` too)."""
@@ -658,12 +688,9 @@ class Board:
     # ---------------------------------------------------------------- events
 
     def log_event(self, text: str, level: str = "INFO", source: str = "") -> None:
-        """Append to the capped event log (one round trip)."""
+        """Append to the capped event log (one round trip); dropped if the task does not exist."""
         event = json.dumps({"ts": time.time(), "level": level, "text": text, "source": source})
-        pipe = self.client.pipeline(transaction=False)
-        pipe.lpush(self._events_key, event)
-        pipe.ltrim(self._events_key, 0, self.event_cap - 1)
-        pipe.execute()
+        self._log_event(keys=[self._events_key, self._task_key], args=[event, self.event_cap])
 
     def get_events(self, n: int = 100) -> list[Event]:
         """The latest ``n`` events, oldest first."""
@@ -675,6 +702,17 @@ class Board:
             events.append(Event(ts=float(item["ts"]), level=str(item["level"]), text=str(item["text"]),
                                 source=str(item.get("source", ""))))
         return events
+
+
+def _limit(config: Mapping[str, Any], name: str, value: Any, kind: type[int] | type[float]) -> Any:
+    """``value``, else ``config[name]``, as ``kind`` (None: no limit)."""
+    value = config.get(name) if value is None else value
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"task {name} must be a number or None, found {value!r}") from e
 
 
 def _ttl(ttl_ms: int) -> int:

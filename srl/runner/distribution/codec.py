@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import importlib.metadata
+import math
 import os
 import struct
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ SIGNATURE_BYTES = 32
 SECRET_ENV = "SRL_SECRET"
 DEFAULT_MAX_BYTES = 256 * 2**20
 
+_MAX_ACTOR_ID = 256
 _COLUMN_PREFIX = "c:"
 _PRIORITIES = "p"
 # Bytes a batch message needs beyond its raw buffers: frame, signature, the
@@ -67,10 +69,7 @@ _PER_ARRAY_OVERHEAD = 96
 
 
 def _srl_version() -> str:
-    try:
-        return importlib.metadata.version("srl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    return str(getattr(sys.modules.get("srl"), "__version__", "unknown"))
 
 
 class DecodeError(ValueError):
@@ -99,8 +98,8 @@ class BatchHeader:
 
 def _int_field(meta: Mapping[str, Any], key: str) -> int:
     value = meta.get(key)
-    if type(value) is not int:
-        raise DecodeError(f"batch header field {key!r} must be an integer, found {value!r}")
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise DecodeError(f"batch header field {key!r} must be an integer in 0..2**63-1, found {value!r}")
     return value
 
 
@@ -329,10 +328,12 @@ class Codec:
         meta, arrays = self._unpack(self._open(data, KIND_BATCH), copy)
         actor_id = meta.get("actor_id")
         created_at = meta.get("created_at")
-        if not isinstance(actor_id, str):
-            raise DecodeError(f"batch header field 'actor_id' must be text, found {actor_id!r}")
-        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
-            raise DecodeError(f"batch header field 'created_at' must be a number, found {created_at!r}")
+        if not isinstance(actor_id, str) or not 0 < len(actor_id) <= _MAX_ACTOR_ID:
+            raise DecodeError(
+                f"batch header field 'actor_id' must be 1..{_MAX_ACTOR_ID} characters, found {actor_id!r:.80}"
+            )
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not math.isfinite(created_at):
+            raise DecodeError(f"batch header field 'created_at' must be a finite number, found {created_at!r}")
         header = BatchHeader(
             actor_id=actor_id,
             actor_index=_int_field(meta, "actor_index"),
