@@ -417,8 +417,9 @@ class Board:
     def delete_task(self) -> int:
         """Remove every key of this task; the number removed. Leases vanish too: their holders stop."""
         removed = 0
-        for _ in range(3):  # a role still writing may recreate a key between the SCAN and the UNLINK
-            keys = self.task_keys()
+        for _ in range(3):  # a queue backend still writing may recreate its key between SCAN and UNLINK
+            # the task key goes first: once it is gone, board writes of late roles are dropped
+            keys = sorted(self.task_keys(), key=lambda k: k != self._task_key)
             if not keys:
                 break
             for start in range(0, len(keys), _SCAN_COUNT):
