@@ -1,0 +1,30 @@
+"""The client: submit a Pendulum-v1 DQN task to the board, watch it, evaluate the result.
+
+Start examples/distribution/trainer.py and examples/distribution/actor.py (any
+order, any machines that reach Redis), then:
+
+    python examples/distribution/client.py
+"""
+
+import os
+
+import numpy as np
+
+import srl
+from srl.algorithms import dqn
+from srl.runner.distribution import RedisParameters
+
+rl_config = dqn.Config()
+rl_config.hidden_block.set_mlp((64, 64))
+rl_config.memory.set_proportional_memory()
+rl_config.memory.capacity = 5000
+
+runner = srl.Runner("Pendulum-v1", rl_config)
+runner.train_distribution(
+    RedisParameters(host=os.environ.get("SRL_REDIS_HOST", "localhost")),
+    actor_num=1,
+    max_train_count=int(os.environ.get("SRL_MAX_TRAIN_COUNT", "20000")),
+)
+rewards = runner.evaluate()
+print(rewards)
+print(f"evaluation mean over {len(rewards)} episodes: {np.mean(rewards):.1f}")

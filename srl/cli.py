@@ -1,0 +1,178 @@
+"""The ``srl`` command: ``srl actor``, ``srl trainer``, ``srl status``, ``srl stop``.
+
+Owns: turning command lines into the same parameter dataclasses the Python API
+takes. Options are derived from those dataclasses (name, type, default, and
+the docstring under each field as help), never re-declared by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import logging
+import sys
+import textwrap
+import time
+import types
+import typing
+from typing import Any, get_type_hints
+
+from srl.runner.distribution.actor import ActorOptions
+from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.trainer import TrainerOptions
+
+SKIP_FIELDS = {"redis_options", "uid_factory"}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (CleanRL style)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for prev, node in itertools.pairwise(body):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = node.value.value.strip()
+    return docs
+
+
+def _scalar_type(tp: Any) -> Any:
+    """int/float/str/bool from an annotation such as ``int | None``."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, group_title: str) -> None:
+    group = parser.add_argument_group(group_title)
+    hints = get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in SKIP_FIELDS or f.name == "run_once":
+            continue
+        tp = _scalar_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is dataclasses.MISSING else f.default
+        help_text = docs.get(f.name, "")
+        if f.default is not dataclasses.MISSING:
+            help_text += f" (default: {f.default})"
+        if tp is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+        elif tp in (int, float, str):
+            group.add_argument(flag, dest=f.name, type=tp, default=default, help=help_text)
+
+
+def build_dataclass(cls: type, args: argparse.Namespace) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in SKIP_FIELDS or f.name == "run_once" or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value is None and f.default is dataclasses.MISSING:
+            continue
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="srl", description="Distributed reinforcement learning (Ape-X style).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    actor = sub.add_parser("actor", help="serve as an actor: wait for tasks on the board, act, send experience")
+    add_dataclass_options(actor, RedisParameters, "board (Redis)")
+    actor.add_argument("--queue-url", default=None,
+                       help="experience queue URL (amqp://, mqtt://, pubsub://...); default: the board's Redis")
+    actor.add_argument("--run-once", action="store_true", help="exit after one task")
+    add_dataclass_options(actor, ActorOptions, "actor")
+
+    trainer = sub.add_parser("trainer", help="serve as the trainer: take the lease, learn, publish params")
+    add_dataclass_options(trainer, RedisParameters, "board (Redis)")
+    trainer.add_argument("--queue-url", default=None,
+                         help="experience queue URL (amqp://, mqtt://, pubsub://...); default: the board's Redis")
+    trainer.add_argument("--run-once", "--once", dest="run_once", action="store_true", help="exit after one task")
+    add_dataclass_options(trainer, TrainerOptions, "trainer")
+
+    status = sub.add_parser("status", help="show a task: status, slots, heartbeats, rates, queue depth")
+    add_dataclass_options(status, RedisParameters, "board (Redis)")
+    status.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="repeat every SECONDS")
+    status.add_argument("--events", type=int, default=10, help="how many recent events to show")
+
+    stop = sub.add_parser("stop", help="end a task (reason: cancelled)")
+    add_dataclass_options(stop, RedisParameters, "board (Redis)")
+    return parser
+
+
+def _redis_params(args: argparse.Namespace) -> RedisParameters:
+    params: RedisParameters = build_dataclass(RedisParameters, args)
+    if params.is_embedded:
+        params.host = "localhost"
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from srl.runner.progress import ensure_logging
+
+    ensure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    redis_params = _redis_params(args)
+    if args.command == "actor":
+        from srl.runner.distribution.actor import actor_run_forever
+
+        options = build_dataclass(ActorOptions, args)
+        options.run_once = args.run_once
+        actor_run_forever(redis_params, args.queue_url, options)
+        return 0
+    if args.command == "trainer":
+        from srl.runner.distribution.trainer import trainer_run_forever
+
+        options = build_dataclass(TrainerOptions, args)
+        trainer_run_forever(redis_params, args.queue_url, run_once=args.run_once, options=options)
+        return 0
+    from srl.runner.distribution.board import Board
+
+    board = Board(redis_params.connect(), redis_params.task_name)
+    if args.command == "stop":
+        ended = board.end_task("END", "cancelled")
+        print("task ended (cancelled)" if ended else "the task was not running")
+        return 0
+    return _status(board, redis_params, args.watch, args.events)
+
+
+def _status(board: Any, redis_params: RedisParameters, watch: float | None, events: int) -> int:
+    from srl.runner.distribution.client import progress_lines
+
+    while True:
+        status = board.get_status()
+        if status is None:
+            print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
+            return 1
+        started = status.started_at or status.created_at or time.time()
+        for line in progress_lines(board, status, time.time() - started):
+            print(line)
+        if status.end_reason:
+            print(f"  ended: {status.end_reason}")
+        for event in board.get_events(events):
+            print(f"  event: {event}")
+        if watch is None:
+            return 0
+        time.sleep(watch)
+        print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

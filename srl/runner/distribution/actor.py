@@ -1,0 +1,407 @@
+"""``actor_run_forever``: claim an actor slot, step an env, send batches of experience.
+
+Owns: the actor process — waiting for a task, holding its slot lease (a
+heartbeat is a lease renewal), pulling params in the background by version,
+batching transitions with their initial priorities, and backpressure. Must
+never: drop experience silently. When the queue is full the actor waits (with
+backoff), keeps renewing its lease, and reports how long it stalled. It stops
+within one heartbeat when the task ends or its lease is lost.
+
+The loop::
+
+    while True:
+        task = wait_for_active_task()
+        slot = claim_actor_slot()            # SET NX PX: one atomic command
+        run(task, slot)                      # until END, lease lost or Ctrl-C
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from srl.base.env import EnvAdapter
+from srl.base.rl import Columns, Parameter
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError, split_columns
+from srl.runner.distribution.queues import ExperienceQueue, open_queue
+from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.retry import with_retry
+from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, build_task, check_queue_matches
+from srl.runner.progress import ensure_logging
+from srl.runner.runner import seed_everything
+
+logger = logging.getLogger("srl.actor")
+
+
+@dataclass
+class ActorOptions:
+    """How an actor process behaves (the task itself comes from the board)."""
+
+    batch_size: int = 256
+    """transitions per message sent to the queue"""
+    batch_max_age: float = 1.0
+    """seconds a partly filled batch may wait before it is sent anyway"""
+    heartbeat_interval: float = 1.0
+    """seconds between lease renewals (each also reports stats)"""
+    lease_ttl: float = 5.0
+    """seconds the slot stays held without a renewal"""
+    params_poll_interval: float = 0.5
+    """seconds between checks of the params version on the board"""
+    task_poll_interval: float = 1.0
+    """seconds between looks for a task while idle"""
+    compress: bool = False
+    """zlib-compress batches (helps on slow links, costs CPU)"""
+    secret: str | None = None
+    """shared secret that signs messages (default: env SRL_SECRET)"""
+    run_once: bool = False
+    """return after one task instead of waiting for the next"""
+    uid: str = field(default_factory=lambda: f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    """this process's name on the board"""
+
+
+class _Counters:
+    """Counter deltas the main loop adds and the heartbeat thread takes (under a lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._deltas: dict[str, float] = {}
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._deltas[k] = self._deltas.get(k, 0.0) + v
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self._deltas = self._deltas, {}
+        return out
+
+
+class ActorRun:
+    """One actor working on one task in one slot."""
+
+    def __init__(
+        self,
+        board: Board,
+        redis_params: RedisParameters,
+        queue_params: Any,
+        task: TaskSpec,
+        slot: int,
+        options: ActorOptions,
+    ) -> None:
+        self.board = board
+        self.task = task
+        self.slot = slot
+        self.options = options
+        self.lease_name = f"actor:{slot}"
+        self.stop = StopFlag()
+        self.counters = _Counters()
+        self.codec = Codec(secret=options.secret, compress=options.compress)
+        config = task.rl_config
+        torch.set_num_threads(max(1, config.torch_threads))
+        seed = None if config.seed is None else config.seed + 1000 * (slot + 1)
+        seed_everything(seed)
+        self.env = EnvAdapter(task.env_config, config.algorithm, config.action_bins, seed=seed)
+        self.parameter: Parameter = config.make_parameter(self.env.spec, config.resolve_device())
+        self.worker = config.make_worker(self.env.spec, self.parameter, slot, task.actor_num, seed)
+        self.queue: ExperienceQueue = open_queue(
+            queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
+        )
+        self.capacity = int(task.queue.get("capacity", 64))
+        self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
+        self._staged_lock = threading.Lock()
+        self.params_epoch = -1
+        self.params_version = -1
+        self.latest_version = -1
+        self.seq = 0
+        # stats the heartbeat reports
+        self.env_steps = 0
+        self.episodes = 0
+        self.sent_batches = 0
+        self.backpressure_wait_s = 0.0
+        self.stalled_since: float | None = None
+        self.recent_rewards: list[float] = []
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ background: lease, stats, params
+    def _board_loop(self) -> None:
+        opts = self.options
+        next_beat = 0.0
+        last_steps, last_time = 0, time.monotonic()
+        while not self.stop.is_set():
+            now = time.monotonic()
+            try:
+                if now >= next_beat:
+                    next_beat = now + opts.heartbeat_interval
+                    dt = max(now - last_time, 1e-9)
+                    rate = (self.env_steps - last_steps) / dt
+                    last_steps, last_time = self.env_steps, now
+                    hb = self.board.heartbeat(
+                        self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
+                        self._stats(rate), self.counters.take(),
+                    )
+                    if not hb.lease_held:
+                        self.stop.set(f"lost actor slot {self.slot}: its lease was not renewed in time "
+                                      "(was this process paused or cut off from Redis?)")
+                        break
+                    if hb.task_status is None:
+                        self.stop.set("the task vanished from the board (deleted, or Redis restarted "
+                                      "without persistence)")
+                        break
+                    if hb.task_status != "ACTIVE":
+                        status = self.board.get_status()
+                        reason = status.end_reason if status is not None else ""
+                        self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
+                        break
+                    head: tuple[int, int] | None = (hb.params_epoch, hb.params_version)
+                else:
+                    head = self.board.get_params_version()
+                if head is not None and head[1] > 0 and head[1] != self.latest_version:
+                    self._fetch_params()
+            except Exception as e:  # a board hiccup must not kill the actor silently
+                if not _transient(e):
+                    logger.exception("actor board thread failed")
+                    self.stop.set(f"board thread failed: {e}")
+                    break
+                logger.warning("board unreachable (%s); retrying", e)
+            self.stop.wait(opts.params_poll_interval)
+
+    def _stats(self, env_steps_per_s: float) -> dict[str, Any]:
+        stalled_since = self.stalled_since
+        stalled_now = 0.0 if stalled_since is None else time.monotonic() - stalled_since
+        return {
+            "uid": self.options.uid,
+            "slot": self.slot,
+            "env_steps": self.env_steps,
+            "env_steps_per_s": round(env_steps_per_s, 1),
+            "episodes": self.episodes,
+            "sent_batches": self.sent_batches,
+            "params_version": self.params_version,
+            "params_lag": max(0, self.latest_version - self.params_version),
+            "backpressure_wait_s": round(self.backpressure_wait_s + stalled_now, 3),
+            "stalled_now_s": round(stalled_now, 3),
+            "reward": round(float(np.mean(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
+            "epsilon": round(float(getattr(self.worker, "epsilon", 0.0)), 5),
+        }
+
+    def _fetch_params(self) -> None:
+        """Fetch and decode the latest params; the main loop applies them between steps."""
+        got = self.board.get_params()
+        if got is None:
+            return
+        epoch, version, _, blob = got
+        try:
+            _, arrays = self.codec.decode_params(blob)
+        except DecodeError as e:
+            logger.error("params on the board do not decode (%s); keeping version %d", e, self.params_version)
+            self.counters.add(bad_messages=1)
+            self.latest_version = version  # do not fetch the same bad blob again
+            return
+        with self._staged_lock:
+            self._staged = (epoch, version, arrays)
+        self.latest_version = version
+
+    def _apply_staged_params(self) -> None:
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        epoch, version, arrays = staged
+        try:
+            self.parameter.from_arrays(arrays)
+        except ValueError as e:
+            logger.error("params version %d do not fit this network: %s", version, e)
+            return
+        self.params_epoch, self.params_version = epoch, version
+        self.parameter.version = version
+
+    # ------------------------------------------------------------ sending
+    def _wait_for_room(self) -> None:
+        """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more."""
+        delay = 0.005
+        waited_from: float | None = None
+        while not self.stop.is_set():
+            depth = with_retry(self._depth, "queue depth", should_stop=self.stop.is_set)
+            if depth < self.capacity:
+                break
+            if waited_from is None:
+                waited_from = time.monotonic()
+                self.stalled_since = waited_from
+            self.stop.wait(delay)
+            delay = min(delay * 2, 0.25)
+        self.stalled_since = None
+        if waited_from is not None:
+            waited = time.monotonic() - waited_from
+            self.backpressure_wait_s += waited
+            self.counters.add(backpressure_wait_s=waited)
+
+    def _depth(self) -> int:
+        depth = self.queue.depth()
+        if depth is not None:
+            return depth
+        counters = self.board.get_counters()
+        return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
+
+    def _send(self, columns: Columns) -> None:
+        priorities = self.worker.initial_priorities(columns)
+        n = len(next(iter(columns.values())))
+        max_rows = max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes))
+        for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows):
+            count = len(next(iter(chunk_cols.values())))
+            header = BatchHeader(
+                actor_id=self.options.uid, actor_index=self.slot, epoch=max(self.params_epoch, 0), seq=self.seq,
+                params_version=max(self.params_version, 0), count=count, created_at=time.time(),
+            )
+            blob = self.codec.encode_batch(header, chunk_cols, chunk_pr)
+            self._wait_for_room()
+            if self.stop.is_set():
+                logger.info("not sending %d transitions: %s", count, self.stop.reason)
+                return
+            self.queue.put(blob)
+            self.seq += 1
+            self.sent_batches += 1
+            self.counters.add(sent_batches=1, sent_transitions=count)
+        del n
+
+    # ------------------------------------------------------------ the loop
+    def run(self) -> str:
+        """Act until the task ends or the slot is lost; returns why it stopped."""
+        opts = self.options
+        board_thread = threading.Thread(target=self._board_loop, name="srl-actor-board", daemon=True)
+        board_thread.start()
+        logger.info("actor %s holds slot %d of %d (ε=%.4g); env %s", opts.uid, self.slot, self.task.actor_num,
+                    getattr(self.worker, "epsilon", float("nan")), self.task.env_config)
+        env, worker = self.env, self.worker
+        obs = env.reset()
+        worker.on_reset(obs)
+        episode_reward = 0.0
+        batch_started = time.monotonic()
+        steps_since_count = 0
+        try:
+            while not self.stop.is_set():
+                if self._staged is not None:
+                    self._apply_staged_params()
+                action = worker.act(obs)
+                next_obs, reward, terminated, truncated = env.step(action)
+                worker.on_step(obs, action, reward, next_obs, terminated, truncated)
+                self.env_steps += 1
+                steps_since_count += 1
+                episode_reward += reward
+                if terminated or truncated:
+                    self.episodes += 1
+                    self.recent_rewards.append(episode_reward)
+                    del self.recent_rewards[:-20]
+                    self.counters.add(episodes=1, env_steps=steps_since_count)
+                    steps_since_count = 0
+                    episode_reward = 0.0
+                    obs = env.reset()
+                    worker.on_reset(obs)
+                else:
+                    obs = next_obs
+                pending = worker.pending()
+                if pending >= opts.batch_size or (
+                    pending and time.monotonic() - batch_started >= opts.batch_max_age
+                ):
+                    columns = worker.take_transitions()
+                    if columns is not None:
+                        self._send(columns)
+                    batch_started = time.monotonic()
+        finally:
+            self.counters.add(env_steps=steps_since_count)
+            self.stop.set("actor stopping")
+            board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
+            self._final_report()
+            env.close()
+            self.queue.close()
+        return self.stop.reason
+
+    def _final_report(self) -> None:
+        """Flush counters and release the slot so a standby can take it at once."""
+        try:
+            self.board.incr_counters(f"actor:{self.slot}", **self.counters.take())
+            self.board.release_lease(self.lease_name, self.options.uid)
+        except Exception as e:  # the board may be gone; the lease then simply expires
+            logger.warning("could not report the end of actor %s: %s", self.options.uid, e)
+
+
+def _transient(e: BaseException) -> bool:
+    from srl.runner.distribution.retry import TRANSIENT_ERRORS
+
+    return isinstance(e, TRANSIENT_ERRORS)
+
+
+def actor_run_forever(
+    redis_params: RedisParameters,
+    queue_params: Any = None,
+    options: ActorOptions | None = None,
+    **option_overrides: Any,
+) -> None:
+    """Serve as an actor: wait for a task, claim a free slot, act, repeat.
+
+    ``queue_params`` None means the experience queue lives in the board's Redis.
+    Keyword overrides set :class:`ActorOptions` fields (``run_once=True``, ``batch_size=128``...).
+    """
+    ensure_logging()
+    options = options or ActorOptions()
+    for k, v in option_overrides.items():
+        if not hasattr(options, k):
+            raise TypeError(f"actor_run_forever() got an unknown option {k!r}; ActorOptions has "
+                            f"{sorted(options.__dataclass_fields__)}")
+        setattr(options, k, v)
+    if redis_params.is_embedded:
+        raise ValueError(
+            "actor_run_forever needs the address of the board's Redis (RedisParameters(host=...) or url=...); "
+            "an embedded Redis exists only inside the client process that started it"
+        )
+    board = Board(redis_params.connect(), redis_params.task_name)
+    where = f"{redis_params.describe()} task {redis_params.task_name!r}"
+    logger.info("actor %s ready; waiting for a task on %s", options.uid, where)
+    waiting_logged = ""
+    try:
+        while True:
+            status = with_retry(board.get_status, f"reading the task on {where}")
+            if status is None or status.status != "ACTIVE":
+                state = "no task" if status is None else f"task {status.status}"
+                if state != waiting_logged:
+                    logger.info("waiting for an ACTIVE task on %s (now: %s)", where, state)
+                    waiting_logged = state
+                time.sleep(options.task_poll_interval)
+                continue
+            try:
+                task = build_task(board.get_task_config())
+            except TaskConfigError as e:
+                logger.error("cannot build the task: %s", e)
+                board.end_task("FAILED", f"actor {options.uid}: {e}")
+                continue
+            check_queue_matches(task, queue_params, "actor")
+            slot = with_retry(
+                functools.partial(board.claim_actor_slot, options.uid, task.actor_num, int(options.lease_ttl * 1000)),
+                "claiming an actor slot",
+            )
+            if slot is None:
+                if waiting_logged != "standby":
+                    logger.info("all %d actor slots are held; standing by to take one that frees", task.actor_num)
+                    waiting_logged = "standby"
+                time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
+                continue
+            waiting_logged = ""
+            run = ActorRun(board, redis_params, queue_params, task, slot, options)
+            reason = run.run()
+            logger.info("actor %s left slot %d: %s (%d env steps, %d batches, stalled %.1fs)",
+                        options.uid, slot, reason, run.env_steps, run.sent_batches, run.backpressure_wait_s)
+            if options.run_once:
+                return
+            time.sleep(options.task_poll_interval)
+    except KeyboardInterrupt:
+        logger.info("actor %s interrupted; slot released", options.uid)

@@ -1,0 +1,213 @@
+"""The client: submit a task, watch it, fetch the final params.
+
+Owns: ``train_distribution`` — writing the task to the board (refusing to
+clobber an active one unless told to), progress lines that say what the run
+waits for, Ctrl-C as "cancelled", loading the final params into the Runner,
+and, on an embedded Redis, starting and stopping local actor and trainer
+processes. Must never: spin without telling the user what it waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
+
+from srl.runner.distribution import local_nodes
+from srl.runner.distribution.board import Board, TaskStatus
+from srl.runner.distribution.codec import Codec
+from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.retry import with_retry
+from srl.runner.progress import ensure_logging, eta, format_seconds
+
+if TYPE_CHECKING:
+    from srl.runner.runner import Runner
+
+logger = logging.getLogger("srl.client")
+
+
+class TaskFailedError(RuntimeError):
+    """The distributed task ended FAILED; the message carries the reason a node gave."""
+
+
+def _describe_queue(queue_params: Any) -> dict[str, Any]:
+    from srl.runner.distribution.queues import describe_queue, queue_scheme
+
+    return {"scheme": queue_scheme(queue_params), "describe": describe_queue(queue_params)}
+
+
+def train_distribution(
+    runner: Runner,
+    redis_params: RedisParameters,
+    queue_params: Any = None,
+    *,
+    actor_num: int = 1,
+    max_train_count: int | None = None,
+    max_steps: int | None = None,
+    timeout: float | None = None,
+    progress_interval: float | None = 5.0,
+    overwrite: bool = False,
+    queue_capacity: int = 64,
+    secret: str | None = None,
+    local_processes: bool | None = None,
+    actor_options: dict[str, Any] | None = None,
+    trainer_options: dict[str, Any] | None = None,
+    delete_task: bool = False,
+) -> None:
+    """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
+
+    With an embedded Redis (``RedisParameters()``), the actors and trainer are started
+    here as local processes (``local_processes`` forces this on or off).
+    """
+    if max_train_count is None and max_steps is None and timeout is None:
+        raise ValueError("train_distribution() needs a limit: max_train_count=, max_steps= or timeout=")
+    if actor_num < 1:
+        raise ValueError(f"actor_num must be >= 1, got {actor_num}")
+    ensure_logging()
+    from srl.runner.distribution.embedded import EmbeddedRedis
+
+    resolved, embedded = redis_params.resolve()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        board = Board(resolved.connect(), resolved.task_name)
+        task = {
+            **runner.task_config(),
+            "actor_num": actor_num,
+            "max_train_count": max_train_count,
+            "max_steps": max_steps,
+            "timeout": timeout,
+            "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
+        }
+        with_retry(lambda: board.ping(), f"connecting to {resolved.describe()}", max_wait=10)
+        board.create_task(task, overwrite=overwrite)
+        start_local = embedded is not None if local_processes is None else local_processes
+        if start_local:
+            procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
+                                          trainer_options or {})
+        board.set_active()
+        logger.info("task %r submitted to %s: %s on %s, %d actor(s)", resolved.task_name, resolved.describe(),
+                    task["algorithm"], runner.env_config, actor_num)
+        status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs)
+        _load_final_params(board, runner, secret)
+        if status.status == "FAILED":
+            raise TaskFailedError(f"task {resolved.task_name!r} FAILED: {status.end_reason}")
+        logger.info("task %r ended: %s", resolved.task_name, status.end_reason)
+        if delete_task:
+            local_nodes.stop_all(procs)  # let local nodes see END before their keys vanish
+            procs = []
+            board.delete_task()
+    except KeyboardInterrupt:
+        logger.warning("interrupted: ending task %r as cancelled", resolved.task_name)
+        try:
+            board.end_task("END", "cancelled")
+            _load_final_params(board, runner, secret)
+        finally:
+            raise
+    finally:
+        local_nodes.stop_all(procs)
+        if isinstance(embedded, EmbeddedRedis):
+            embedded.stop()
+
+
+def _load_final_params(board: Board, runner: Runner, secret: str | None) -> None:
+    got = board.get_params()
+    if got is None:
+        logger.warning("no params on the board: the runner keeps its current weights")
+        return
+    epoch, version, train_count, blob = got
+    _, arrays = Codec(secret=secret).decode_params(blob)
+    runner.set_parameter_arrays(arrays, train_count)
+    logger.info("loaded final params (epoch %d, version %d, train_count %d)", epoch, version, train_count)
+
+
+def _watch(
+    board: Board,
+    runner: Runner,
+    progress_interval: float | None,
+    max_train_count: int | None,
+    max_steps: int | None,
+    timeout: float | None,
+    procs: list[subprocess.Popen[bytes]],
+) -> TaskStatus:
+    start = time.monotonic()
+    next_line = start + (progress_interval or 0)
+    while True:
+        status = with_retry(board.get_status, "watching the task")
+        if status is None:
+            raise TaskFailedError("the task vanished from the board (deleted, or Redis restarted without persistence)")
+        if status.status in ("END", "FAILED"):
+            return status
+        if procs and procs[0].poll() not in (None, 0):
+            board.end_task("FAILED", f"the local trainer process exited with code {procs[0].returncode}")
+            continue
+        now = time.monotonic()
+        if progress_interval is not None and now >= next_line:
+            next_line = now + progress_interval
+            for line in progress_lines(board, status, now - start, max_train_count, max_steps, timeout):
+                logger.info("%s", line)
+        time.sleep(0.2)
+
+
+def progress_lines(
+    board: Board,
+    status: TaskStatus,
+    elapsed: float,
+    max_train_count: int | None = None,
+    max_steps: int | None = None,
+    timeout: float | None = None,
+) -> list[str]:
+    """The client's (and ``srl status``') view of a task: one line for the task, one per node."""
+    stats = board.get_all_stats()
+    counters = board.get_counters()
+    task_config = board.get_task_config()
+    actor_num = int(task_config.get("actor_num", 1))
+    trainer = stats.get("trainer", {})
+    train_count = int(trainer.get("train_count", 0) or 0)
+    env_steps = int(counters.get("env_steps", 0))
+    etas = [eta(train_count, max_train_count, elapsed), eta(env_steps, max_steps, elapsed),
+            None if timeout is None else timeout - elapsed]
+    known = [e for e in etas if e is not None]
+    sent, received = counters.get("sent_batches", 0), counters.get("received_batches", 0)
+    lines = [
+        f"task {status.status.value} {format_seconds(elapsed)} elapsed, "
+        f"ETA {format_seconds(min(known) if known else None)}"
+        f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
+        f" | batches sent {sent:.0f} received {received:.0f} (in flight {sent - received:.0f})"
+        f" | bad {counters.get('bad_messages', 0):.0f}"
+    ]
+    holder, _ = board.lease_holder("trainer")
+    latest_version = int(trainer.get("params_version", 0) or 0)
+    if holder is None:
+        lines.append(f"  trainer: MISSING for {format_seconds(_missing_for(board, 'trainer', elapsed))} — "
+                     "start one: srl trainer --host HOST (or trainer_run_forever(...))")
+    else:
+        lines.append(
+            f"  trainer {holder} (epoch {trainer.get('epoch', '?')}, {trainer.get('device', '?')}): "
+            f"{trainer.get('train_per_s', 0)} train/s, memory {trainer.get('memory', 0)}, "
+            f"ingest {trainer.get('received_per_s', 0)} transitions/s, loss {trainer.get('loss', '-')}"
+        )
+    for i in range(actor_num):
+        holder, _ = board.lease_holder(f"actor:{i}")
+        s = stats.get(f"actor:{i}", {})
+        if holder is None:
+            lines.append(f"  actor {i}: MISSING for {format_seconds(_missing_for(board, f'actor:{i}', elapsed))} — "
+                         "start one: srl actor --host HOST (or actor_run_forever(...))")
+            continue
+        lag = max(0, latest_version - int(s.get("params_version", 0) or 0))
+        stalled_now = float(s.get("stalled_now_s", 0) or 0)
+        waiting = f" — WAITING on a full queue for {format_seconds(stalled_now)}" if stalled_now >= 1 else ""
+        lines.append(
+            f"  actor {i} {holder}: {s.get('env_steps_per_s', 0)} steps/s, {s.get('episodes', 0)} episodes, "
+            f"reward {s.get('reward', '-')}, params lag {lag}, "
+            f"stalled {s.get('backpressure_wait_s', 0)}s{waiting}"
+        )
+    return lines
+
+
+def _missing_for(board: Board, role: str, elapsed: float) -> float:
+    """Seconds since ``role`` last reported, or since the task started when it never did."""
+    last = board.get_all_stats().get(role, {}).get("updated_at")
+    if isinstance(last, (int, float)):
+        return max(0.0, time.time() - float(last))
+    return elapsed

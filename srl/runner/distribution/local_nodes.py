@@ -1,0 +1,110 @@
+"""Local actor and trainer processes for ``train_distribution`` on one machine.
+
+Owns: starting children with ``python -m srl.runner.distribution.local_nodes``
+and handing them their parameters as JSON through the environment (not the
+command line, where passwords would show in ``ps``). Plain subprocesses, not
+multiprocessing: spawning would re-import the user's script, which need not
+have an ``if __name__ == "__main__"`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from srl.base.config import config_from_dict, config_to_dict
+from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
+from srl.runner.distribution.redis_parameters import RedisParameters
+
+logger = logging.getLogger("srl.client")
+
+SPEC_ENV = "SRL_LOCAL_NODE"
+_PARAM_TYPES: dict[str, type] = {
+    cls.__name__: cls for cls in (RedisParameters, RabbitMQParameters, MQTTParameters, GCPParameters)
+}
+
+
+def _params_to_data(params: Any) -> Any:
+    if params is None or isinstance(params, str):
+        return params
+    if type(params).__name__ not in _PARAM_TYPES:
+        raise TypeError(f"cannot hand {type(params).__name__} to a local process")
+    return {"type": type(params).__name__, "fields": config_to_dict(params)}
+
+
+def _params_from_data(data: Any) -> Any:
+    if data is None or isinstance(data, str):
+        return data
+    return config_from_dict(_PARAM_TYPES[data["type"]], data["fields"])
+
+
+def start(
+    role: str, redis_params: RedisParameters, queue_params: Any, options: dict[str, Any]
+) -> subprocess.Popen[bytes]:
+    spec = {
+        "role": role,
+        "redis": _params_to_data(redis_params),
+        "queue": _params_to_data(queue_params),
+        "options": options,
+    }
+    env = {**os.environ, SPEC_ENV: json.dumps(spec)}
+    return subprocess.Popen([sys.executable, "-m", "srl.runner.distribution.local_nodes"], env=env)
+
+
+def start_all(
+    redis_params: RedisParameters,
+    queue_params: Any,
+    actor_num: int,
+    secret: str | None,
+    actor_options: dict[str, Any],
+    trainer_options: dict[str, Any],
+) -> list[subprocess.Popen[bytes]]:
+    """One trainer (first in the list) and ``actor_num`` actors, each serving one task."""
+    common = {"run_once": True, **({"secret": secret} if secret else {})}
+    procs = [start("trainer", redis_params, queue_params, {**common, **trainer_options})]
+    procs += [start("actor", redis_params, queue_params, {**common, **actor_options}) for _ in range(actor_num)]
+    logger.info("started a local trainer and %d local actor(s) (pids %s)", actor_num, [p.pid for p in procs])
+    return procs
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
+    """Let run-once children finish their task, then interrupt, then kill what is left."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main() -> None:
+    spec = json.loads(os.environ.pop(SPEC_ENV))
+    redis_params = _params_from_data(spec["redis"])
+    queue_params = _params_from_data(spec["queue"])
+    if spec["role"] == "trainer":
+        from srl.runner.distribution.trainer import trainer_run_forever
+
+        trainer_run_forever(redis_params, queue_params, **spec["options"])
+    else:
+        from srl.runner.distribution.actor import actor_run_forever
+
+        actor_run_forever(redis_params, queue_params, **spec["options"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Test harness: real actor/trainer processes (the ``srl`` CLI) and a client thread.
+
+Processes are started with ``python -m srl.cli`` so the command line a user
+types is what the tests run. Waiting is done by polling observable state (the
+board, a process's exit) with a deadline, never by a blind sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import srl
+from srl.algorithms import dqn
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import Board
+
+FAST_NODE = ["--lease-ttl", "2", "--heartbeat-interval", "0.3", "--task-poll-interval", "0.2"]
+FAST_ACTOR = [*FAST_NODE, "--batch-size", "64", "--batch-max-age", "0.2", "--params-poll-interval", "0.2"]
+FAST_TRAINER = [*FAST_NODE, "--publish-interval", "0.2"]
+
+
+def tiny_config(**changes: Any) -> dqn.Config:
+    config = dqn.Config(batch_size=32, warmup_size=200, seed=0, target_update_interval=100)
+    config.hidden_block.set_mlp((32, 32))
+    config.memory.set_proportional_memory(capacity=5000)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Node:
+    """One ``srl actor`` / ``srl trainer`` process with its output in a log file."""
+
+    def __init__(self, role: str, redis_url: str, task_name: str, log_dir: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.role = role
+        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        args = FAST_ACTOR if role == "actor" else FAST_TRAINER
+        cmd = [sys.executable, "-m", "srl.cli", role, "--url", redis_url, "--task-name", task_name, *args, *extra]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    @property
+    def uid_prefix(self) -> str:
+        return f"{self.role}-"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class ClientThread(threading.Thread):
+    """``runner.train_distribution`` in a thread; ``error`` holds what it raised."""
+
+    def __init__(self, runner: srl.Runner, redis_params: RedisParameters, **kwargs: Any) -> None:
+        super().__init__(daemon=True)
+        self.runner = runner
+        self.redis_params = redis_params
+        self.kwargs = {"progress_interval": None, **kwargs}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.runner.train_distribution(self.redis_params, **self.kwargs)
+        except BaseException as e:
+            self.error = e
+
+
+def board_for(redis_url: str, task_name: str) -> Board:
+    return Board(RedisParameters(url=redis_url, task_name=task_name).connect(), task_name)
+
+
+def lease_holder_pid(board: Board, name: str) -> int | None:
+    """The pid encoded in a lease holder's uid (role-host-pid-suffix)."""
+    holder, _ = board.lease_holder(name)
+    if holder is None:
+        return None
+    return int(holder.split("-")[-2])
+
+
+def kill_all(nodes: list[Node]) -> None:
+    for node in nodes:
+        node.stop()
+
+
+def sigkill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)

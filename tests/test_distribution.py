@@ -1,0 +1,277 @@
+"""The Ape-X loop across real processes on a real Redis: snippets, faults, backpressure, bad input."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import srl
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.codec import BatchHeader, Codec
+from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.queues.redis_stream import stream_key_for
+from tests.nodes import (
+    ClientThread,
+    Node,
+    board_for,
+    kill_all,
+    lease_holder_pid,
+    sigkill,
+    tiny_config,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def nodes() -> list[Node]:
+    started: list[Node] = []
+    yield started
+    kill_all(started)
+
+
+def start(nodes: list[Node], role: str, redis_url: str, ns: str, tmp_path: Path, *extra: str,
+          env: dict[str, str] | None = None) -> Node:
+    node = Node(role, redis_url, ns, tmp_path, *extra, env=env)
+    nodes.append(node)
+    return node
+
+
+# --------------------------------------------------------------------------- the user's three snippets
+SNIPPET_ACTOR = """
+from srl.runner.distribution import RedisParameters, actor_run_forever
+actor_run_forever(RedisParameters(url={url!r}, task_name={ns!r}), None, run_once=True)
+"""
+SNIPPET_TRAINER = """
+from srl.runner.distribution import RedisParameters, trainer_run_forever
+trainer_run_forever(RedisParameters(url={url!r}, task_name={ns!r}), None, run_once=True)
+"""
+SNIPPET_CLIENT = """
+import srl
+from srl.algorithms import dqn
+from srl.runner.distribution import RedisParameters
+rl_config = dqn.Config(warmup_size=200)
+rl_config.hidden_block.set_mlp((64, 64))
+rl_config.memory.set_proportional_memory()
+rl_config.memory.capacity = 5000
+runner = srl.Runner("Pendulum-v1", rl_config)
+runner.train_distribution(RedisParameters(url={url!r}, task_name={ns!r}), actor_num=1, max_train_count=600,
+                          progress_interval=1.0)
+print("EVALUATION", runner.evaluate(max_episodes=2))
+"""
+
+
+def test_three_snippets_as_separate_processes(redis_url: str, namespace: str, tmp_path: Path) -> None:
+    procs = []
+    try:
+        for name, code in (("actor", SNIPPET_ACTOR), ("trainer", SNIPPET_TRAINER), ("client", SNIPPET_CLIENT)):
+            log = open(tmp_path / f"{name}.log", "wb")
+            procs.append((name, subprocess.Popen([sys.executable, "-c", code.format(url=redis_url, ns=namespace)],
+                                                 stdout=log, stderr=subprocess.STDOUT), log))
+        for name, proc, _ in procs:
+            assert proc.wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()
+    finally:
+        for _, proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    client_out = (tmp_path / "client.log").read_text()
+    assert "EVALUATION [" in client_out
+    assert "max_train_count 600 reached" in client_out
+    assert "actor 0 actor-" in client_out  # progress lines name the slot holder
+
+
+# --------------------------------------------------------------------------- faults
+def test_sigkilled_actor_is_replaced_by_a_standby_within_ttl(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=400_000)
+    client.start()
+    board = board_for(redis_url, namespace)
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    first = start(nodes, "actor", redis_url, namespace, tmp_path)
+    wait_for(lambda: lease_holder_pid(board, "actor:0") == first.proc.pid, 30, "the first actor to hold slot 0")
+    standby = start(nodes, "actor", redis_url, namespace, tmp_path)
+    wait_for(lambda: "standing by" in standby.output(), 30, "the second actor to stand by")
+    sigkill(first.proc.pid)
+    killed_at = time.monotonic()
+    wait_for(lambda: lease_holder_pid(board, "actor:0") == standby.proc.pid, 2 + 1 + 1, "the standby to take slot 0")
+    assert time.monotonic() - killed_at <= 2 + 1 + 0.5  # lease TTL (2 s) + 1 s
+    board.end_task(TaskState.END, "test over")
+    client.join(30)
+
+
+def test_sigkilled_trainer_is_replaced_and_train_count_goes_on(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=2500)
+    client.start()
+    board = board_for(redis_url, namespace)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    first = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    standby = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    wait_for(lambda: lease_holder_pid(board, "trainer") in (first.proc.pid, standby.proc.pid), 30, "a trainer")
+    holder_pid = lease_holder_pid(board, "trainer")
+    holder, other = (first, standby) if holder_pid == first.proc.pid else (standby, first)
+    status = wait_for(lambda: (s := board.get_status()) and s.train_count >= 300 and s, 90, "300 published steps")
+    sigkill(holder.proc.pid)
+    before = status.train_count
+    wait_for(lambda: lease_holder_pid(board, "trainer") == other.proc.pid, 10, "the standby trainer to take over")
+    restored = wait_for(lambda: "train_count continues from" in other.output() and other.output(), 30, "restore")
+    assert "epoch 2" in restored
+    client.join(120)
+    assert client.error is None, client.error
+    final = board.get_status()
+    assert final is not None and final.status == TaskState.END
+    assert final.train_count >= 2500 and final.train_count >= before
+    assert final.params_epoch == 2
+    assert runner.train_count == final.train_count
+
+
+def test_paused_trainer_cannot_overwrite_params_after_takeover(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=400_000)
+    client.start()
+    board = board_for(redis_url, namespace)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    zombie = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    wait_for(lambda: (s := board.get_status()) and s.params_version > 0, 90, "first params")
+    zombie.signal(signal.SIGSTOP)
+    successor = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    wait_for(lambda: lease_holder_pid(board, "trainer") == successor.proc.pid, 30, "the successor to take over")
+    wait_for(lambda: (s := board.get_status()) and s.params_epoch == 2, 60, "params of epoch 2")
+    zombie.signal(signal.SIGCONT)
+    out = wait_for(lambda: ("refused" in (o := zombie.output()) or "lost the trainer lease" in o) and o, 20,
+                   "the resumed trainer to notice it is fenced off")
+    assert "trainer lease held by" in out or "done with epoch 1" in out
+    for _ in range(5):  # the zombie's writes never land: the board stays on epoch 2
+        status = board.get_status()
+        assert status is not None and status.params_epoch == 2
+        time.sleep(0.2)
+    board.end_task(TaskState.END, "test over")
+    client.join(30)
+
+
+def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    capacity, actor_num = 6, 2
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=actor_num,
+                          max_train_count=1500, queue_capacity=capacity)
+    client.start()
+    board = board_for(redis_url, namespace)
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    wait_for(lambda: lease_holder_pid(board, "trainer") == trainer.proc.pid, 30, "the trainer")
+    trainer.signal(signal.SIGSTOP)
+    for _ in range(actor_num):
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+    stream = stream_key_for(namespace)
+    wait_for(lambda: board.client.xlen(stream) >= capacity, 60, "the queue to fill")
+    depths = []
+    for _ in range(20):  # the actors keep stepping, yet the queue does not grow past the bound
+        depths.append(board.client.xlen(stream))
+        time.sleep(0.1)
+    assert max(depths) <= capacity + actor_num
+    stall = wait_for(lambda: sum(float(s.get("backpressure_wait_s", 0)) for r, s in board.get_all_stats().items()
+                                 if r.startswith("actor")), 10, "actors to report their stall time")
+    assert stall > 0
+    trainer.signal(signal.SIGCONT)
+    client.join(120)
+    assert client.error is None, client.error
+    wait_for(lambda: all(not n.alive() or "left slot" in n.output() for n in nodes if n.role == "actor"), 15,
+             "actors to stop and flush their counters")
+    counters = board.get_counters()
+    pending = board.client.xlen(stream)
+    assert counters["sent_batches"] == counters["received_batches"] + counters.get("duplicates", 0) + pending
+    assert counters.get("bad_messages", 0) == 0
+
+
+def test_garbage_forged_and_oversized_messages_are_counted_and_skipped(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    secret = "s3cret"
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=800,
+                          secret=secret)
+    client.start()
+    board = board_for(redis_url, namespace)
+    env = {"SRL_SECRET": secret}
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path, "--max-message-bytes", "200000", env=env)
+    wait_for(lambda: lease_holder_pid(board, "trainer") == trainer.proc.pid, 30, "the trainer")
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    header = BatchHeader("intruder", 0, 0, 0, 0, 4, time.time())
+    columns = {"obs": np.zeros((4, 3), np.float32), "action": np.zeros(4, np.int64),
+               "reward": np.zeros(4, np.float32), "next_obs": np.zeros((4, 3), np.float32),
+               "discount": np.zeros(4, np.float32)}
+    forged = Codec(secret="not-the-secret").encode_batch(header, columns, None)
+    big = {k: np.zeros((20_000, *v.shape[1:]), v.dtype) for k, v in columns.items()}
+    oversized = Codec(secret=secret).encode_batch(
+        BatchHeader("big", 0, 0, 0, 0, 20_000, time.time()), big, None)
+    assert len(oversized) > 200_000
+    with open_queue(None, namespace=namespace, role="producer", redis_params=redis_params) as queue:
+        queue.put_many([b"\x00garbage" * 10, b"cos\nsystem\n(S'echo pwned'\ntR.", forged, oversized])
+    wait_for(lambda: board.get_counters().get("bad_messages", 0) >= 4, 30, "4 bad messages to be counted")
+    out = trainer.output()
+    assert "skipped a bad message from redis stream" in out
+    assert trainer.alive()
+    start(nodes, "actor", redis_url, namespace, tmp_path, env=env)
+    client.join(120)
+    assert client.error is None, client.error
+    assert board.get_counters()["bad_messages"] == 4
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+
+
+def test_unknown_algorithm_fails_the_task_with_a_reason(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    board = board_for(redis_url, namespace)
+    config = srl.Runner("Pendulum-v1", tiny_config()).task_config()
+    config["algorithm"] = "dqnn"
+    board.create_task({**config, "max_train_count": 10})
+    board.set_active()
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    status = wait_for(lambda: (s := board.get_status()) and s.status == TaskState.FAILED and s, 30, "FAILED")
+    assert "no algorithm named 'dqnn'" in status.end_reason and "Did you mean 'dqn'" in status.end_reason
+
+    from srl.runner.distribution.client import TaskFailedError
+
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner.rl_config.algorithm = "dqnn"  # type: ignore[misc]  # what a client of another srl would write
+    ns2 = namespace + "-b"
+    start(nodes, "trainer", redis_url, ns2, tmp_path)
+    with pytest.raises(TaskFailedError, match="no algorithm named 'dqnn'"):
+        runner.train_distribution(RedisParameters(url=redis_url, task_name=ns2), max_train_count=10,
+                                  progress_interval=None)
+
+
+def test_redis_restart_mid_run_the_run_continues(tmp_path: Path, nodes: list[Node]) -> None:
+    from tests.private_redis import PrivateRedis
+
+    with PrivateRedis(tmp_path / "redis") as server:
+        url, ns = server.url, "restart"
+        runner = srl.Runner("Pendulum-v1", tiny_config())
+        client = ClientThread(runner, RedisParameters(url=url, task_name=ns), max_train_count=1500)
+        client.start()
+        board = board_for(url, ns)
+        start(nodes, "trainer", url, ns, tmp_path)
+        start(nodes, "actor", url, ns, tmp_path)
+        wait_for(lambda: (s := board.get_status()) and s.train_count >= 200, 90, "training to be under way")
+        server.restart()
+        client.join(150)
+        assert client.error is None, client.error
+        status = board.get_status()
+        assert status is not None and status.status == TaskState.END and status.train_count >= 1500
