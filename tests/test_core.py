@@ -218,12 +218,12 @@ def test_train_needs_a_limit() -> None:
 
 @pytest.mark.slow
 def test_dqn_learns_cartpole() -> None:
-    config = dqn.Config(seed=3, lr=1e-3, batch_size=64, warmup_size=500, target_update_interval=200, epsilon=0.05)
+    config = dqn.Config(seed=3, lr=1e-3, batch_size=32, warmup_size=1000, target_update_interval=500, epsilon=0.1)
     config.hidden_block.set_mlp((64, 64))
     config.memory.set_proportional_memory(capacity=20_000)
     runner = srl.Runner("CartPole-v1", config)
     best = 0.0
-    for _ in range(8):
+    for _ in range(8):  # DQN on CartPole is known to oscillate: the goal is to reach 195 once
         runner.train(max_train_count=2_500, progress_interval=None)
         best = max(best, float(np.mean(runner.evaluate(max_episodes=5))))
         if best >= 195:
