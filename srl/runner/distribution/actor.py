@@ -118,7 +118,7 @@ class ActorRun:
         self.queue: ExperienceQueue = open_queue(
             queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
         )
-        self.capacity = int(task.queue.get("capacity", 64))
+        self.capacity = int(task.queue.get("capacity", 8))
         self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
         self._staged_lock = threading.Lock()
         self.params_epoch = -1

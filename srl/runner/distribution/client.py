@@ -48,7 +48,8 @@ def train_distribution(
     timeout: float | None = None,
     progress_interval: float | None = 5.0,
     overwrite: bool = False,
-    queue_capacity: int = 64,
+    queue_capacity: int = 8,
+    max_inserts_per_train: float | None = None,
     secret: str | None = None,
     local_processes: bool | None = None,
     actor_options: dict[str, Any] | None = None,
@@ -57,8 +58,25 @@ def train_distribution(
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
 
+    Args:
+        queue_params: where experience flows (None: the board's Redis; or RabbitMQParameters,
+            MQTTParameters, GCPParameters, or a URL). Actors and trainer must be given the same.
+        actor_num: actor slots; actor i of N explores with the algorithm's per-actor schedule.
+        max_train_count, max_steps, timeout: the end rule (at least one); the trainer applies it.
+        progress_interval: seconds between progress lines (None: quiet).
+        overwrite: replace a task of the same name that is still INIT/ACTIVE.
+        queue_capacity: batches allowed in the queue before actors wait (backpressure).
+        max_inserts_per_train: optional rate limit: past warmup, the trainer takes at most this many
+            transitions per train step and backpressure slows the actors (None: as fast as they go).
+        secret: shared secret signing every message (default: env SRL_SECRET).
+        local_processes: start the trainer and actors here (default: only with an embedded Redis).
+        actor_options, trainer_options: ActorOptions / TrainerOptions fields for local processes.
+        delete_task: remove every key of the task at the end (default: keep, so ``srl status``
+            shows how it ended; a new task of the same name replaces an ended one).
+
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
-    here as local processes (``local_processes`` forces this on or off).
+    here as local processes and stopped at the end. Ctrl-C ends the task as "cancelled"
+    and still loads the latest params. A FAILED task raises :class:`TaskFailedError`.
     """
     if max_train_count is None and max_steps is None and timeout is None:
         raise ValueError("train_distribution() needs a limit: max_train_count=, max_steps= or timeout=")
@@ -78,6 +96,7 @@ def train_distribution(
             "max_steps": max_steps,
             "timeout": timeout,
             "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
+            "max_inserts_per_train": max_inserts_per_train,
         }
         with_retry(lambda: board.ping(), f"connecting to {resolved.describe()}", max_wait=10)
         board.create_task(task, overwrite=overwrite)

@@ -32,6 +32,9 @@ class TaskSpec:
     timeout: float | None
     queue: dict[str, Any]
     """scheme and description of the experience queue the client chose"""
+    max_inserts_per_train: float | None = None
+    """past warmup, the trainer takes at most this many transitions into memory per train step;
+    the rest waits in the queue and backpressure slows the actors (None: no limit)"""
 
 
 def build_task(data: dict[str, Any]) -> TaskSpec:
@@ -50,6 +53,7 @@ def build_task(data: dict[str, Any]) -> TaskSpec:
             max_steps=data.get("max_steps"),
             timeout=data.get("timeout"),
             queue=dict(data.get("queue") or {}),
+            max_inserts_per_train=data.get("max_inserts_per_train"),
         )
     except KeyError as e:
         raise TaskConfigError(f"task config lacks {e.args[0]!r}; it was written by an incompatible client") from e

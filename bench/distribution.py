@@ -1,0 +1,267 @@
+"""Distributed Pendulum-v1 DQN, measured in one run and printed as a table.
+
+    python bench/distribution.py [--seconds 15] [--target -200] [--max-wait 120]
+
+Rows (ours, the baseline measured in the same run, their ratio):
+  1. trainer train steps/s while ingesting ÷ the same trainer alone on a filled
+     memory (pure learning, no env) and ÷ single-process Runner.train   (goal >= 0.9)
+  2. actor env steps/s while sending ÷ bare collection with the same policy (goal >= 0.9):
+     once beside the trainer (two processes, two cores) and once with the
+     queue drained by a consumer that only decodes and acks
+  3. Redis commands per transition, from INFO commandstats           (goal <= 0.05)
+  4. wall time until the evaluation mean >= target with one actor     (goal <= 60 s)
+
+Everything runs on this machine: an embedded Redis, one trainer process and
+one actor process. On two cores the trainer and the actor each take one, so
+rows 1 and 2 include that contention; the baselines run on an idle machine.
+For scale, the reference framework here: 22-63 train steps/s distributed
+against 349 alone, ~3 Redis commands per transition, evaluation -954 after 240 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import srl
+from srl.algorithms import dqn
+from srl.base.env import EnvAdapter
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.codec import Codec
+from srl.runner.distribution.embedded import start_embedded_redis
+
+
+def pendulum_config() -> dqn.Config:
+    rl_config = dqn.Config(seed=0)
+    rl_config.hidden_block.set_mlp((64, 64))
+    rl_config.memory.set_proportional_memory()
+    rl_config.memory.capacity = 5000
+    return rl_config
+
+
+def trainer_alone(seconds: float) -> float:
+    """Train steps/s of the DQN trainer on a memory already full, nothing else running."""
+    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    runner.train(max_steps=5_000, progress_interval=None)  # fills the memory (and trains a little)
+    trainer = runner._trainer
+    assert trainer is not None
+    start, t0 = trainer.train_count, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        trainer.train()
+    return (trainer.train_count - start) / (time.perf_counter() - t0)
+
+
+def runner_train_rate(train_count: int) -> float:
+    """Train steps/s of single-process Runner.train (env stepping included), past warmup."""
+    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    runner.train(max_train_count=200, progress_interval=None)
+    t0 = time.perf_counter()
+    runner.train(max_train_count=train_count, progress_interval=None)
+    return train_count / (time.perf_counter() - t0)
+
+
+def bare_collection(seconds: float) -> float:
+    """Env steps/s of the same worker stepping the env and building transitions, sending nothing."""
+    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    config = runner.rl_config
+    env = EnvAdapter(runner.env_config, config.algorithm, config.action_bins, seed=0)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    obs = env.reset()
+    worker.on_reset(obs)
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        action = worker.act(obs)
+        next_obs, reward, term, trunc = env.step(action)
+        worker.on_step(obs, action, reward, next_obs, term, trunc)
+        steps += 1
+        if worker.pending() >= 256:
+            cols = worker.take_transitions()
+            assert cols is not None
+            worker.initial_priorities(cols)
+        if term or trunc:
+            obs = env.reset()
+            worker.on_reset(obs)
+        else:
+            obs = next_obs
+    return steps / (time.perf_counter() - t0)
+
+
+def actor_with_drain(seconds: float) -> float:
+    """Env steps/s of a real actor process whose queue is drained (decode + ack, no learning),
+    so the actor's own sending overhead is measured without a trainer competing for a core."""
+    from srl.runner.distribution import local_nodes
+    from srl.runner.distribution.queues import open_queue
+
+    server = start_embedded_redis()
+    params = server.parameters.replace(task_name="bench-actor")
+    board = Board(params.connect(), params.task_name)
+    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    board.create_task({**runner.task_config(), "actor_num": 1, "timeout": seconds + 60,
+                       "queue": {"scheme": "redis", "describe": "the board's Redis", "capacity": 64}})
+    board.set_active()
+    proc = local_nodes.start("actor", params, None, {"run_once": True})
+    stop = threading.Event()
+
+    def drain() -> None:
+        codec = Codec()
+        with open_queue(None, namespace=params.task_name, role="consumer", redis_params=params) as queue:
+            while not stop.is_set():
+                messages = queue.get_many(32, timeout=0.2)
+                for m in messages:
+                    codec.decode_batch(m.data)
+                queue.ack_many(messages)
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    rates: list[float] = []
+    deadline = time.monotonic() + seconds + 4
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        rate = float(board.get_all_stats().get("actor:0", {}).get("env_steps_per_s", 0) or 0)
+        if rate > 0 and time.monotonic() > deadline - seconds:
+            rates.append(rate)
+    board.end_task("END", "bench done")
+    proc.wait(timeout=30)
+    stop.set()
+    drainer.join()
+    server.stop()
+    return statistics.median(rates) if rates else float("nan")
+
+
+class Evaluator(threading.Thread):
+    """Every few seconds: fetch the params from the board, evaluate, note (wall, train_count, mean)."""
+
+    def __init__(self, board: Board, target: float, started: float) -> None:
+        super().__init__(daemon=True)
+        self.board, self.target, self.started = board, target, started
+        self.runner = srl.Runner("Pendulum-v1", pendulum_config())
+        self.history: list[tuple[float, int, float]] = []
+        self.reached: tuple[float, int, float] | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        last_version = -1
+        while not self.stop.wait(3.0):
+            got = self.board.get_params()
+            if got is None or got[1] == last_version:
+                continue
+            wall = time.monotonic() - self.started
+            _, last_version, train_count, blob = got
+            _, arrays = Codec().decode_params(blob)
+            self.runner.set_parameter_arrays(arrays, train_count)
+            mean = float(np.mean(self.runner.evaluate(max_episodes=5, seed=123)))
+            self.history.append((wall, train_count, mean))
+            if mean >= self.target:
+                confirm = float(np.mean(self.runner.evaluate(max_episodes=10, seed=456)))
+                if confirm >= self.target:
+                    self.reached = (wall, train_count, confirm)
+                    return
+
+
+def distributed(seconds: float, target: float, max_wait: float, inserts: float | None) -> dict[str, Any]:
+    server = start_embedded_redis()
+    params = server.parameters.replace(task_name="bench")
+    board = Board(params.connect(), "bench")
+    board.client.config_resetstat()
+    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    result: dict[str, Any] = {}
+    client_error: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            runner.train_distribution(params, actor_num=1, timeout=max_wait, progress_interval=10.0,
+                                      local_processes=True, max_inserts_per_train=inserts)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            client_error.append(e)
+
+    started = time.monotonic()
+    client_thread = threading.Thread(target=client, daemon=True)
+    client_thread.start()
+    evaluator = Evaluator(board, target, started)
+    evaluator.start()
+    train_rates: list[float] = []
+    actor_rates: list[float] = []
+    sample_until = None
+    while client_thread.is_alive():
+        time.sleep(1.0)
+        stats = board.get_all_stats()
+        trainer, actor = stats.get("trainer", {}), stats.get("actor:0", {})
+        if sample_until is None and float(trainer.get("train_per_s", 0) or 0) > 0:
+            sample_until = time.monotonic() + seconds + 2
+        if sample_until is not None and time.monotonic() < sample_until:
+            if time.monotonic() > sample_until - seconds:  # skip the first seconds after warmup
+                train_rates.append(float(trainer.get("train_per_s", 0) or 0))
+                actor_rates.append(float(actor.get("env_steps_per_s", 0) or 0))
+        if evaluator.reached is not None or not evaluator.is_alive():
+            if sample_until is not None and time.monotonic() >= sample_until:
+                board.end_task("END", "bench done")
+    evaluator.stop.set()
+    client_thread.join()
+    counters = board.get_counters()
+    calls = sum(int(v["calls"]) for k, v in board.client.info("commandstats").items() if k.startswith("cmdstat_"))
+    result.update(
+        train_rate=statistics.median(train_rates) if train_rates else float("nan"),
+        actor_rate=statistics.median(actor_rates) if actor_rates else float("nan"),
+        transitions=counters.get("sent_transitions", 0.0),
+        redis_calls=calls,
+        reached=evaluator.reached,
+        history=evaluator.history,
+        error=client_error[0] if client_error else None,
+    )
+    server.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=15.0, help="measuring window for each rate")
+    parser.add_argument("--target", type=float, default=-200.0, help="evaluation mean to reach")
+    parser.add_argument("--max-wait", type=float, default=120.0, help="give up on the target after this")
+    parser.add_argument("--max-inserts-per-train", type=float, default=None,
+                        help="the trainer's optional rate limit (transitions per train step)")
+    args = parser.parse_args()
+
+    print("measuring baselines (single process, idle machine) ...", flush=True)
+    alone = trainer_alone(args.seconds)
+    runner_rate = runner_train_rate(5_000)
+    bare = bare_collection(args.seconds)
+    print("measuring one actor process with a drain-only consumer ...", flush=True)
+    actor_drained = actor_with_drain(args.seconds)
+    print("measuring the distributed run (embedded Redis, 1 trainer + 1 actor process) ...", flush=True)
+    d = distributed(args.seconds, args.target, args.max_wait, args.max_inserts_per_train)
+    if d["error"] is not None:
+        print(f"the distributed run failed: {d['error']!r}")
+
+    per_transition = d["redis_calls"] / max(d["transitions"], 1.0)
+    reached = d["reached"]
+    print()
+    print("Pendulum-v1 DQN (64x64, proportional, capacity 5000), 1 actor, embedded Redis, this machine")
+    print(f"{'measure':<52} {'ours':>10} {'baseline':>10} {'ratio':>7} {'goal':>8}")
+    print(f"{'trainer train steps/s ingesting vs trainer alone':<52} {d['train_rate']:>10.0f} {alone:>10.0f} "
+          f"{d['train_rate'] / alone:>7.2f} {'>= 0.9':>8}")
+    print(f"{'trainer train steps/s ingesting vs Runner.train':<52} {d['train_rate']:>10.0f} {runner_rate:>10.0f} "
+          f"{d['train_rate'] / runner_rate:>7.2f} {'>= 0.9':>8}")
+    print(f"{'actor env steps/s sending vs bare collection':<52} {d['actor_rate']:>10.0f} {bare:>10.0f} "
+          f"{d['actor_rate'] / bare:>7.2f} {'>= 0.9':>8}")
+    print(f"{'actor env steps/s sending, queue drained, no trainer':<52} {actor_drained:>10.0f} {bare:>10.0f} "
+          f"{actor_drained / bare:>7.2f} {'>= 0.9':>8}")
+    print(f"{'Redis commands per transition':<52} {per_transition:>10.4f} {'':>10} {'':>7} {'<= 0.05':>8}")
+    if reached is not None:
+        print(f"{'wall s until evaluation >= ' + str(args.target):<52} {reached[0]:>10.1f} {'':>10} {'':>7} "
+              f"{'<= 60':>8}   (train_count {reached[1]}, eval {reached[2]:.1f})")
+    else:
+        print(f"{'wall s until evaluation >= ' + str(args.target):<52} {'not in ' + str(args.max_wait):>10}")
+    print()
+    print("evaluations during the run (wall s, train_count, mean of 5 episodes):")
+    print("  " + ", ".join(f"({w:.0f}s, {c}, {m:.0f})" for w, c, m in d["history"]))
+    print(f"transitions sent {d['transitions']:.0f}, Redis commands {d['redis_calls']}")
+
+
+if __name__ == "__main__":
+    main()
