@@ -31,7 +31,6 @@ import numpy as np
 import srl
 from srl.algorithms import dqn
 from srl.base.env import EnvAdapter
-from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import Codec
 from srl.runner.distribution.embedded import start_embedded_redis
@@ -177,7 +176,7 @@ def distributed(seconds: float, target: float, max_wait: float, inserts: float |
         try:
             runner.train_distribution(params, actor_num=1, timeout=max_wait, progress_interval=10.0,
                                       local_processes=True, max_inserts_per_train=inserts)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             client_error.append(e)
 
     started = time.monotonic()
