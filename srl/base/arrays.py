@@ -15,6 +15,7 @@ The header is ``{"meta": {...}, "arrays": [[name, dtype, shape, offset, nbytes],
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
@@ -28,6 +29,7 @@ ALLOWED_DTYPES = frozenset(
     ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
      "float16", "float32", "float64"]
 )
+_LE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 
 
 class ArrayFormatError(ValueError):
@@ -79,7 +81,7 @@ def unpack_arrays(
             raise TypeError("meta must be an object and arrays a list")
     except (ValueError, KeyError, TypeError) as e:
         raise ArrayFormatError(f"malformed header: {e}") from e
-    body = view[start:]
+    body_len = len(view) - start
     arrays: dict[str, np.ndarray] = {}
     for entry in entries:
         try:
@@ -90,11 +92,11 @@ def unpack_arrays(
             raise ArrayFormatError(f"malformed array entry {entry!r}: {e}") from e
         if not isinstance(name, str) or dtype_name not in ALLOWED_DTYPES:
             raise ArrayFormatError(f"array entry {entry!r}: name must be text and dtype one of the allowed")
-        dtype = np.dtype(dtype_name).newbyteorder("<")
-        if any(s < 0 for s in shape) or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != nbytes:
+        dtype = _LE_DTYPES[dtype_name]
+        if any(s < 0 for s in shape) or math.prod(shape) * dtype.itemsize != nbytes:
             raise ArrayFormatError(f"array {name!r}: shape {shape} of {dtype_name} does not fill {nbytes} bytes")
-        if offset < 0 or offset + nbytes > len(body):
+        if offset < 0 or offset + nbytes > body_len:
             raise ArrayFormatError(f"array {name!r}: bytes {offset}..{offset + nbytes} run past the body")
-        a = np.frombuffer(body[offset : offset + nbytes], dtype=dtype).reshape(shape)
+        a = np.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=start + offset).reshape(shape)
         arrays[name] = a.copy() if copy else a
     return meta, arrays
