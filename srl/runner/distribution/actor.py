@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from srl.base.env import EnvAdapter
+from srl.base.env import EnvAdapter, EnvError
 from srl.base.rl import Columns, Parameter
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError, split_columns
@@ -396,7 +396,18 @@ def actor_run_forever(
                 time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
                 continue
             waiting_logged = ""
-            run = ActorRun(board, redis_params, queue_params, task, slot, options)
+            try:
+                run = ActorRun(board, redis_params, queue_params, task, slot, options)
+            except (EnvError, ValueError) as e:  # the task cannot run here: say why on the board
+                board.release_lease(f"actor:{slot}", options.uid)
+                logger.error("cannot build the task's env or worker: %s", e)
+                board.end_task("FAILED", f"actor {options.uid} cannot build the task: {e}")
+                if options.run_once:
+                    return
+                continue
+            except BaseException:
+                board.release_lease(f"actor:{slot}", options.uid)  # free it now, not when it expires
+                raise
             reason = run.run()
             logger.info("actor %s left slot %d: %s (%d env steps, %d batches, stalled %.1fs)",
                         options.uid, slot, reason, run.env_steps, run.sent_batches, run.backpressure_wait_s)
@@ -404,4 +415,4 @@ def actor_run_forever(
                 return
             time.sleep(options.task_poll_interval)
     except KeyboardInterrupt:
-        logger.info("actor %s interrupted; slot released", options.uid)
+        logger.info("actor %s interrupted; exiting (any slot it held is released)", options.uid)

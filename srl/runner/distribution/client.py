@@ -83,6 +83,7 @@ def train_distribution(
     if actor_num < 1:
         raise ValueError(f"actor_num must be >= 1, got {actor_num}")
     ensure_logging()
+    runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
     from srl.runner.distribution.embedded import EmbeddedRedis
 
     resolved, embedded = redis_params.resolve()

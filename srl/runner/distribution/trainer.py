@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from srl.base.env import EnvAdapter
+from srl.base.env import EnvAdapter, EnvError
 from srl.rl.memories import Memory
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import Codec, DecodeError
@@ -405,7 +405,18 @@ def trainer_run_forever(
                 time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
                 continue
             waiting_logged = ""
-            run = TrainerRun(board, redis_params, queue_params, task, epoch, options)
+            try:
+                run = TrainerRun(board, redis_params, queue_params, task, epoch, options)
+            except (EnvError, ValueError, RuntimeError) as e:  # e.g. a network the device cannot hold
+                board.release_lease("trainer", options.uid)
+                logger.error("cannot build the task's trainer: %s", e)
+                board.end_task("FAILED", f"trainer {options.uid} cannot build the task: {e}")
+                if options.run_once:
+                    return
+                continue
+            except BaseException:
+                board.release_lease("trainer", options.uid)  # a standby may take over at once
+                raise
             reason = run.run()
             logger.info("trainer %s done with epoch %d: %s (train_count %d, received %d batches, %d bad, "
                         "%d duplicates)", options.uid, epoch, reason, run.trainer.train_count,
@@ -413,4 +424,4 @@ def trainer_run_forever(
             if options.run_once:
                 return
     except KeyboardInterrupt:
-        logger.info("trainer %s interrupted; lease released", options.uid)
+        logger.info("trainer %s interrupted; exiting (its lease, if any, is released)", options.uid)
