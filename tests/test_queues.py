@@ -1,0 +1,474 @@
+"""Contract tests of the experience queue: one set of bodies, every backend.
+
+Each backend runs against a real broker on loopback (Redis 6379, RabbitMQ
+5672, Mosquitto 1883, the Pub/Sub emulator at $PUBSUB_EMULATOR_HOST or
+127.0.0.1:8085; scripts/services.sh start brings them up). A broker that does
+not answer skips its cases locally and fails them when CI is set. Tests that
+restart a broker start a private one on a free port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
+from srl.runner.distribution.queues import (
+    BrokerUnavailableError,
+    ExperienceQueue,
+    Message,
+    MissingBackendLibraryError,
+    QueueFullError,
+    open_queue,
+    queue_scheme,
+)
+from srl.runner.distribution.redis_parameters import RedisParameters
+from tests.conftest import broker_unavailable, port_open
+from tests.queue_fixtures import PrivateMosquitto, PrivateRedis, closed_port, redis_server_binaries
+
+PUBSUB_HOST = os.environ.get("PUBSUB_EMULATOR_HOST", "127.0.0.1:8085")
+
+
+@dataclass
+class Broker:
+    """One backend under test: how to reach it and what it promises."""
+
+    name: str
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+    exact_depth: bool = False
+
+    def open(self, namespace: str, role: str, **options: Any) -> ExperienceQueue:
+        return open_queue(self.url, namespace=namespace, role=role,  # type: ignore[arg-type]
+                          options={**self.options, **options})
+
+
+def _redis() -> Broker:
+    port = int(os.environ.get("SRL_TEST_REDIS_PORT", "6379"))
+    if not port_open("127.0.0.1", port):
+        broker_unavailable("Redis", "127.0.0.1", port)
+    return Broker("redis", f"redis://127.0.0.1:{port}/0",
+                  {"claim_min_idle_s": 0.5, "claim_interval_s": 0.2}, exact_depth=True)
+
+
+def _rabbitmq() -> Broker:
+    if not port_open("127.0.0.1", 5672):
+        broker_unavailable("RabbitMQ", "127.0.0.1", 5672)
+    return Broker("amqp", "amqp://guest:guest@127.0.0.1:5672/", exact_depth=True)
+
+
+def _mqtt() -> Broker:
+    if not port_open("127.0.0.1", 1883):
+        broker_unavailable("Mosquitto", "127.0.0.1", 1883)
+    return Broker("mqtt", "mqtt://127.0.0.1:1883")
+
+
+def _pubsub() -> Broker:
+    host, _, port = PUBSUB_HOST.rpartition(":")
+    if not port_open(host, int(port)):
+        broker_unavailable("Pub/Sub emulator", host, int(port))
+    return Broker("pubsub", f"pubsub://srl-test?emulator_host={PUBSUB_HOST}")
+
+
+BROKERS: dict[str, Callable[[], Broker]] = {
+    "redis": _redis, "amqp": _rabbitmq, "mqtt": _mqtt, "pubsub": _pubsub,
+}
+
+
+@pytest.fixture(params=list(BROKERS))
+def broker(request: pytest.FixtureRequest, namespace: str) -> Iterator[Broker]:
+    b = BROKERS[request.param]()
+    yield b
+    with b.open(namespace, "consumer") as q:  # delete the stream / queue / session / topic of this test
+        q.destroy()
+
+
+def drain(queue: ExperienceQueue, count: int, timeout: float = 10.0, max_messages: int = 16) -> list[Message]:
+    """Take ``count`` messages (not acked), waiting at most ``timeout`` in all."""
+    out: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        out += queue.get_many(min(max_messages, count - len(out)), timeout=0.5)
+    return out
+
+
+# ---------------------------------------------------------------- the contract
+def test_round_trip_is_byte_exact(broker: Broker, namespace: str) -> None:
+    payloads = [b"\x00\x01binary\xff", b"x" * 20_000, bytes(range(256)) * 3, b"last"]
+    with broker.open(namespace, "producer") as producer, broker.open(namespace, "consumer") as consumer:
+        for p in payloads:
+            producer.put(p)
+        got = drain(consumer, len(payloads))
+        assert sorted(m.data for m in got) == sorted(payloads)
+        assert all(isinstance(m.data, bytes) and m.source for m in got)
+        for m in got:
+            m.ack()
+        assert consumer.get(timeout=0.3) is None
+
+
+def test_put_many_get_many_ack_many(broker: Broker, namespace: str) -> None:
+    payloads = [f"batch-{i}".encode() * 50 for i in range(60)]
+    with broker.open(namespace, "producer") as producer, broker.open(namespace, "consumer") as consumer:
+        producer.put_many(payloads[:30])
+        producer.put_many(payloads[30:])
+        first = consumer.get_many(25, timeout=5.0)
+        assert 1 <= len(first) <= 25
+        rest = drain(consumer, len(payloads) - len(first))
+        assert sorted(m.data for m in first + rest) == sorted(payloads)
+        consumer.ack_many(first + rest)
+        consumer.ack_many(first)  # acking twice is harmless
+        assert consumer.get_many(10, timeout=0.3) == []
+
+
+def test_unacked_messages_come_back_after_close(broker: Broker, namespace: str) -> None:
+    payloads = [b"one", b"two", b"three"]
+    with broker.open(namespace, "producer") as producer:
+        producer.put_many(payloads)
+    first = broker.open(namespace, "consumer")
+    held = drain(first, 3)
+    assert sorted(m.data for m in held) == sorted(payloads)
+    first.close()  # without acking
+    with broker.open(namespace, "consumer") as second:
+        again = drain(second, 3)
+        assert sorted(m.data for m in again) == sorted(payloads)
+        second.ack_many(again)
+
+
+_CHILD = """
+import sys, time
+from srl.runner.distribution.queues import open_queue
+url, namespace, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+q = open_queue(url, namespace=namespace, role="consumer", options=eval(sys.argv[4]))
+held = []
+deadline = time.monotonic() + 20
+while len(held) < count and time.monotonic() < deadline:
+    held += q.get_many(count - len(held), timeout=0.5)
+print("HELD", len(held), flush=True)
+time.sleep(60)
+"""
+
+
+def test_unacked_messages_come_back_after_consumer_is_killed(broker: Broker, namespace: str) -> None:
+    options = dict(broker.options)
+    if broker.name == "pubsub":
+        options["ack_deadline_s"] = 10  # Pub/Sub's minimum: a dead consumer's messages return after it
+    payloads = [b"alpha", b"beta"]
+    with broker.open(namespace, "producer", **options) as producer:
+        producer.put_many(payloads)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, broker.url, namespace, str(len(payloads)), repr(options)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().split() == ["HELD", str(len(payloads))]
+        child.send_signal(signal.SIGKILL)
+        child.wait(5)
+        with broker.open(namespace, "consumer") as survivor:
+            again = drain(survivor, len(payloads), timeout=20.0)
+            assert sorted(m.data for m in again) == sorted(payloads)
+            survivor.ack_many(again)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_one_megabyte_message(broker: Broker, namespace: str) -> None:
+    big = os.urandom(1024 * 1024)
+    with broker.open(namespace, "producer") as producer, broker.open(namespace, "consumer") as consumer:
+        producer.put(big)
+        got = drain(consumer, 1)
+        assert len(got) == 1 and got[0].data == big
+        got[0].ack()
+
+
+def test_depth(broker: Broker, namespace: str) -> None:
+    with broker.open(namespace, "producer") as producer:
+        if not broker.exact_depth:
+            producer.put(b"x")
+            assert producer.depth() is None
+            return
+        producer.put_many([b"m"] * 5)
+        assert producer.depth() == 5
+        with broker.open(namespace, "consumer") as consumer:
+            got = drain(consumer, 5)
+            if broker.name == "redis":
+                assert producer.depth() == 5  # taken but not acked still counts
+            consumer.ack_many(got)
+            deadline = time.monotonic() + 3
+            while producer.depth() != 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert producer.depth() == 0
+
+
+def test_message_above_max_message_bytes_raises(broker: Broker, namespace: str) -> None:
+    with broker.open(namespace, "producer", max_message_bytes=1000) as producer:
+        assert producer.max_message_bytes == 1000
+        producer.put(b"x" * 1000)
+        with pytest.raises(ValueError, match="split"):
+            producer.put(b"x" * 1001)
+        with pytest.raises(ValueError, match="max_message_bytes"):
+            producer.put_many([b"ok", b"x" * 5000])
+        with pytest.raises(TypeError, match="bytes"):
+            producer.put("text")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="empty"):
+            producer.put(b"")
+
+
+def test_default_max_message_bytes_is_sane(broker: Broker, namespace: str) -> None:
+    with broker.open(namespace, "producer") as producer:
+        limit = producer.max_message_bytes
+    expected = {"redis": (64 << 20, 512 << 20), "amqp": (16 << 20, 128 << 20), "mqtt": (16 << 20, 256 << 20),
+                "pubsub": (9_000_000, 10_000_000)}[broker.name]
+    assert expected[0] <= limit <= expected[1]
+
+
+def test_missing_broker_is_a_fast_clear_error(broker: Broker, namespace: str) -> None:
+    port = closed_port()
+    url = {
+        "redis": f"redis://:secret@127.0.0.1:{port}/0",
+        "amqp": f"amqp://guest:secret@127.0.0.1:{port}/",
+        "mqtt": f"mqtt://user:secret@127.0.0.1:{port}",
+        "pubsub": f"pubsub://srl-test?emulator_host=127.0.0.1:{port}",
+    }[broker.name]
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailableError) as info:
+        open_queue(url, namespace=namespace, role="producer")
+    assert time.monotonic() - started < 12
+    text = str(info.value)
+    assert f"127.0.0.1:{port}" in text and "secret" not in text
+    assert "services.sh" in text
+    assert isinstance(info.value, ConnectionError)
+
+
+# ---------------------------------------------------------------- registry and parameters
+def test_unknown_scheme_lists_known_ones_and_suggests() -> None:
+    with pytest.raises(ValueError) as info:
+        open_queue("amqqp://localhost", namespace="ns", role="producer")
+    text = str(info.value)
+    assert "No such queue backend: 'amqqp'" in text
+    assert "amqp, amqps, mqtt, mqtts, pubsub, redis, rediss, unix" in text
+    assert "Did you mean 'amqp'?" in text
+    with pytest.raises(ValueError, match="Did you mean 'mqtt'"):
+        queue_scheme("mqt://x")
+
+
+def test_missing_client_library_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pika", None)  # makes `import pika` raise ImportError
+    monkeypatch.delitem(sys.modules, "srl.runner.distribution.queues.rabbitmq", raising=False)
+    with pytest.raises(MissingBackendLibraryError, match=r'pip install "srl\[rabbitmq\]"') as info:
+        open_queue("amqp://localhost", namespace="ns", role="producer")
+    assert isinstance(info.value, ImportError)
+
+
+def test_core_import_pulls_no_client_library() -> None:
+    code = ("import sys; import srl.runner.distribution.queues as q; "
+            "q.queue_scheme('amqp://x'); q.describe_queue('mqtt://h'); "
+            "print(sorted(m for m in ('pika', 'paho', 'google.cloud.pubsub_v1') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_urls_become_parameters() -> None:
+    r = RabbitMQParameters(url="amqps://bob:pw@rabbit.example:5671/prod")
+    assert (r.host, r.port, r.username, r.password, r.virtual_host, r.ssl) == (
+        "rabbit.example", 5671, "bob", "pw", "prod", True)
+    assert "pw" not in r.describe()
+    m = MQTTParameters(url="mqtts://u:pw@broker:8884/exp/topic?client_id=me")
+    assert (m.host, m.port, m.tls, m.topic_name, m.client_id) == ("broker", 8884, True, "exp/topic", "me")
+    assert "pw" not in m.describe()
+    g = GCPParameters(url="pubsub://my-proj/my-topic?subscription=my-sub&emulator_host=h:1")
+    assert (g.project_id, g.topic_name, g.subscription_name, g.emulator_host) == (
+        "my-proj", "my-topic", "my-sub", "h:1")
+    assert queue_scheme(None) == "redis" and queue_scheme(RedisParameters(host="h")) == "redis"
+    assert queue_scheme("rediss://h") == "redis" and queue_scheme(r) == "amqp"
+    assert queue_scheme(m) == "mqtt" and queue_scheme("pubsub://p") == "pubsub"
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("amqp://host:notaport/", "port"),
+    ("amqp:///vhost", "needs a host"),
+    ("mqtt://", "needs a host"),
+    ("pubsub:///topic", "names the project"),
+    ("pubsub://proj/a/b", "at most one path segment"),
+    ("pubsub://proj/t?colour=red", "unknown option"),
+    ("localhost:5672", "queue URL was expected"),
+])
+def test_malformed_urls_say_what_was_expected(url: str, expected: str) -> None:
+    with pytest.raises(ValueError, match=expected) as info:
+        open_queue(url, namespace="ns", role="producer")
+    assert url.split("?")[0][:12] in str(info.value) or url in str(info.value)
+
+
+def test_unknown_option_is_named() -> None:
+    with pytest.raises(TypeError, match="prefetchh"):
+        open_queue("amqp://localhost", namespace="ns", role="producer", options={"prefetchh": 3})
+
+
+# ---------------------------------------------------------------- broker restarts (private instances)
+@pytest.fixture()
+def private_redis() -> Iterator[PrivateRedis]:
+    server = PrivateRedis()
+    try:
+        server.start()
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"cannot start a private redis-server: {e}")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture()
+def private_mosquitto() -> Iterator[PrivateMosquitto]:
+    server = PrivateMosquitto()
+    try:
+        server.start()
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"cannot start a private mosquitto: {e}")
+    yield server
+    server.cleanup()
+
+
+def _put_while_down(queue: ExperienceQueue, data: bytes) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            queue.put(data)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def test_redis_queue_survives_a_redis_restart(private_redis: PrivateRedis, namespace: str) -> None:
+    url = private_redis.url
+    with open_queue(url, namespace=namespace, role="producer") as producer, \
+            open_queue(url, namespace=namespace, role="consumer") as consumer:
+        producer.put(b"before")
+        [m] = drain(consumer, 1)
+        m.ack()
+        private_redis.stop()
+        thread, errors = _put_while_down(producer, b"after")  # blocks, reconnecting
+        time.sleep(0.5)
+        private_redis.start()
+        thread.join(15)
+        assert not thread.is_alive() and errors == []
+        got = drain(consumer, 1)  # the stream and group vanished with the data: created again
+        assert [m.data for m in got] == [b"after"]
+        consumer.ack_many(got)
+
+
+def test_redis_gives_up_after_reconnect_timeout(private_redis: PrivateRedis, namespace: str) -> None:
+    with open_queue(private_redis.url, namespace=namespace, role="producer",
+                    options={"reconnect_timeout_s": 1.0}) as producer:
+        private_redis.stop()
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailableError, match=f"127.0.0.1:{private_redis.port}.*did not come back"):
+            producer.put(b"lost")
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("binary", redis_server_binaries())
+def test_redis_takeover_by_xautoclaim(binary: str, namespace: str) -> None:
+    """A dead consumer's entries go to the next one, on every Redis version here (6.2 and 7.x replies)."""
+    server = PrivateRedis(binary)
+    try:
+        server.start()
+        options = {"claim_min_idle_s": 0.3, "claim_interval_s": 0.1}
+        with open_queue(server.url, namespace=namespace, role="producer") as producer:
+            producer.put_many([b"p1", b"p2", b"p3"])
+        dead = open_queue(server.url, namespace=namespace, role="consumer", consumer_name="dead", options=options)
+        assert len(drain(dead, 3)) == 3  # and never acked nor closed: it "died"
+        with open_queue(server.url, namespace=namespace, role="consumer", consumer_name="next",
+                        options=options) as survivor:
+            got = drain(survivor, 3, timeout=5)
+            assert sorted(m.data for m in got) == [b"p1", b"p2", b"p3"]
+            assert all("redelivered" in m.source for m in got)
+            survivor.ack_many(got)
+            assert survivor.depth() == 0
+    finally:
+        server.cleanup()
+
+
+def test_mqtt_queue_survives_a_broker_restart(private_mosquitto: PrivateMosquitto, namespace: str) -> None:
+    url = private_mosquitto.url
+    with open_queue(url, namespace=namespace, role="producer") as producer, \
+            open_queue(url, namespace=namespace, role="consumer") as consumer:
+        producer.put(b"held")
+        [held] = drain(consumer, 1)  # not acked across the restart
+        private_mosquitto.stop()  # SIGTERM: mosquitto saves its sessions
+        thread, errors = _put_while_down(producer, b"after")
+        time.sleep(0.5)
+        private_mosquitto.start()
+        thread.join(20)
+        assert not thread.is_alive() and errors == []
+        got = drain(consumer, 2, timeout=15)
+        assert sorted(m.data for m in got) == [b"after", b"held"]
+        consumer.ack_many([*got, held])
+        assert consumer.get(timeout=0.5) is None
+
+
+def _rabbitmqctl_close_connections(namespace: str) -> int:
+    """Make RabbitMQ close this test's connections (CONNECTION_FORCED, as in a broker shutdown)."""
+    listing = subprocess.run(["rabbitmqctl", "list_connections", "pid", "client_properties", "-q",
+                              "--no-table-headers"], capture_output=True, text=True, timeout=30)
+    pids = [line.split("\t")[0] for line in listing.stdout.splitlines() if namespace in line]
+    for pid in pids:
+        subprocess.run(["rabbitmqctl", "close_connection", pid, "srl test: simulated broker restart"],
+                       capture_output=True, timeout=30, check=True)
+    return len(pids)
+
+
+def test_rabbitmq_queue_survives_a_forced_connection_close(namespace: str) -> None:
+    """A private RabbitMQ takes ~7 s to start here, so the broker closes our connections instead."""
+    b = _rabbitmq()
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed")
+    try:
+        with b.open(namespace, "producer") as producer, b.open(namespace, "consumer") as consumer:
+            producer.put(b"held")
+            [held] = drain(consumer, 1)
+            assert _rabbitmqctl_close_connections(namespace) == 2
+            producer.put(b"after")  # reconnects
+            got = drain(consumer, 2)  # reconnects; "held" went back to the queue with the old connection
+            assert sorted(m.data for m in got) == [b"after", b"held"]
+            held.ack()  # void: it came over the lost connection
+            consumer.ack_many(got)
+            assert producer.depth() == 0
+    finally:
+        with b.open(namespace, "consumer") as q:
+            q.destroy()
+
+
+def test_rabbitmq_capacity_refuses_and_reports_the_rejected(namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    b = _rabbitmq()
+    try:
+        with b.open(namespace, "producer", capacity=3) as producer:
+            with pytest.raises(QueueFullError) as info:
+                producer.put_many([b"1", b"2", b"3", b"4", b"5"])
+            assert info.value.rejected == [b"4", b"5"]
+            assert "x-max-length=3" in str(info.value)
+            assert producer.depth() == 3
+        # the queue exists with x-max-length 3: another capacity is explained, and the queue still used
+        with caplog.at_level(logging.WARNING), b.open(namespace, "consumer", capacity=10) as consumer:
+            assert "rabbitmqctl delete_queue" in caplog.text
+            got = drain(consumer, 3)
+            assert sorted(m.data for m in got) == [b"1", b"2", b"3"]
+            consumer.ack_many(got)
+    finally:
+        with b.open(namespace, "consumer") as q:
+            q.destroy()
