@@ -109,6 +109,8 @@ def test_round_trip_is_byte_exact(broker: Broker, namespace: str) -> None:
     with broker.open(namespace, "producer") as producer, broker.open(namespace, "consumer") as consumer:
         for p in payloads:
             producer.put(p)
+        producer.put_many([bytearray(b"from a bytearray"), memoryview(b"from a memoryview")])  # type: ignore[list-item]
+        payloads += [b"from a bytearray", b"from a memoryview"]
         got = drain(consumer, len(payloads))
         assert sorted(m.data for m in got) == sorted(payloads)
         assert all(isinstance(m.data, bytes) and m.source for m in got)

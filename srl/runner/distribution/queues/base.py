@@ -151,6 +151,12 @@ class ExperienceQueue(ABC):
         return f"<{type(self).__name__} {self.source_name}>"
 
     # ------------------------------------------------------------ helpers for backends
+    def _payloads(self, items: Sequence[bytes]) -> list[bytes]:
+        """``items`` checked (bytes-like, not empty, not too large) and as ``bytes``."""
+        for data in items:
+            self._check_payload(data)
+        return [data if isinstance(data, bytes) else bytes(data) for data in items]
+
     def _check_payload(self, data: bytes) -> None:
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(

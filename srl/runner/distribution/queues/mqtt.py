@@ -300,11 +300,9 @@ class MQTTQueue(ExperienceQueue):
         self.put_many([data])
 
     def put_many(self, items: Sequence[bytes]) -> None:
-        for data in items:
-            self._check_payload(data)
+        pending = self._payloads(items)
         if self._closed:
             raise QueueError(f"{self.source_name}: the queue is closed")
-        pending = list(items)
         for _ in range(3):
             unrouted = self._publish_and_wait(pending)
             if not unrouted:

@@ -210,12 +210,10 @@ class PubSubQueue(ExperienceQueue):
         self.put_many([data])
 
     def put_many(self, items: Sequence[bytes]) -> None:
-        for data in items:
-            self._check_payload(data)
+        pending = self._payloads(items)
         if self.publisher is None:
             raise RuntimeError(f"{self.source_name}: put on a queue opened as {self.role!r}")
         publisher = self.publisher
-        pending = [bytes(d) for d in items]
 
         def send() -> None:
             nonlocal pending

@@ -233,9 +233,7 @@ class RabbitMQQueue(ExperienceQueue):
         self.put_many([data])
 
     def put_many(self, items: Sequence[bytes]) -> None:
-        for data in items:
-            self._check_payload(data)
-        pending = list(items)
+        pending = self._payloads(items)
 
         def attempt() -> None:
             nonlocal pending

@@ -121,6 +121,12 @@ class RedisStreamQueue(ExperienceQueue):
             if role == "consumer":
                 self._create_group()
                 self._forget_idle_consumers()
+        except redis.AuthenticationError as e:
+            self._client.close()
+            raise BrokerUnavailableError(
+                f"Redis at {params.describe()} refused the login for the experience queue ({e}); "
+                "check username/password in RedisParameters or the URL"
+            ) from e
         except _TRANSIENT as e:
             self._client.close()
             raise BrokerUnavailableError(
@@ -178,12 +184,11 @@ class RedisStreamQueue(ExperienceQueue):
 
     # ------------------------------------------------------------ producer
     def put(self, data: bytes) -> None:
-        self._check_payload(data)
-        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: data}))
+        [payload] = self._payloads([data])
+        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: payload}))
 
     def put_many(self, items: Sequence[bytes]) -> None:
-        for data in items:
-            self._check_payload(data)
+        items = self._payloads(items)
         if not items:
             return
 
