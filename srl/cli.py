@@ -24,11 +24,19 @@ from srl.runner.distribution.actor import ActorOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.trainer import TrainerOptions
 
-SKIP_FIELDS = {"redis_options", "uid_factory"}
+SKIP_FIELDS = {"redis_options"}
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (CleanRL style)."""
+    """The docstring written under each field of a dataclass and its bases (CleanRL style)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

@@ -142,3 +142,18 @@ def test_the_client_checks_the_env_before_submitting(redis_url: str, namespace: 
     with pytest.raises(EnvError, match="Did you mean 'Pendulum-v1'"):
         runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), max_train_count=5)
     assert board_for(redis_url, namespace).get_status() is None
+
+
+def test_deleting_a_task_removes_its_redis_queue_too(redis_url: str, namespace: str) -> None:
+    from srl.runner.distribution.queues import open_queue
+    from srl.runner.distribution.queues.redis_stream import stream_key_for
+
+    board = board_for(redis_url, namespace)
+    board.create_task({**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "max_train_count": 5})
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    with open_queue(None, namespace=namespace, role="producer", redis_params=redis_params) as queue:
+        queue.put(b"one batch")
+    assert board.client.exists(stream_key_for(namespace))
+    board.delete_task()
+    assert not board.client.exists(stream_key_for(namespace))
+    assert not list(board.client.scan_iter(match=f"*{namespace}*"))

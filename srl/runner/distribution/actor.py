@@ -17,27 +17,24 @@ The loop::
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from srl.base.env import EnvAdapter, EnvError
+from srl.base.env import EnvAdapter
 from srl.base.rl import Columns, Parameter
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError, split_columns
+from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
 from srl.runner.distribution.queues import ExperienceQueue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import with_retry
-from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, build_task, check_queue_matches
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, with_retry
+from srl.runner.distribution.task import StopFlag, TaskSpec
 from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
@@ -45,47 +42,17 @@ logger = logging.getLogger("srl.actor")
 
 
 @dataclass
-class ActorOptions:
+class ActorOptions(NodeOptions):
     """How an actor process behaves (the task itself comes from the board)."""
 
     batch_size: int = 256
     """transitions per message sent to the queue"""
     batch_max_age: float = 1.0
     """seconds a partly filled batch may wait before it is sent anyway"""
-    heartbeat_interval: float = 1.0
-    """seconds between lease renewals (each also reports stats)"""
-    lease_ttl: float = 5.0
-    """seconds the slot stays held without a renewal"""
     params_poll_interval: float = 0.5
     """seconds between checks of the params version on the board"""
-    task_poll_interval: float = 1.0
-    """seconds between looks for a task while idle"""
     compress: bool = False
     """zlib-compress batches (helps on slow links, costs CPU)"""
-    secret: str | None = None
-    """shared secret that signs messages (default: env SRL_SECRET)"""
-    run_once: bool = False
-    """return after one task instead of waiting for the next"""
-    uid: str = field(default_factory=lambda: f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    """this process's name on the board"""
-
-
-class _Counters:
-    """Counter deltas the main loop adds and the heartbeat thread takes (under a lock)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._deltas: dict[str, float] = {}
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._deltas[k] = self._deltas.get(k, 0.0) + v
-
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            out, self._deltas = self._deltas, {}
-        return out
 
 
 class ActorRun:
@@ -106,7 +73,7 @@ class ActorRun:
         self.options = options
         self.lease_name = f"actor:{slot}"
         self.stop = StopFlag()
-        self.counters = _Counters()
+        self.counters = CounterDeltas()
         self.codec = Codec(secret=options.secret, compress=options.compress)
         config = task.rl_config
         torch.set_num_threads(max(1, config.torch_threads))
@@ -335,9 +302,12 @@ class ActorRun:
             logger.warning("could not report the end of actor %s: %s", self.options.uid, e)
 
 
-def _transient(e: BaseException) -> bool:
-    from srl.runner.distribution.retry import TRANSIENT_ERRORS
+    def summary(self) -> str:
+        return (f"slot {self.slot}, {self.env_steps} env steps, {self.sent_batches} batches, "
+                f"stalled {self.backpressure_wait_s:.1f}s")
 
+
+def _transient(e: BaseException) -> bool:
     return isinstance(e, TRANSIENT_ERRORS)
 
 
@@ -353,66 +323,20 @@ def actor_run_forever(
     Keyword overrides set :class:`ActorOptions` fields (``run_once=True``, ``batch_size=128``...).
     """
     ensure_logging()
-    options = options or ActorOptions()
-    for k, v in option_overrides.items():
-        if not hasattr(options, k):
-            raise TypeError(f"actor_run_forever() got an unknown option {k!r}; ActorOptions has "
-                            f"{sorted(options.__dataclass_fields__)}")
-        setattr(options, k, v)
-    if redis_params.is_embedded:
-        raise ValueError(
-            "actor_run_forever needs the address of the board's Redis (RedisParameters(host=...) or url=...); "
-            "an embedded Redis exists only inside the client process that started it"
-        )
+    opts = apply_overrides(options or ActorOptions(), option_overrides, "actor_run_forever")
+    opts.set_default_uid("actor")
+    require_remote(redis_params, "actor_run_forever")
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
-    logger.info("actor %s ready; waiting for a task on %s", options.uid, where)
-    waiting_logged = ""
+    logger.info("actor %s ready; waiting for a task on %s", opts.uid, where)
+    ttl_ms = int(opts.lease_ttl * 1000)
     try:
-        while True:
-            status = with_retry(board.get_status, f"reading the task on {where}")
-            if status is None or status.status != "ACTIVE":
-                state = "no task" if status is None else f"task {status.status}"
-                if state != waiting_logged:
-                    logger.info("waiting for an ACTIVE task on %s (now: %s)", where, state)
-                    waiting_logged = state
-                time.sleep(options.task_poll_interval)
-                continue
-            try:
-                task = build_task(board.get_task_config())
-            except TaskConfigError as e:
-                logger.error("cannot build the task: %s", e)
-                board.end_task("FAILED", f"actor {options.uid}: {e}")
-                continue
-            check_queue_matches(task, queue_params, "actor")
-            slot = with_retry(
-                functools.partial(board.claim_actor_slot, options.uid, task.actor_num, int(options.lease_ttl * 1000)),
-                "claiming an actor slot",
-            )
-            if slot is None:
-                if waiting_logged != "standby":
-                    logger.info("all %d actor slots are held; standing by to take one that frees", task.actor_num)
-                    waiting_logged = "standby"
-                time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
-                continue
-            waiting_logged = ""
-            try:
-                run = ActorRun(board, redis_params, queue_params, task, slot, options)
-            except (EnvError, ValueError) as e:  # the task cannot run here: say why on the board
-                board.release_lease(f"actor:{slot}", options.uid)
-                logger.error("cannot build the task's env or worker: %s", e)
-                board.end_task("FAILED", f"actor {options.uid} cannot build the task: {e}")
-                if options.run_once:
-                    return
-                continue
-            except BaseException:
-                board.release_lease(f"actor:{slot}", options.uid)  # free it now, not when it expires
-                raise
-            reason = run.run()
-            logger.info("actor %s left slot %d: %s (%d env steps, %d batches, stalled %.1fs)",
-                        options.uid, slot, reason, run.env_steps, run.sent_batches, run.backpressure_wait_s)
-            if options.run_once:
-                return
-            time.sleep(options.task_poll_interval)
+        serve(
+            "actor", board, where, opts, queue_params,
+            claim=lambda task: board.claim_actor_slot(opts.uid, task.actor_num, ttl_ms),
+            lease_name=lambda slot: f"actor:{slot}",
+            standby_note=lambda task: f"all {task.actor_num} actor slots are held; standing by to take one that frees",
+            build_run=lambda task, slot: ActorRun(board, redis_params, queue_params, task, slot, opts),
+        )
     except KeyboardInterrupt:
-        logger.info("actor %s interrupted; exiting (any slot it held is released)", options.uid)
+        logger.info("actor %s interrupted; exiting (any slot it held is released)", opts.uid)

@@ -20,25 +20,23 @@ The loop::
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from srl.base.env import EnvAdapter, EnvError
+from srl.base.env import EnvAdapter
 from srl.rl.memories import Memory
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import Codec, DecodeError
+from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
 from srl.runner.distribution.queues import Message, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, with_retry
-from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, build_task, check_queue_matches
+from srl.runner.distribution.task import StopFlag, TaskSpec
 from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
@@ -46,27 +44,15 @@ logger = logging.getLogger("srl.trainer")
 
 
 @dataclass
-class TrainerOptions:
+class TrainerOptions(NodeOptions):
     """How a trainer process behaves (the task itself comes from the board)."""
 
     publish_interval: float = 1.0
     """seconds between params publications to the board"""
-    heartbeat_interval: float = 1.0
-    """seconds between lease renewals (each also reports stats)"""
-    lease_ttl: float = 5.0
-    """seconds the trainer lease stays held without a renewal"""
     ingest_max_messages: int = 16
     """batches fetched from the queue per round trip"""
-    task_poll_interval: float = 1.0
-    """seconds between looks for a task while idle"""
-    secret: str | None = None
-    """shared secret that messages must be signed with (default: env SRL_SECRET)"""
     max_message_bytes: int = 256 * 2**20
     """larger messages are refused as oversized"""
-    run_once: bool = False
-    """return after one task (the notebook use)"""
-    uid: str = field(default_factory=lambda: f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    """this process's name on the board"""
 
 
 class _SeenBatches:
@@ -120,8 +106,7 @@ class TrainerRun:
         self.trained = threading.Event()
         self.start_train_count = 0
         self.seen = _SeenBatches()
-        self._counter_lock = threading.Lock()
-        self._counter_deltas: dict[str, float] = {}
+        self.counters = CounterDeltas()
         self.received_batches = 0
         self.received_transitions = 0
         self.bad_messages = 0
@@ -130,16 +115,6 @@ class TrainerRun:
         self.env_steps_total = 0
         self.loss: float | None = None
         self.task_started_at: float | None = None
-
-    def _count(self, **deltas: float) -> None:
-        with self._counter_lock:
-            for k, v in deltas.items():
-                self._counter_deltas[k] = self._counter_deltas.get(k, 0.0) + v
-
-    def _take_counts(self) -> dict[str, float]:
-        with self._counter_lock:
-            out, self._counter_deltas = self._counter_deltas, {}
-        return out
 
     # ------------------------------------------------------------ restore
     def restore(self) -> None:
@@ -221,7 +196,8 @@ class TrainerRun:
         self.received_transitions += transitions
         self.bad_messages += bad
         self.duplicates += dups
-        self._count(received_batches=received, received_transitions=transitions, bad_messages=bad, duplicates=dups)
+        self.counters.add(received_batches=received, received_transitions=transitions, bad_messages=bad,
+                          duplicates=dups)
 
     # ------------------------------------------------------------ board thread
     def _board_loop(self) -> None:
@@ -248,7 +224,7 @@ class TrainerRun:
                 }
                 last_train, last_recv, last_time = train_count, self.received_transitions, now
                 hb = self.board.heartbeat(
-                    "trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, self._take_counts()
+                    "trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, self.counters.take()
                 )
                 if not hb.lease_held:
                     self.stop.set("lost the trainer lease (another trainer took over, or this one was paused)")
@@ -338,11 +314,15 @@ class TrainerRun:
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             ingest.join(timeout=10)
             try:
-                self.board.incr_counters("trainer", **self._take_counts())
+                self.board.incr_counters("trainer", **self.counters.take())
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, e)
         return self.stop.reason
+
+    def summary(self) -> str:
+        return (f"epoch {self.epoch}, train_count {self.trainer.train_count}, received {self.received_batches} "
+                f"batches, {self.bad_messages} bad, {self.duplicates} duplicates")
 
 
 def trainer_run_forever(
@@ -358,70 +338,23 @@ def trainer_run_forever(
     :class:`TrainerOptions` fields.
     """
     ensure_logging()
-    options = options or TrainerOptions()
-    options.run_once = options.run_once or run_once
-    for k, v in option_overrides.items():
-        if not hasattr(options, k):
-            raise TypeError(f"trainer_run_forever() got an unknown option {k!r}; TrainerOptions has "
-                            f"{sorted(options.__dataclass_fields__)}")
-        setattr(options, k, v)
-    if redis_params.is_embedded:
-        raise ValueError(
-            "trainer_run_forever needs the address of the board's Redis (RedisParameters(host=...) or url=...); "
-            "an embedded Redis exists only inside the client process that started it"
-        )
+    opts = apply_overrides(options or TrainerOptions(), option_overrides, "trainer_run_forever")
+    opts.run_once = opts.run_once or run_once
+    opts.set_default_uid("trainer")
+    require_remote(redis_params, "trainer_run_forever")
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
-    logger.info("trainer %s ready (cuda available: %s); waiting for a task on %s", options.uid,
+    logger.info("trainer %s ready (cuda available: %s); waiting for a task on %s", opts.uid,
                 torch.cuda.is_available(), where)
-    waiting_logged = ""
+    ttl_ms = int(opts.lease_ttl * 1000)
     try:
-        while True:
-            status = with_retry(board.get_status, f"reading the task on {where}")
-            if status is None or status.status != "ACTIVE":
-                state = "no task" if status is None else f"task {status.status}"
-                if state != waiting_logged:
-                    logger.info("waiting for an ACTIVE task on %s (now: %s)", where, state)
-                    waiting_logged = state
-                time.sleep(options.task_poll_interval)
-                continue
-            try:
-                task = build_task(board.get_task_config())
-            except TaskConfigError as e:
-                # the task itself cannot be built (unknown algorithm, bad field): no node could run it
-                logger.error("cannot build the task: %s", e)
-                board.end_task("FAILED", f"trainer {options.uid}: {e}")
-                if options.run_once:
-                    return
-                continue
-            check_queue_matches(task, queue_params, "trainer")
-            epoch = with_retry(lambda: board.claim_trainer(options.uid, int(options.lease_ttl * 1000)),
-                               "claiming the trainer lease")
-            if epoch is None:
-                if waiting_logged != "standby":
-                    holder, _ = board.lease_holder("trainer")
-                    logger.info("trainer lease held by %s; standing by to take over", holder)
-                    waiting_logged = "standby"
-                time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
-                continue
-            waiting_logged = ""
-            try:
-                run = TrainerRun(board, redis_params, queue_params, task, epoch, options)
-            except (EnvError, ValueError, RuntimeError) as e:  # e.g. a network the device cannot hold
-                board.release_lease("trainer", options.uid)
-                logger.error("cannot build the task's trainer: %s", e)
-                board.end_task("FAILED", f"trainer {options.uid} cannot build the task: {e}")
-                if options.run_once:
-                    return
-                continue
-            except BaseException:
-                board.release_lease("trainer", options.uid)  # a standby may take over at once
-                raise
-            reason = run.run()
-            logger.info("trainer %s done with epoch %d: %s (train_count %d, received %d batches, %d bad, "
-                        "%d duplicates)", options.uid, epoch, reason, run.trainer.train_count,
-                        run.received_batches, run.bad_messages, run.duplicates)
-            if options.run_once:
-                return
+        serve(
+            "trainer", board, where, opts, queue_params,
+            claim=lambda task: board.claim_trainer(opts.uid, ttl_ms),
+            lease_name=lambda epoch: "trainer",
+            standby_note=lambda task: f"trainer lease held by {board.lease_holder('trainer')[0]}; "
+                                      "standing by to take over",
+            build_run=lambda task, epoch: TrainerRun(board, redis_params, queue_params, task, epoch, opts),
+        )
     except KeyboardInterrupt:
-        logger.info("trainer %s interrupted; exiting (its lease, if any, is released)", options.uid)
+        logger.info("trainer %s interrupted; exiting (its lease, if any, is released)", opts.uid)

@@ -62,7 +62,7 @@ class Message(Protocol):
     data: bytes
     """the payload, byte for byte what the producer put"""
     source: str
-    """human-readable origin for log lines, e.g. ``redis stream srl:ns:exp id 1700-0``"""
+    """human-readable origin for log lines, e.g. ``redis stream srl:{ns}:queue:exp id 1700-0``"""
 
     def ack(self) -> None:
         """Tell the broker this message is handled; it will not be delivered again."""

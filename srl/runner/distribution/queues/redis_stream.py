@@ -22,7 +22,7 @@ Connection string:
     the client comes from ``RedisParameters.connect()``.
 
 Options (``open_queue(..., options={...})``):
-    stream_key           stream name (default ``srl:<namespace>:exp``)
+    stream_key           stream name (default ``srl:{<namespace>}:queue:exp``, under the board's prefix)
     group_name           consumer group (default ``trainer``)
     claim_min_idle_s     idle time after which another consumer's entry is taken over (30)
     claim_interval_s     how often a consumer looks for such entries (min(10, claim_min_idle_s / 2))
@@ -45,6 +45,7 @@ from typing import Any
 
 import redis
 
+from srl.runner.distribution.board import task_key_prefix
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -72,8 +73,9 @@ _RELEASED_IDLE_MS = 10**10
 
 
 def stream_key_for(namespace: str) -> str:
-    """The stream that holds task ``namespace``'s experience (for the board's key list)."""
-    return f"srl:{namespace}:exp"
+    """The stream that holds task ``namespace``'s experience: under the board's key prefix, so
+    ``Board.delete_task`` removes it with every other key of the task."""
+    return task_key_prefix(namespace) + "queue:exp"
 
 
 class RedisStreamQueue(ExperienceQueue):
