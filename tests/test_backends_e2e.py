@@ -1,0 +1,44 @@
+"""A whole distributed run over each queue backend: Redis holds only the board."""
+
+from __future__ import annotations
+
+import pytest
+
+import srl
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from tests.nodes import board_for, tiny_config
+from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
+
+pytestmark = pytest.mark.slow
+
+
+def test_distributed_run_ends_with_an_evaluation(broker: Broker, redis_url: str, namespace: str) -> None:  # noqa: F811
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner.train_distribution(
+        RedisParameters(url=redis_url, task_name=namespace), broker.url, actor_num=2, max_train_count=300,
+        progress_interval=None, local_processes=True, actor_options={"batch_size": 64, "batch_max_age": 0.2},
+    )
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters["received_transitions"] >= tiny_config().warmup_size
+    assert counters.get("bad_messages", 0) == 0
+    assert runner.train_count == 300
+    assert len(runner.evaluate(max_episodes=2)) == 2
+    board.delete_task()
+
+
+def test_a_node_with_another_queue_than_the_task_refuses(redis_url: str, namespace: str) -> None:
+    from srl.runner.distribution.task import TaskConfigError, build_task, check_queue_matches
+
+    board = board_for(redis_url, namespace)
+    config = srl.Runner("Pendulum-v1", tiny_config()).task_config()
+    board.create_task({**config, "max_train_count": 5,
+                       "queue": {"scheme": "amqp", "describe": "amqp://127.0.0.1:5672/ queue srl.x", "capacity": 8}})
+    task = build_task(board.get_task_config())
+    with pytest.raises(TaskConfigError, match=r"amqp://127.0.0.1:5672/.*queue_params=None"):
+        check_queue_matches(task, None, "actor")
+    check_queue_matches(task, "amqp://guest:guest@127.0.0.1:5672/", "actor")
+    board.delete_task()
