@@ -3,13 +3,15 @@
     python bench/distribution.py [--seconds 15] [--target -200] [--max-wait 120]
 
 Rows (ours, the baseline measured in the same run, their ratio):
+  Rows 1-3 come from a run with the actors flat out (no rate limit).
   1. trainer train steps/s while ingesting ÷ the same trainer alone on a filled
      memory (pure learning, no env) and ÷ single-process Runner.train   (goal >= 0.9)
   2. actor env steps/s while sending ÷ bare collection with the same policy (goal >= 0.9):
      once beside the trainer (two processes, two cores) and once with the
      queue drained by a consumer that only decodes and acks
   3. Redis commands per transition, from INFO commandstats           (goal <= 0.05)
-  4. wall time until the evaluation mean >= target with one actor     (goal <= 60 s)
+  4. wall time until the evaluation mean >= target with one actor     (goal <= 60 s),
+     with the actors' default rate limit and flat out
 
 Everything runs on this machine: an embedded Redis, one trainer process and
 one actor process. On two cores the trainer and the actor each take one, so
@@ -32,6 +34,7 @@ import srl
 from srl.algorithms import dqn
 from srl.base.env import EnvAdapter
 from srl.runner.distribution.board import Board
+from srl.runner.distribution.client import DEFAULT_ENV_STEPS_PER_TRAIN
 from srl.runner.distribution.codec import Codec
 from srl.runner.distribution.embedded import start_embedded_redis
 
@@ -175,7 +178,7 @@ def distributed(seconds: float, target: float, max_wait: float, inserts: float |
     def client() -> None:
         try:
             runner.train_distribution(params, actor_num=1, timeout=max_wait, progress_interval=10.0,
-                                      local_processes=True, max_inserts_per_train=inserts)
+                                      local_processes=True, env_steps_per_train=inserts)
         except BaseException as e:
             client_error.append(e)
 
@@ -222,8 +225,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="measuring window for each rate")
     parser.add_argument("--target", type=float, default=-200.0, help="evaluation mean to reach")
     parser.add_argument("--max-wait", type=float, default=120.0, help="give up on the target after this")
-    parser.add_argument("--max-inserts-per-train", type=float, default=None,
-                        help="the trainer's optional rate limit (transitions per train step)")
+    parser.add_argument("--env-steps-per-train", type=float, default=DEFAULT_ENV_STEPS_PER_TRAIN,
+                        help="the actors' rate limit (env steps per train step); 0: none")
     args = parser.parse_args()
 
     print("measuring baselines (single process, idle machine) ...", flush=True)
@@ -232,13 +235,17 @@ def main() -> None:
     bare = bare_collection(args.seconds)
     print("measuring one actor process with a drain-only consumer ...", flush=True)
     actor_drained = actor_with_drain(args.seconds)
-    print("measuring the distributed run (embedded Redis, 1 trainer + 1 actor process) ...", flush=True)
-    d = distributed(args.seconds, args.target, args.max_wait, args.max_inserts_per_train)
-    if d["error"] is not None:
-        print(f"the distributed run failed: {d['error']!r}")
+    print("measuring the distributed run, actors flat out (embedded Redis, 1 trainer + 1 actor process) ...",
+          flush=True)
+    d = distributed(args.seconds, args.target, args.max_wait, None)
+    limit = args.env_steps_per_train or None
+    print(f"measuring the distributed run with the actors' rate limit env_steps_per_train={limit} ...", flush=True)
+    d_limited = distributed(args.seconds, args.target, args.max_wait, limit)
+    for run in (d, d_limited):
+        if run["error"] is not None:
+            print(f"a distributed run failed: {run['error']!r}")
 
     per_transition = d["redis_calls"] / max(d["transitions"], 1.0)
-    reached = d["reached"]
     print()
     print("Pendulum-v1 DQN (64x64, proportional, capacity 5000), 1 actor, embedded Redis, this machine")
     print(f"{'measure':<52} {'ours':>10} {'baseline':>10} {'ratio':>7} {'goal':>8}")
@@ -246,20 +253,26 @@ def main() -> None:
           f"{d['train_rate'] / alone:>7.2f} {'>= 0.9':>8}")
     print(f"{'trainer train steps/s ingesting vs Runner.train':<52} {d['train_rate']:>10.0f} {runner_rate:>10.0f} "
           f"{d['train_rate'] / runner_rate:>7.2f} {'>= 0.9':>8}")
+    print(f"{'  the same, actor rate-limited (a core left free)':<52} {d_limited['train_rate']:>10.0f} {alone:>10.0f} "
+          f"{d_limited['train_rate'] / alone:>7.2f} {'>= 0.9':>8}")
     print(f"{'actor env steps/s sending vs bare collection':<52} {d['actor_rate']:>10.0f} {bare:>10.0f} "
           f"{d['actor_rate'] / bare:>7.2f} {'>= 0.9':>8}")
     print(f"{'actor env steps/s sending, queue drained, no trainer':<52} {actor_drained:>10.0f} {bare:>10.0f} "
           f"{actor_drained / bare:>7.2f} {'>= 0.9':>8}")
     print(f"{'Redis commands per transition':<52} {per_transition:>10.4f} {'':>10} {'':>7} {'<= 0.05':>8}")
-    if reached is not None:
-        print(f"{'wall s until evaluation >= ' + str(args.target):<52} {reached[0]:>10.1f} {'':>10} {'':>7} "
-              f"{'<= 60':>8}   (train_count {reached[1]}, eval {reached[2]:.1f})")
-    else:
-        print(f"{'wall s until evaluation >= ' + str(args.target):<52} {'not in ' + str(args.max_wait):>10}")
+    for name, run in ((f"env_steps_per_train={limit}", d_limited), ("actors flat out", d)):
+        reached = run["reached"]
+        label = f"wall s until eval >= {args.target:g}, {name}"
+        if reached is not None:
+            print(f"{label:<52} {reached[0]:>10.1f} {'':>10} {'':>7} {'<= 60':>8}   "
+                  f"(train_count {reached[1]}, eval {reached[2]:.1f})")
+        else:
+            print(f"{label:<52} {'not in ' + str(args.max_wait):>10}")
     print()
-    print("evaluations during the run (wall s, train_count, mean of 5 episodes):")
-    print("  " + ", ".join(f"({w:.0f}s, {c}, {m:.0f})" for w, c, m in d["history"]))
-    print(f"transitions sent {d['transitions']:.0f}, Redis commands {d['redis_calls']}")
+    for name, run in ((f"env_steps_per_train={limit}", d_limited), ("actors flat out", d)):
+        print(f"evaluations during the run, {name} (wall s, train_count, mean of 5 episodes):")
+        print("  " + ", ".join(f"({w:.0f}s, {c}, {m:.0f})" for w, c, m in run["history"]))
+    print(f"flat out: transitions sent {d['transitions']:.0f}, Redis commands {d['redis_calls']}")
 
 
 if __name__ == "__main__":

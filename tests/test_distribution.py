@@ -170,7 +170,7 @@ def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
     capacity, actor_num = 6, 2
     runner = srl.Runner("Pendulum-v1", tiny_config())
     client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=actor_num,
-                          max_train_count=1500, queue_capacity=capacity)
+                          max_train_count=1500, queue_capacity=capacity, env_steps_per_train=None)
     client.start()
     board = board_for(redis_url, namespace)
     trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)

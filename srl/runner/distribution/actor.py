@@ -98,6 +98,8 @@ class ActorRun:
         self.sent_batches = 0
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
+        self.throttled_s = 0.0
+        self._trained_base: int | None = None
         self.recent_rewards: list[float] = []
         self.started = time.monotonic()
 
@@ -158,6 +160,7 @@ class ActorRun:
             "params_lag": max(0, self.latest_version - self.params_version),
             "backpressure_wait_s": round(self.backpressure_wait_s + stalled_now, 3),
             "stalled_now_s": round(stalled_now, 3),
+            "rate_limited_s": round(self.throttled_s, 3),
             "reward": round(float(np.mean(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
             "epsilon": round(float(getattr(self.worker, "epsilon", 0.0)), 5),
         }
@@ -192,6 +195,29 @@ class ActorRun:
             return
         self.params_epoch, self.params_version = epoch, version
         self.parameter.version = version
+
+    # ------------------------------------------------------------ rate limit
+    def _allowed_steps(self) -> float:
+        """Env steps this actor may have taken by now: its share of warmup plus env_steps_per_train per
+        train step the trainer made since this actor started, plus one batch of slack (so the warmup's
+        last transitions are not stuck in an unsent batch)."""
+        limit = self.task.env_steps_per_train or 0.0
+        trained = max(0, self.latest_version)
+        if self._trained_base is None:
+            self._trained_base = trained
+        warmup = self.task.rl_config.warmup_size
+        share = (warmup + limit * (trained - self._trained_base)) / self.task.actor_num
+        return share + self.options.batch_size
+
+    def _throttle(self) -> None:
+        """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
+        columns = self.worker.take_transitions()
+        if columns is not None:
+            self._send(columns)
+        started = time.monotonic()
+        while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
+            self.stop.wait(0.01)
+        self.throttled_s += time.monotonic() - started
 
     # ------------------------------------------------------------ sending
     def _wait_for_room(self) -> None:
@@ -259,6 +285,10 @@ class ActorRun:
             while not self.stop.is_set():
                 if self._staged is not None:
                     self._apply_staged_params()
+                if self.task.env_steps_per_train is not None and self.env_steps >= self._allowed_steps():
+                    self._throttle()
+                    batch_started = time.monotonic()
+                    continue
                 action = worker.act(obs)
                 next_obs, reward, terminated, truncated = env.step(action)
                 worker.on_step(obs, action, reward, next_obs, terminated, truncated)

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("srl.client")
 
 
+DEFAULT_ENV_STEPS_PER_TRAIN = 2.0
+"""default rate limit (see ``train_distribution``)"""
+
+
 class TaskFailedError(RuntimeError):
     """The distributed task ended FAILED; the message carries the reason a node gave."""
 
@@ -49,7 +53,7 @@ def train_distribution(
     progress_interval: float | None = 5.0,
     overwrite: bool = False,
     queue_capacity: int = 8,
-    max_inserts_per_train: float | None = None,
+    env_steps_per_train: float | None = DEFAULT_ENV_STEPS_PER_TRAIN,
     secret: str | None = None,
     local_processes: bool | None = None,
     actor_options: dict[str, Any] | None = None,
@@ -66,8 +70,9 @@ def train_distribution(
         progress_interval: seconds between progress lines (None: quiet).
         overwrite: replace a task of the same name that is still INIT/ACTIVE.
         queue_capacity: batches allowed in the queue before actors wait (backpressure).
-        max_inserts_per_train: optional rate limit: past warmup, the trainer takes at most this many
-            transitions per train step and backpressure slows the actors (None: as fast as they go).
+        env_steps_per_train: rate limit: past warmup, all actors together take at most this many env
+            steps per train step, so a small replay memory is not flushed by actors far faster than
+            the trainer (None: actors run flat out, the Ape-X way, for many actors and a big memory).
         secret: shared secret signing every message (default: env SRL_SECRET).
         local_processes: start the trainer and actors here (default: only with an embedded Redis).
         actor_options, trainer_options: ActorOptions / TrainerOptions fields for local processes.
@@ -97,7 +102,7 @@ def train_distribution(
             "max_steps": max_steps,
             "timeout": timeout,
             "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
-            "max_inserts_per_train": max_inserts_per_train,
+            "env_steps_per_train": env_steps_per_train,
         }
         with_retry(lambda: board.ping(), f"connecting to {resolved.describe()}", max_wait=10)
         board.create_task(task, overwrite=overwrite)
@@ -220,7 +225,7 @@ def progress_lines(
         lines.append(
             f"  actor {i} {holder}: {s.get('env_steps_per_s', 0)} steps/s, {s.get('episodes', 0)} episodes, "
             f"reward {s.get('reward', '-')}, params lag {lag}, "
-            f"stalled {s.get('backpressure_wait_s', 0)}s{waiting}"
+            f"stalled {s.get('backpressure_wait_s', 0)}s, rate-limited {s.get('rate_limited_s', 0)}s{waiting}"
         )
     return lines
 

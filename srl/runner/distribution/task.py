@@ -32,9 +32,9 @@ class TaskSpec:
     timeout: float | None
     queue: dict[str, Any]
     """scheme and description of the experience queue the client chose"""
-    max_inserts_per_train: float | None = None
-    """past warmup, the trainer takes at most this many transitions into memory per train step;
-    the rest waits in the queue and backpressure slows the actors (None: no limit)"""
+    env_steps_per_train: float | None = None
+    """past warmup, all actors together step at most this many env steps per trainer train step
+    (each actor its 1/actor_num share); None: actors step as fast as they can"""
 
 
 def build_task(data: dict[str, Any]) -> TaskSpec:
@@ -53,7 +53,7 @@ def build_task(data: dict[str, Any]) -> TaskSpec:
             max_steps=data.get("max_steps"),
             timeout=data.get("timeout"),
             queue=dict(data.get("queue") or {}),
-            max_inserts_per_train=data.get("max_inserts_per_train"),
+            env_steps_per_train=data.get("env_steps_per_train"),
         )
     except KeyError as e:
         raise TaskConfigError(f"task config lacks {e.args[0]!r}; it was written by an incompatible client") from e

@@ -103,8 +103,6 @@ class TrainerRun:
         self.queue_params = queue_params
         self.redis_params = redis_params
         self.data_arrived = threading.Event()
-        self.trained = threading.Event()
-        self.start_train_count = 0
         self.seen = _SeenBatches()
         self.counters = CounterDeltas()
         self.received_batches = 0
@@ -146,10 +144,6 @@ class TrainerRun:
             queue = open_queue(self.queue_params, namespace=self.redis_params.task_name, role="consumer",
                                redis_params=self.redis_params, consumer_name=opts.uid)
             while not self.stop.is_set():
-                if self._over_insert_limit():
-                    self.trained.wait(0.05)
-                    self.trained.clear()
-                    continue
                 messages = queue.get_many(opts.ingest_max_messages, timeout=0.2)
                 if not messages:
                     continue
@@ -162,14 +156,6 @@ class TrainerRun:
         finally:
             if queue is not None:
                 queue.close()
-
-    def _over_insert_limit(self) -> bool:
-        """Rate limit (optional): past warmup, at most max_inserts_per_train transitions per train step."""
-        limit = self.task.max_inserts_per_train
-        if limit is None:
-            return False
-        trained = self.trainer.train_count - self.start_train_count
-        return self.received_transitions >= self.task.rl_config.warmup_size + limit * trained
 
     def _ingest(self, messages: list[Message]) -> None:
         received = transitions = bad = dups = 0
@@ -280,7 +266,6 @@ class TrainerRun:
         status = self.board.get_status()
         self.task_started_at = status.started_at if status is not None else None
         self.restore()
-        self.start_train_count = self.trainer.train_count
         ingest = threading.Thread(target=self._ingest_loop, name="srl-trainer-ingest", daemon=True)
         board_thread = threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True)
         ingest.start()
@@ -300,7 +285,6 @@ class TrainerRun:
                     self.data_arrived.clear()
                 else:
                     self.loss = stats.loss
-                    self.trained.set()
                 if time.monotonic() >= next_publish:
                     next_publish = time.monotonic() + opts.publish_interval
                     self.publish()
