@@ -175,7 +175,8 @@ def _status(board: Any, redis_params: RedisParameters, watch: float | None, even
         if status.end_reason:
             print(f"  ended: {status.end_reason}")
         for event in board.get_events(events):
-            print(f"  event: {event}")
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.ts))
+            print(f"  {stamp} {event.level:<7} {event.text}")
         if watch is None:
             return 0
         time.sleep(watch)

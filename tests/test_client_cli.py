@@ -157,3 +157,25 @@ def test_deleting_a_task_removes_its_redis_queue_too(redis_url: str, namespace: 
     board.delete_task()
     assert not board.client.exists(stream_key_for(namespace))
     assert not list(board.client.scan_iter(match=f"*{namespace}*"))
+
+
+def test_events_tell_who_did_what(redis_url: str, namespace: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=200)
+    client.start()
+    nodes = [Node("trainer", redis_url, namespace, tmp_path, "--run-once"),
+             Node("actor", redis_url, namespace, tmp_path, "--run-once")]
+    try:
+        client.join(120)
+        assert client.error is None, client.error
+        for node in nodes:
+            node.proc.wait(timeout=30)
+    finally:
+        kill_all(nodes)
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    assert main(["status", "--host", host, "--port", port, "--task-name", namespace, "--events", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "task END" in out and "max_train_count 200 reached" in out
+    for text in ("task submitted", "took lease trainer", "took lease actor:0", "trainer trainer-", "stopped: task END"):
+        assert text in out, text

@@ -111,6 +111,8 @@ def train_distribution(
             procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
                                           trainer_options or {})
         board.set_active()
+        board.log_event(f"task submitted: {task['algorithm']} on {runner.env_config}, {actor_num} actor(s)",
+                        source="client")
         logger.info("task %r submitted to %s: %s on %s, %d actor(s)", resolved.task_name, resolved.describe(),
                     task["algorithm"], runner.env_config, actor_num)
         status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs)
@@ -198,7 +200,7 @@ def progress_lines(
         f"task {status.status.value} {format_seconds(elapsed)} elapsed, "
         f"ETA {format_seconds(min(known) if known else None)}"
         f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
-        f" | batches sent {sent:.0f} received {received:.0f} (in flight {sent - received:.0f})"
+        f" | batches sent {sent:.0f} received {received:.0f} (in flight ~{max(0.0, sent - received):.0f})"
         f" | bad {counters.get('bad_messages', 0):.0f}"
     ]
     holder, _ = board.lease_holder("trainer")

@@ -9,6 +9,7 @@ is interrupted. Must never: know what an actor or a trainer does inside a run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 from srl.base.env import EnvError
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import with_retry
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, with_retry
 from srl.runner.distribution.task import TaskConfigError, TaskSpec, build_task, check_queue_matches
 
 logger = logging.getLogger("srl.node")
@@ -132,6 +133,7 @@ def serve(
         except TaskConfigError as e:  # unknown algorithm, bad field: no node could run it
             logger.error("cannot build the task: %s", e)
             board.end_task("FAILED", f"{role} {options.uid}: {e}")
+            board.log_event(f"task FAILED: {e}", level="ERROR", source=options.uid)
             if options.run_once:
                 return
             continue
@@ -142,12 +144,14 @@ def serve(
             time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
             continue
         waiting = ""
+        board.log_event(f"{role} {options.uid} took lease {lease_name(claimed)} ({role} {claimed})", source=options.uid)
         try:
             run = build_run(task, claimed)
         except (EnvError, ValueError, RuntimeError) as e:  # an env, network or device this task cannot have
             board.release_lease(lease_name(claimed), options.uid)
             logger.error("%s cannot build the task: %s", role, e)
             board.end_task("FAILED", f"{role} {options.uid} cannot build the task: {e}")
+            board.log_event(f"task FAILED: {role} cannot build the task: {e}", level="ERROR", source=options.uid)
             if options.run_once:
                 return
             continue
@@ -156,6 +160,8 @@ def serve(
             raise
         reason = run.run()
         logger.info("%s %s stopped: %s (%s)", role, options.uid, reason, run.summary())
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            board.log_event(f"{role} {options.uid} stopped: {reason} ({run.summary()})", source=options.uid)
         if options.run_once:
             return
         time.sleep(options.task_poll_interval)

@@ -19,6 +19,7 @@ The loop::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -109,6 +110,8 @@ class TrainerRun:
         self.received_transitions = 0
         self.bad_messages = 0
         self.duplicates = 0
+        self.last_bad = ""
+        self._bad_reported = 0
         self.queue_depth: int | None = None
         self.env_steps_total = 0
         self.loss: float | None = None
@@ -165,6 +168,7 @@ class TrainerRun:
             except DecodeError as e:
                 bad += 1
                 logger.warning("skipped a bad message from %s: %s", message.source, e)
+                self.last_bad = f"{message.source}: {e}"
                 continue
             if not self.seen.first_time(header.actor_id, header.seq):
                 dups += 1
@@ -209,6 +213,10 @@ class TrainerRun:
                     "device": str(self.device),
                 }
                 last_train, last_recv, last_time = train_count, self.received_transitions, now
+                if self.bad_messages > self._bad_reported:  # one event per heartbeat, not one per message
+                    self.board.log_event(f"{self.bad_messages - self._bad_reported} bad message(s) skipped; "
+                                         f"last from {self.last_bad}", level="WARNING", source=opts.uid)
+                    self._bad_reported = self.bad_messages
                 hb = self.board.heartbeat(
                     "trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, self.counters.take()
                 )
@@ -247,6 +255,9 @@ class TrainerRun:
         )
         if not ok:
             self.stop.set(f"params write refused: epoch {self.epoch} is fenced off by a newer trainer")
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                self.board.log_event(f"params write of epoch {self.epoch} refused (fenced)", level="WARNING",
+                                     source=self.options.uid)
         return ok
 
     def _limit_reached(self) -> str | None:
