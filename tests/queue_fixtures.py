@@ -87,21 +87,29 @@ class PrivateServer:
         self.stop(signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def restart(self) -> None:
+        """Stop gracefully (SIGTERM) and start again on the same port with the same directory."""
+        self.stop()
+        self.start()
+
 
 class PrivateRedis(PrivateServer):
     name = "redis"
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, persistent: bool = False) -> None:
         super().__init__()
         self.binary = binary or shutil.which("redis-server") or "redis-server"
+        self.persistent = persistent
+        """keep data across restart() (append-only file, fsync always)"""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def command(self) -> list[str]:
-        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                "--appendonly", "no", "--dir", str(self.dir)]
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", *aof,
+                "--dir", str(self.dir)]
 
 
 class PrivateMosquitto(PrivateServer):

@@ -259,9 +259,11 @@ def test_unknown_algorithm_fails_the_task_with_a_reason(
 
 
 def test_redis_restart_mid_run_the_run_continues(tmp_path: Path, nodes: list[Node]) -> None:
-    from tests.private_redis import PrivateRedis
+    from tests.queue_fixtures import PrivateRedis
 
-    with PrivateRedis(tmp_path / "redis") as server:
+    server = PrivateRedis(persistent=True)
+    server.start()
+    try:
         url, ns = server.url, "restart"
         runner = srl.Runner("Pendulum-v1", tiny_config())
         client = ClientThread(runner, RedisParameters(url=url, task_name=ns), max_train_count=1500)
@@ -275,3 +277,6 @@ def test_redis_restart_mid_run_the_run_continues(tmp_path: Path, nodes: list[Nod
         assert client.error is None, client.error
         status = board.get_status()
         assert status is not None and status.status == TaskState.END and status.train_count >= 1500
+    finally:
+        kill_all(nodes)
+        server.cleanup()
