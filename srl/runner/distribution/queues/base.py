@@ -97,6 +97,8 @@ class ExperienceQueue(ABC):
     """largest payload this backend accepts safely; ``put`` of more raises ValueError"""
     source_name: str = "queue"
     """what this queue is, for log lines and errors (no secrets)"""
+    role: Role
+    """"producer" (actors) or "consumer" (the trainer)"""
 
     @abstractmethod
     def put(self, data: bytes) -> None:
@@ -107,14 +109,18 @@ class ExperienceQueue(ABC):
         for data in items:
             self.put(data)
 
-    @abstractmethod
     def get(self, timeout: float) -> Message | None:
         """The next payload, waiting at most ``timeout`` seconds; None if nothing came."""
+        messages = self.get_many(1, timeout)
+        return messages[0] if messages else None
 
+    @abstractmethod
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:
         """Up to ``max_messages`` payloads, waiting at most ``timeout`` for the first one."""
-        message = self.get(timeout)
-        return [] if message is None else [message]
+
+    def _require_consumer(self) -> None:
+        if self.role != "consumer":
+            raise RuntimeError(f"{self.source_name}: get on a queue opened as {self.role!r}")
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """Ack several messages; backends do it in one round trip."""

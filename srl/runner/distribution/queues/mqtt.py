@@ -404,13 +404,8 @@ class MQTTQueue(ExperienceQueue):
             _ack_many=self.ack_many,
         ))
 
-    def get(self, timeout: float) -> Message | None:
-        messages = self.get_many(1, timeout)
-        return messages[0] if messages else None
-
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:
-        if self.role != "consumer":
-            raise RuntimeError(f"{self.source_name}: get on a queue opened as {self.role!r}")
+        self._require_consumer()
         deadline = time.monotonic() + max(0.0, timeout)
         first: QueueMessage | None = None
         while first is None:

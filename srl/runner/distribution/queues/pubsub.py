@@ -239,13 +239,8 @@ class PubSubQueue(ExperienceQueue):
             self._call("put", send)
 
     # ------------------------------------------------------------ consumer
-    def get(self, timeout: float) -> Message | None:
-        messages = self.get_many(1, timeout)
-        return messages[0] if messages else None
-
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:
-        if self.role != "consumer":
-            raise RuntimeError(f"{self.source_name}: get on a queue opened as {self.role!r}")
+        self._require_consumer()
         max_messages = max(1, int(max_messages))
         deadline = time.monotonic() + max(0.0, timeout)
 
