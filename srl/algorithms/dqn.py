@@ -23,7 +23,7 @@ from torch import nn
 
 from srl.base.env import EnvSpec
 from srl.base.rl import Columns, Parameter, RLConfig, Trainer, TrainStats, Worker, torch_from_arrays, torch_to_arrays
-from srl.rl.blocks import MLPBlockConfig
+from srl.rl.blocks import MLPBlockConfig, make_adam
 from srl.rl.memories import Memory
 
 
@@ -236,7 +236,7 @@ class DQNTrainer(Trainer):
         self.device = parameter.device
         self.target = copy.deepcopy(parameter.q)
         self.target.requires_grad_(False)
-        self.optimizer = torch.optim.Adam(parameter.q.parameters(), lr=config.lr)
+        self.optimizer = make_adam(parameter.q.parameters(), config.lr)
         self.train_count = 0
 
     def sync_target(self) -> None:
