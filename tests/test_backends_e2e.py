@@ -42,3 +42,26 @@ def test_a_node_with_another_queue_than_the_task_refuses(redis_url: str, namespa
         check_queue_matches(task, None, "actor")
     check_queue_matches(task, "amqp://guest:guest@127.0.0.1:5672/", "actor")
     board.delete_task()
+
+
+def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) -> None:
+    """RabbitMQ's own capacity (x-max-length 2, reject-publish) far below the task's queue capacity:
+    the actor is refused, waits and resends; every batch sent is received or still queued."""
+    from srl.runner.distribution import RabbitMQParameters
+    from tests.test_queues import _rabbitmq
+
+    queue = RabbitMQParameters(url=_rabbitmq().url, capacity=2)
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner.train_distribution(
+        RedisParameters(url=redis_url, task_name=namespace), queue, actor_num=1, max_train_count=300,
+        progress_interval=None, local_processes=True, queue_capacity=50, env_steps_per_train=None,
+        actor_options={"batch_size": 32, "batch_max_age": 0.1},
+    )
+    board = board_for(redis_url, namespace)
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0
+    assert counters["received_batches"] > 0
+    assert counters["refused_messages"] > 0 and counters["backpressure_wait_s"] > 0
+    events = " ".join(e.text for e in board.get_events(50))
+    assert "stopped: task END" in events
+    board.delete_task()

@@ -31,7 +31,7 @@ from srl.base.rl import Columns, Parameter
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError, split_columns
 from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
-from srl.runner.distribution.queues import ExperienceQueue, open_queue
+from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, with_retry
 from srl.runner.distribution.task import StopFlag, TaskSpec
@@ -99,6 +99,7 @@ class ActorRun:
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
         self.throttled_s = 0.0
+        self.refused = 0
         self._trained_base: int | None = None
         self.recent_rewards: list[float] = []
         self.started = time.monotonic()
@@ -248,7 +249,6 @@ class ActorRun:
 
     def _send(self, columns: Columns) -> None:
         priorities = self.worker.initial_priorities(columns)
-        n = len(next(iter(columns.values())))
         max_rows = max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes))
         for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows):
             count = len(next(iter(chunk_cols.values())))
@@ -261,11 +261,33 @@ class ActorRun:
             if self.stop.is_set():
                 logger.info("not sending %d transitions: %s", count, self.stop.reason)
                 return
-            self.queue.put(blob)
             self.seq += 1
             self.sent_batches += 1
             self.counters.add(sent_batches=1, sent_transitions=count)
-        del n
+            self._put([blob])
+
+    def _put(self, payloads: list[bytes]) -> None:
+        """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
+        sent again after a wait, never dropped while the task runs."""
+        delay = 0.05
+        while payloads:
+            try:
+                self.queue.put_many(payloads)
+                return
+            except QueueFullError as e:
+                payloads = list(e.rejected)
+                self.refused += len(payloads)
+                logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
+                               "lower queue_capacity below the broker's limit", len(payloads))
+                started = time.monotonic()
+                self.stop.wait(delay)
+                delay = min(delay * 2, 1.0)
+                waited = time.monotonic() - started
+                self.backpressure_wait_s += waited
+                self.counters.add(backpressure_wait_s=waited, refused_messages=len(payloads))
+                if self.stop.is_set():
+                    logger.warning("%d refused message(s) not resent: %s", len(payloads), self.stop.reason)
+                    return
 
     # ------------------------------------------------------------ the loop
     def run(self) -> str:
