@@ -99,10 +99,8 @@ class ActorRun:
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
         self.throttled_s = 0.0
-        self.refused = 0
         self._trained_base: int | None = None
         self.recent_rewards: list[float] = []
-        self.started = time.monotonic()
 
     # ------------------------------------------------------------ background: lease, stats, params
     def _board_loop(self) -> None:
@@ -117,10 +115,11 @@ class ActorRun:
                     dt = max(now - last_time, 1e-9)
                     rate = (self.env_steps - last_steps) / dt
                     last_steps, last_time = self.env_steps, now
-                    hb = self.board.heartbeat(
-                        self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                        self._stats(rate), self.counters.take(),
-                    )
+                    with self.counters.taken() as deltas:
+                        hb = self.board.heartbeat(
+                            self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
+                            self._stats(rate), deltas,
+                        )
                     if not hb.lease_held:
                         self.stop.set(f"lost actor slot {self.slot}: its lease was not renewed in time "
                                       "(was this process paused or cut off from Redis?)")
@@ -244,8 +243,10 @@ class ActorRun:
         depth = self.queue.depth()
         if depth is not None:
             return depth
+        # the board's counters lag by up to one heartbeat: add this actor's sends not yet reported
         counters = self.board.get_counters()
-        return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
+        sent = counters.get("sent_batches", 0) + self.counters.peek("sent_batches")
+        return int(sent - counters.get("received_batches", 0))
 
     def _send(self, columns: Columns) -> None:
         priorities = self.worker.initial_priorities(columns)
@@ -276,7 +277,6 @@ class ActorRun:
                 return
             except QueueFullError as e:
                 payloads = list(e.rejected)
-                self.refused += len(payloads)
                 logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
                                "lower queue_capacity below the broker's limit", len(payloads))
                 started = time.monotonic()
@@ -348,7 +348,8 @@ class ActorRun:
     def _final_report(self) -> None:
         """Flush counters and release the slot so a standby can take it at once."""
         try:
-            self.board.incr_counters(f"actor:{self.slot}", **self.counters.take())
+            with self.counters.taken() as deltas:
+                self.board.incr_counters(f"actor:{self.slot}", **deltas)
             self.board.release_lease(self.lease_name, self.options.uid)
         except Exception as e:  # the board may be gone; the lease then simply expires
             logger.warning("could not report the end of actor %s: %s", self.options.uid, e)

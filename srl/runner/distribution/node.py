@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -89,6 +89,22 @@ class CounterDeltas:
         with self._lock:
             out, self._deltas = self._deltas, {}
         return out
+
+    def peek(self, name: str) -> float:
+        """What ``name`` has gained since the last take (not yet on the board)."""
+        with self._lock:
+            return self._deltas.get(name, 0.0)
+
+    @contextlib.contextmanager
+    def taken(self) -> Iterator[dict[str, float]]:
+        """The deltas for one write to the board; put back if that write fails (nothing is lost
+        to a Redis hiccup; a write whose reply was lost may count twice)."""
+        deltas = self.take()
+        try:
+            yield deltas
+        except BaseException:
+            self.add(**deltas)
+            raise
 
 
 class Run(Protocol):

@@ -217,9 +217,8 @@ class TrainerRun:
                     self.board.log_event(f"{self.bad_messages - self._bad_reported} bad message(s) skipped; "
                                          f"last from {self.last_bad}", level="WARNING", source=opts.uid)
                     self._bad_reported = self.bad_messages
-                hb = self.board.heartbeat(
-                    "trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, self.counters.take()
-                )
+                with self.counters.taken() as deltas:
+                    hb = self.board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, deltas)
                 if not hb.lease_held:
                     self.stop.set("lost the trainer lease (another trainer took over, or this one was paused)")
                     break
@@ -309,7 +308,8 @@ class TrainerRun:
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             ingest.join(timeout=10)
             try:
-                self.board.incr_counters("trainer", **self.counters.take())
+                with self.counters.taken() as deltas:
+                    self.board.incr_counters("trainer", **deltas)
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, e)
