@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
 import srl
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
-from tests.nodes import board_for, tiny_config
+from srl.runner.distribution.queues import open_queue
+from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, tiny_config, wait_for
 from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 
 pytestmark = pytest.mark.slow
@@ -64,4 +69,54 @@ def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) 
     assert counters["refused_messages"] > 0 and counters["backpressure_wait_s"] > 0
     events = " ".join(e.text for e in board.get_events(50))
     assert "stopped: task END" in events
+    board.delete_task()
+
+
+def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
+    broker: Broker, redis_url: str, namespace: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """The trainer is paused: actors fill the queue to its capacity, then wait (and say so) instead of
+    sending more; once it resumes the task ends and every batch sent was received or is still queued."""
+    capacity, actor_num = 6, 2
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    client = ClientThread(srl.Runner("Pendulum-v1", tiny_config()), redis_params, queue_params=broker.url,
+                          actor_num=actor_num, max_train_count=1500, queue_capacity=capacity,
+                          env_steps_per_train=None)
+    client.start()
+    board = board_for(redis_url, namespace)
+    queue_args = ("--queue-url", broker.url)
+    nodes = [Node("trainer", redis_url, namespace, tmp_path, "--run-once", *queue_args)]
+    try:
+        wait_for(lambda: lease_holder_pid(board, "trainer") == nodes[0].proc.pid, 30, "the trainer")
+        nodes[0].signal(signal.SIGSTOP)
+        nodes += [Node("actor", redis_url, namespace, tmp_path, "--run-once", *queue_args) for _ in range(actor_num)]
+
+        def in_flight() -> float:
+            counters = board.get_counters()
+            return counters.get("sent_batches", 0) - counters.get("received_batches", 0)
+
+        wait_for(lambda: in_flight() >= capacity, 60, "the queue to fill")
+        wait_for(lambda: sum(float(s.get("stalled_now_s", 0)) > 0 for r, s in board.get_all_stats().items()
+                             if r.startswith("actor")) == actor_num, 20, "both actors to report they wait")
+        samples = []
+        for _ in range(15):  # the actors wait: what is in flight does not grow past the bound
+            samples.append(in_flight())
+            time.sleep(0.1)
+        assert max(samples) <= capacity + actor_num
+        nodes[0].signal(signal.SIGCONT)
+        client.join(120)
+        assert client.error is None, client.error
+        for node in nodes:
+            assert node.proc.wait(timeout=30) == 0, node.output()
+    finally:
+        kill_all(nodes)
+    pending = 0
+    with open_queue(broker.url, namespace=namespace, role="consumer", redis_params=redis_params) as queue:
+        while messages := queue.get_many(64, timeout=2.0):
+            pending += len(messages)
+            queue.ack_many(messages)
+        queue.destroy()
+    counters = board.get_counters()
+    assert counters["sent_batches"] == counters["received_batches"] + counters.get("duplicates", 0) + pending
+    assert counters.get("bad_messages", 0) == 0
     board.delete_task()

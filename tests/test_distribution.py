@@ -16,7 +16,6 @@ from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.codec import BatchHeader, Codec
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.queues.redis_stream import stream_key_for
 from tests.nodes import (
     ClientThread,
     Node,
@@ -162,41 +161,6 @@ def test_paused_trainer_cannot_overwrite_params_after_takeover(
         time.sleep(0.2)
     board.end_task(TaskState.END, "test over")
     client.join(30)
-
-
-def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
-    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
-) -> None:
-    capacity, actor_num = 6, 2
-    runner = srl.Runner("Pendulum-v1", tiny_config())
-    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=actor_num,
-                          max_train_count=1500, queue_capacity=capacity, env_steps_per_train=None)
-    client.start()
-    board = board_for(redis_url, namespace)
-    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
-    wait_for(lambda: lease_holder_pid(board, "trainer") == trainer.proc.pid, 30, "the trainer")
-    trainer.signal(signal.SIGSTOP)
-    for _ in range(actor_num):
-        start(nodes, "actor", redis_url, namespace, tmp_path)
-    stream = stream_key_for(namespace)
-    wait_for(lambda: board.client.xlen(stream) >= capacity, 60, "the queue to fill")
-    depths = []
-    for _ in range(20):  # the actors keep stepping, yet the queue does not grow past the bound
-        depths.append(board.client.xlen(stream))
-        time.sleep(0.1)
-    assert max(depths) <= capacity + actor_num
-    stall = wait_for(lambda: sum(float(s.get("backpressure_wait_s", 0)) for r, s in board.get_all_stats().items()
-                                 if r.startswith("actor")), 10, "actors to report their stall time")
-    assert stall > 0
-    trainer.signal(signal.SIGCONT)
-    client.join(120)
-    assert client.error is None, client.error
-    wait_for(lambda: all(not n.alive() or "stopped: " in n.output() for n in nodes if n.role == "actor"), 15,
-             "actors to stop and flush their counters")
-    counters = board.get_counters()
-    pending = board.client.xlen(stream)
-    assert counters["sent_batches"] == counters["received_batches"] + counters.get("duplicates", 0) + pending
-    assert counters.get("bad_messages", 0) == 0
 
 
 def test_garbage_forged_and_oversized_messages_are_counted_and_skipped(

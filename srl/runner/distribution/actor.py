@@ -17,6 +17,7 @@ The loop::
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -243,10 +244,8 @@ class ActorRun:
         depth = self.queue.depth()
         if depth is not None:
             return depth
-        # the board's counters lag by up to one heartbeat: add this actor's sends not yet reported
-        counters = self.board.get_counters()
-        sent = counters.get("sent_batches", 0) + self.counters.peek("sent_batches")
-        return int(sent - counters.get("received_batches", 0))
+        counters = self.board.get_counters()  # written at once by every actor and the trainer (see _send)
+        return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
 
     def _send(self, columns: Columns) -> None:
         priorities = self.worker.initial_priorities(columns)
@@ -264,8 +263,12 @@ class ActorRun:
                 return
             self.seq += 1
             self.sent_batches += 1
-            self.counters.add(sent_batches=1, sent_transitions=count)
             self._put([blob])
+            if self.queue.reports_depth:
+                self.counters.add(sent_batches=1, sent_transitions=count)
+            else:  # these counters are the queue depth for every actor: write them now, not at the heartbeat
+                with_retry(functools.partial(self.board.incr_counters, self.lease_name, sent_batches=1,
+                                             sent_transitions=count), "counting a sent batch")
 
     def _put(self, payloads: list[bytes]) -> None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is

@@ -45,7 +45,8 @@ class NodeOptions:
     secret: str | None = None
     """shared secret that signs messages (default: env SRL_SECRET)"""
     run_once: bool = False
-    """return after one task instead of waiting for the next"""
+    """return once the task it served has ended, instead of waiting for the next (after losing its
+    lease, e.g. to a pause longer than the TTL, it stands by for the same task)"""
     uid: str = ""
     """this process's name on the board (default: role-host-pid-random)"""
 
@@ -89,11 +90,6 @@ class CounterDeltas:
         with self._lock:
             out, self._deltas = self._deltas, {}
         return out
-
-    def peek(self, name: str) -> float:
-        """What ``name`` has gained since the last take (not yet on the board)."""
-        with self._lock:
-            return self._deltas.get(name, 0.0)
 
     @contextlib.contextmanager
     def taken(self) -> Iterator[dict[str, float]]:
@@ -178,6 +174,13 @@ def serve(
         logger.info("%s %s stopped: %s (%s)", role, options.uid, reason, run.summary())
         with contextlib.suppress(*TRANSIENT_ERRORS):
             board.log_event(f"{role} {options.uid} stopped: {reason} ({run.summary()})", source=options.uid)
-        if options.run_once:
+        if options.run_once and _task_over(board):
             return
+        # run_once still serves the same task after losing a lease (a pause longer than the TTL)
         time.sleep(options.task_poll_interval)
+
+
+def _task_over(board: Board) -> bool:
+    """The task this node served has ended (or is gone): a run-once node may return."""
+    status = with_retry(board.get_status, "reading the task status")
+    return status is None or status.status.finished

@@ -20,6 +20,7 @@ The loop::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -150,9 +151,14 @@ class TrainerRun:
                 messages = queue.get_many(opts.ingest_max_messages, timeout=0.2)
                 if not messages:
                     continue
-                self._ingest(messages)
+                counts = self._ingest(messages)
                 queue.ack_many(messages)
                 self.data_arrived.set()
+                if queue.reports_depth:
+                    self.counters.add(**counts)
+                else:  # actors read the queue depth from these counters: write them now
+                    with_retry(functools.partial(self.board.incr_counters, "trainer", **counts),
+                               "counting received batches")
         except Exception as e:
             logger.exception("ingest thread failed")
             self.stop.set(f"ingest failed: {e}")
@@ -160,7 +166,8 @@ class TrainerRun:
             if queue is not None:
                 queue.close()
 
-    def _ingest(self, messages: list[Message]) -> None:
+    def _ingest(self, messages: list[Message]) -> dict[str, float]:
+        """Decode, dedupe and add to memory; the counts for the board."""
         received = transitions = bad = dups = 0
         for message in messages:
             try:
@@ -186,8 +193,8 @@ class TrainerRun:
         self.received_transitions += transitions
         self.bad_messages += bad
         self.duplicates += dups
-        self.counters.add(received_batches=received, received_transitions=transitions, bad_messages=bad,
-                          duplicates=dups)
+        return {"received_batches": received, "received_transitions": transitions, "bad_messages": bad,
+                "duplicates": dups}
 
     # ------------------------------------------------------------ board thread
     def _board_loop(self) -> None:

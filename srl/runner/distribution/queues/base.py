@@ -99,6 +99,8 @@ class ExperienceQueue(ABC):
     """what this queue is, for log lines and errors (no secrets)"""
     role: Role
     """"producer" (actors) or "consumer" (the trainer)"""
+    reports_depth: bool = True
+    """False where ``depth()`` is always None: callers then count in flight on the board"""
 
     @abstractmethod
     def put(self, data: bytes) -> None:

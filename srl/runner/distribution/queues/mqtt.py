@@ -445,6 +445,8 @@ class MQTTQueue(ExperienceQueue):
                         self.source_name, stale)
 
     # ------------------------------------------------------------ both
+    reports_depth = False
+
     def depth(self) -> int | None:
         return None
 

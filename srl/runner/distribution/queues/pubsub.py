@@ -301,6 +301,8 @@ class PubSubQueue(ExperienceQueue):
             self._held.pop(m.receipt, None)
 
     # ------------------------------------------------------------ both
+    reports_depth = False
+
     def depth(self) -> int | None:
         return None
 
