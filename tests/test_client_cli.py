@@ -179,3 +179,16 @@ def test_events_tell_who_did_what(redis_url: str, namespace: str, tmp_path: Path
     assert "task END" in out and "max_train_count 200 reached" in out
     for text in ("task submitted", "took lease trainer", "took lease actor:0", "trainer trainer-", "stopped: task END"):
         assert text in out, text
+
+
+def test_the_client_ends_a_timed_task_that_no_trainer_serves(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from srl.runner.distribution import client as client_module
+
+    monkeypatch.setattr(client_module, "TIMEOUT_GRACE_S", 0.5)
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), timeout=0.5,
+                              progress_interval=None)
+    status = board_for(redis_url, namespace).get_status()
+    assert status is not None and status.status == TaskState.END and "no trainer ended it" in status.end_reason

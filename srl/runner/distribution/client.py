@@ -31,6 +31,10 @@ DEFAULT_ENV_STEPS_PER_TRAIN = 2.0
 """default rate limit (see ``train_distribution``)"""
 
 
+TIMEOUT_GRACE_S = 30.0
+"""how long past ``timeout`` the client waits for the trainer to end the task before it does"""
+
+
 class TaskFailedError(RuntimeError):
     """The distributed task ended FAILED; the message carries the reason a node gave."""
 
@@ -169,6 +173,10 @@ def _watch(
             board.end_task("FAILED", f"the local trainer process exited with code {procs[0].returncode}")
             continue
         now = time.monotonic()
+        if timeout is not None and now - start > timeout + TIMEOUT_GRACE_S:
+            # the trainer applies the timeout; with no trainer alive to do it, the client does
+            board.end_task("END", f"timeout {timeout:g}s reached (ended by the client: no trainer ended it)")
+            continue
         if progress_interval is not None and now >= next_line:
             next_line = now + progress_interval
             for line in progress_lines(board, status, now - start, max_train_count, max_steps, timeout):
