@@ -10,7 +10,10 @@ with acks, paho QoS 1, google-cloud-pubsub publish + unary pull), which is
 the ceiling srl's layer sits on: the raw producers stream without waiting
 for the broker per group (no publisher confirms, no PUBACK or publish-future
 wait per group; only the backlog bound), while srl's ``put_many`` returns only
-once the broker holds the group. The raw MQTT client gets the same socket
+once the broker holds the group; RabbitMQ's returns once the group is
+published within its window of unconfirmed messages (``confirm_window``), and
+its ``close`` waits for the last confirms. ``--group 1`` is how an actor puts
+(one batch per call). The raw MQTT client gets the same socket
 tuning as srl's (TCP_NODELAY, TCP_QUICKACK after each read), so the ratio
 shows the cost of srl's layer, not Nagle's algorithm. Speed is quoted as the
 ratio of the two, measured in the same run.

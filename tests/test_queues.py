@@ -103,6 +103,13 @@ def drain(queue: ExperienceQueue, count: int, timeout: float = 10.0, max_message
     return out
 
 
+def settle(queue: ExperienceQueue) -> None:
+    """Wait until the broker confirmed what was put, where put returns before that (RabbitMQ's confirm window)."""
+    flush = getattr(queue, "flush", None)
+    if flush is not None:
+        flush()
+
+
 # ---------------------------------------------------------------- the contract
 def test_round_trip_is_byte_exact(broker: Broker, namespace: str) -> None:
     payloads = [b"\x00\x01binary\xff", b"x" * 20_000, bytes(range(256)) * 3, b"last"]
@@ -203,6 +210,7 @@ def test_depth(broker: Broker, namespace: str) -> None:
             assert producer.depth() is None
             return
         producer.put_many([b"m"] * 5)
+        settle(producer)
         assert producer.depth() == 5
         with broker.open(namespace, "consumer") as consumer:
             got = drain(consumer, 5)
@@ -450,6 +458,7 @@ def test_rabbitmq_queue_survives_a_forced_connection_close(namespace: str) -> No
             assert sorted(m.data for m in got) == [b"after", b"held"]
             held.ack()  # void: it came over the lost connection
             consumer.ack_many(got)
+            producer.flush()
             assert producer.depth() == 0
     finally:
         with b.open(namespace, "consumer") as q:
@@ -460,10 +469,9 @@ def test_rabbitmq_capacity_refuses_and_reports_the_rejected(namespace: str, capl
     b = _rabbitmq()
     try:
         with b.open(namespace, "producer", capacity=3) as producer:
-            with pytest.raises(QueueFullError) as info:
-                producer.put_many([b"1", b"2", b"3", b"4", b"5"])
-            assert info.value.rejected == [b"4", b"5"]
-            assert "x-max-length=3" in str(info.value)
+            errors = _put_collecting_refusals(producer, [[b"1", b"2", b"3", b"4", b"5"]])
+            assert errors and [data for e in errors for data in e.rejected] == [b"4", b"5"]
+            assert "x-max-length=3" in str(errors[0])
             assert producer.depth() == 3
         # the queue exists with x-max-length 3: another capacity is explained, and the queue still used
         with caplog.at_level(logging.WARNING), b.open(namespace, "consumer", capacity=10) as consumer:
@@ -474,3 +482,158 @@ def test_rabbitmq_capacity_refuses_and_reports_the_rejected(namespace: str, capl
     finally:
         with b.open(namespace, "consumer") as q:
             q.destroy()
+
+
+# ---------------------------------------------------------------- RabbitMQ's window of publisher confirms
+def _rabbitmq_producer(namespace: str, **options: Any) -> Any:
+    """A RabbitMQ producer built directly: confirm_window is a constructor keyword, not a parameters field."""
+    from srl.runner.distribution.queues.rabbitmq import CONFIRM_WINDOW, RabbitMQQueue
+
+    window = options.pop("confirm_window", CONFIRM_WINDOW)
+    params = RabbitMQParameters(url=_rabbitmq().url, **options)
+    return RabbitMQQueue(params, namespace=namespace, role="producer", confirm_window=window)
+
+
+def _put_collecting_refusals(producer: Any, groups: list[list[bytes]]) -> list[QueueFullError]:
+    """put_many each group, then flush; the QueueFullErrors on the way (none of them stops the sending)."""
+    errors: list[QueueFullError] = []
+    for group in groups:
+        try:
+            producer.put_many(group)
+        except QueueFullError as e:
+            errors.append(e)
+    try:
+        producer.flush()
+    except QueueFullError as e:
+        errors.append(e)
+    return errors
+
+
+@pytest.fixture()
+def rabbitmq_namespace(namespace: str) -> Iterator[str]:
+    """The namespace of a RabbitMQ test; its queue is deleted afterwards."""
+    b = _rabbitmq()
+    yield namespace
+    with b.open(namespace, "consumer") as q:
+        q.destroy()
+
+
+def _deaf_to_confirms(monkeypatch: pytest.MonkeyPatch, generations: set[int] | None = None) -> None:
+    """Make producers ignore the broker's confirms on their connections number ``generations`` (None: all)."""
+    from srl.runner.distribution.queues.rabbitmq import RabbitMQQueue
+
+    heard = RabbitMQQueue._on_confirm
+
+    def on_confirm(self: RabbitMQQueue, frame: Any) -> None:
+        if generations is None or self._generation in generations:
+            return
+        heard(self, frame)
+
+    monkeypatch.setattr(RabbitMQQueue, "_on_confirm", on_confirm)
+
+
+def test_rabbitmq_single_puts_return_before_confirms_and_close_delivers_all(rabbitmq_namespace: str) -> None:
+    payloads = [f"single-{i}".encode() * 100 for i in range(300)]
+    producer = _rabbitmq_producer(rabbitmq_namespace, confirm_window=8)
+    most_unconfirmed = 0
+    for p in payloads:
+        producer.put(p)
+        most_unconfirmed = max(most_unconfirmed, producer.unconfirmed)
+    assert 1 < most_unconfirmed <= 8  # put did not wait for its confirm, and the window held
+    producer.close()
+    assert producer.unconfirmed == 0
+    b = _rabbitmq()
+    with b.open(rabbitmq_namespace, "consumer", prefetch=1000) as consumer:  # drain acks nothing
+        got = drain(consumer, len(payloads), max_messages=64)
+        assert sorted(m.data for m in got) == sorted(payloads)  # each exactly once
+        consumer.ack_many(got)
+        assert consumer.get(timeout=0.3) is None
+
+
+def test_rabbitmq_refusals_at_capacity_are_returned_not_lost(rabbitmq_namespace: str) -> None:
+    sent = [f"capped-{i}".encode() for i in range(20)]
+    producer = _rabbitmq_producer(rabbitmq_namespace, capacity=2, confirm_window=4)
+    errors = _put_collecting_refusals(producer, [[p] for p in sent])
+    rejected = [data for e in errors for data in e.rejected]
+    assert errors and all(e.rejected for e in errors)
+    assert all("x-max-length=2" in str(e) for e in errors)
+    b = _rabbitmq()
+    with b.open(rabbitmq_namespace, "consumer") as consumer:
+        delivered = drain(consumer, len(sent))
+        assert len(delivered) == 2
+        assert sorted([m.data for m in delivered] + rejected) == sorted(sent)  # nothing lost, nothing twice
+        assert rejected == [p for p in sent if p in set(rejected)]  # in the order they were put
+        consumer.ack_many(delivered)
+        # the caller's part: back off, then put the refused ones again
+        assert _put_collecting_refusals(producer, [rejected[:2]]) == []
+        again = drain(consumer, 2)
+        assert [m.data for m in again] == rejected[:2]
+        consumer.ack_many(again)
+    producer.close()
+
+
+def test_rabbitmq_republishes_unconfirmed_after_a_forced_connection_close(
+    rabbitmq_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed")
+    _deaf_to_confirms(monkeypatch, generations={1})  # the first connection's confirms never arrive
+    payloads = [f"unconfirmed-{i}".encode() for i in range(50)]
+    producer = _rabbitmq_producer(rabbitmq_namespace, confirm_window=1000)
+    for p in payloads:
+        producer.put(p)
+    assert producer.unconfirmed == len(payloads)
+    assert _rabbitmqctl_close_connections(rabbitmq_namespace) == 1
+    producer.flush()  # finds the connection gone, reconnects, publishes all 50 again, waits for their confirms
+    assert producer.unconfirmed == 0 and producer._generation == 2
+    b = _rabbitmq()
+    with b.open(rabbitmq_namespace, "consumer", prefetch=1000) as consumer:  # drain acks nothing
+        got = drain(consumer, 2 * len(payloads), max_messages=64)
+        counts = {p: 0 for p in payloads}
+        for m in got:
+            counts[m.data] += 1
+        assert all(n >= 1 for n in counts.values())  # at least once (here twice: the broker had them all)
+        consumer.ack_many(got)
+    producer.close()
+
+
+def test_rabbitmq_flush_and_close_give_up_when_nothing_is_confirmed(
+    rabbitmq_namespace: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from srl.runner.distribution.queues import QueueError
+
+    _deaf_to_confirms(monkeypatch)
+    producer = _rabbitmq_producer(rabbitmq_namespace, confirm_window=3, confirm_timeout_s=0.5)
+    producer.put_many([b"a", b"b", b"c"])  # fills the window without waiting
+    started = time.monotonic()
+    with pytest.raises(QueueError, match=r"put: .*confirmed none of the 3 .*\(1 more wait.*confirm_timeout_s"):
+        producer.put(b"d")  # no room, and no confirm comes
+    with pytest.raises(QueueError, match=r"flush: .*confirmed none of the 3"):
+        producer.flush()
+    with caplog.at_level(logging.ERROR), pytest.raises(QueueError, match=r"flush: .*confirmed none"):
+        producer.close()
+    assert time.monotonic() - started < 5
+    assert "4 message(s) the broker never confirmed" in caplog.text
+
+
+def test_rabbitmq_message_to_a_deleted_queue_is_an_error(rabbitmq_namespace: str) -> None:
+    from srl.runner.distribution.queues import QueueError
+
+    producer = _rabbitmq_producer(rabbitmq_namespace)
+    with _rabbitmq().open(rabbitmq_namespace, "consumer") as other:
+        other.destroy()
+    with pytest.raises(QueueError, match="could not be routed"):
+        producer.put(b"nowhere")
+        producer.flush()
+    producer.close()
+
+
+def test_rabbitmq_close_logs_refusals_it_does_not_resend(
+    rabbitmq_namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    producer = _rabbitmq_producer(rabbitmq_namespace, capacity=1)
+    producer.put_many([b"kept", b"refused"])  # returns before the broker's answer
+    with caplog.at_level(logging.WARNING):
+        producer.close()
+    assert "refused 1 message(s)" in caplog.text and "flush() before close()" in caplog.text
+    assert producer.unconfirmed == 0

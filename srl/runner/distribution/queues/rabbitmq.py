@@ -1,18 +1,39 @@
 """RabbitMQ experience queue (AMQP 0-9-1 through pika's BlockingConnection).
 
 Features:
-    * durable queue, persistent messages (delivery mode 2), publisher
-      confirms: ``put``/``put_many`` return once the broker confirmed every
-      message, waiting once per call (not once per message);
+    * durable queue, persistent messages (delivery mode 2), asynchronous
+      publisher confirms over a window: ``put``/``put_many`` return once the
+      messages are published on the channel, as long as fewer than
+      ``confirm_window`` messages (and ``confirm_window_bytes`` bytes) wait for
+      the broker's confirm; with the window full, ``put`` blocks, reading
+      confirms, until there is room. Every unconfirmed payload is kept until
+      its confirm arrives;
+    * ``flush()`` waits until the broker confirmed (or refused) everything put
+      so far; ``close()`` flushes first, so nothing put is left unconfirmed
+      silently. Waiting gives up after ``confirm_timeout_s`` without a single
+      confirm, with an error saying how many messages were not confirmed;
     * ``x-max-length`` (``capacity``) with ``x-overflow: reject-publish`` as a
-      backstop: beyond it the broker nacks and ``put_many`` raises
-      ``QueueFullError`` carrying the refused payloads (back off, send them again);
+      backstop: beyond it the broker nacks. A refused payload is neither
+      dropped silently nor resent by the queue: the next ``put``/``put_many``/
+      ``flush`` raises ``QueueFullError`` whose ``rejected`` holds exactly the
+      payloads refused since the last such error, in the order they were put.
+      That call published its own payloads before raising (they are in
+      ``rejected`` only if the broker refused them as well). Back off, then
+      put ``rejected`` again. ``close()`` logs what was refused since and
+      does not raise for it (flush first to get those payloads). A message
+      returned as unroutable (the queue was deleted) raises ``QueueError``
+      the same way: resending cannot help;
     * manual ack, ``basic_qos`` prefetch; unacked messages go back to the queue
       when the consumer's connection closes or dies;
     * ``depth()``: passive ``queue_declare`` message count plus what this
-      consumer holds unacked (exact with one consumer);
+      consumer holds unacked (exact with one consumer) plus what this producer
+      put and the broker has not confirmed yet (an upper bound, by at most the
+      window: the broker counts some of those already; exact after ``flush``);
     * reconnect with backoff for ``reconnect_timeout_s`` when the broker goes
-      away; a put in flight resends what was not confirmed (at-least-once).
+      away; every message unconfirmed when the connection went is published
+      again on the new one, before anything newer (at-least-once: the broker
+      may then hold it twice; batches carry ``(actor, seq)`` for that). What a
+      failed ``put`` could not publish is kept for the next ``put``/``flush``.
 
 A queue object belongs to one thread: pika's BlockingConnection is not
 thread-safe, and each queue object has its own connection.
@@ -21,9 +42,15 @@ Connection string:
     ``amqp://[user:password@]host[:port][/vhost]``, ``amqps://`` (TLS); the
     query string goes to pika (``?heartbeat=30&connection_attempts=3``).
 
-Options (fields of ``RabbitMQParameters``): queue_name, prefetch, capacity,
+Options (fields of ``RabbitMQParameters``, also through
+``open_queue(options=...)``): queue_name, prefetch, capacity,
 queue_arguments, heartbeat_s, confirm_timeout_s, reconnect_timeout_s,
-max_message_bytes.
+max_message_bytes. Keywords of the ``RabbitMQQueue`` constructor only
+(``open_queue`` gives this backend the parameters' fields alone):
+``confirm_window`` (default ``CONFIRM_WINDOW``; 1 = one message in flight:
+each put waits for the previous message's confirm) and
+``confirm_window_bytes`` (default ``CONFIRM_WINDOW_BYTES``: bounds the memory
+unconfirmed payloads hold; a single larger message still goes).
 
 Redeclaring an existing queue with other arguments (another ``capacity``) is
 an error in RabbitMQ (PRECONDITION_FAILED); this backend then logs how to
@@ -32,11 +59,13 @@ change it and uses the queue as it is.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import re
 import ssl
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pika
@@ -49,6 +78,7 @@ from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
     Message,
+    MiB,
     QueueError,
     QueueFullError,
     QueueMessage,
@@ -60,6 +90,12 @@ from srl.runner.distribution.queues.base import (
 
 logger = logging.getLogger("srl.queues.rabbitmq")
 
+CONFIRM_WINDOW = 256
+"""messages a producer may have published and not yet confirmed by the broker before put blocks;
+an actor's message is one batch, so this is far more than one fsync of the broker needs"""
+CONFIRM_WINDOW_BYTES = 64 * MiB
+"""payload bytes a producer may hold unconfirmed before put blocks (large batches: memory bound)"""
+
 _TRANSIENT: tuple[type[BaseException], ...] = (
     pika.exceptions.AMQPConnectionError,
     pika.exceptions.ChannelWrongStateError,
@@ -69,6 +105,7 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 _ANY_AMQP_ERROR: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, *_TRANSIENT)
 _PERSISTENT = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent,
                                    content_type="application/octet-stream")
+_MAX_SIZE_TEXT = re.compile(r"larger than configured max size (\d+)")
 _warned_arguments: set[str] = set()
 
 
@@ -86,22 +123,36 @@ class RabbitMQQueue(ExperienceQueue):
         namespace: str,
         role: Role,
         consumer_name: str | None = None,
+        confirm_window: int = CONFIRM_WINDOW,
+        confirm_window_bytes: int = CONFIRM_WINDOW_BYTES,
     ) -> None:
+        if confirm_window < 1 or confirm_window_bytes < 1:
+            raise ValueError(f"confirm_window and confirm_window_bytes must be at least 1, got "
+                             f"{confirm_window} and {confirm_window_bytes}")
         self.params = params
         self.role = role
         self.queue_name = params.queue_name or queue_name_for(namespace)
         self.connection_name = f"srl {role} {consumer_name or ''} {namespace}".replace("  ", " ")
         self.max_message_bytes = params.max_message_bytes
         self.source_name = f"amqp queue {self.queue_name} on {params.describe()}"
+        self.confirm_window = confirm_window
+        self.confirm_window_bytes = confirm_window_bytes
         self._conn: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
+        self._channel_closed: pika.exceptions.ChannelClosedByBroker | None = None
         self._generation = 0
+        # consumer
         self._buffer: deque[QueueMessage] = deque()
         self._held: dict[int, QueueMessage] = {}  # delivery tag -> handed out, not acked (this connection)
+        # producer
         self._next_tag = 0
-        self._outstanding: dict[int, int] = {}  # delivery tag -> index in the batch being confirmed
-        self._nacked: list[int] = []
-        self._returned = 0
+        self._unconfirmed: dict[int, bytes] = {}  # publish sequence number -> payload, oldest first
+        self._unconfirmed_bytes = 0
+        self._unsent: deque[bytes] = deque()  # to publish, in order (requeued unconfirmed ones first)
+        self._refused: list[bytes] = []  # nacked since the last QueueFullError
+        self._returned = 0  # unroutable since the last error about it
+        self._confirmed = 0  # confirm frames' messages seen, to tell progress while waiting
+        self._wake_when: Callable[[], bool] | None = None
         self._closed = False
         self._reconnector = Reconnector(
             broker=f"RabbitMQ at {params.describe()}",
@@ -129,6 +180,11 @@ class RabbitMQQueue(ExperienceQueue):
                 f"({type(e).__name__}: {e}); is rabbitmq-server running there? start it "
                 "(scripts/services.sh start) or fix host/port/url"
             ) from e
+
+    @property
+    def unconfirmed(self) -> int:
+        """Messages put and not yet confirmed by the broker (published or waiting to be)."""
+        return len(self._unconfirmed) + len(self._unsent)
 
     # ------------------------------------------------------------ connection
     def _connection_parameters(self) -> pika.ConnectionParameters | pika.URLParameters:
@@ -162,7 +218,9 @@ class RabbitMQQueue(ExperienceQueue):
             channel = self._declare(conn)
             if self.role == "producer":
                 self._enable_confirms(conn, channel)
-                channel.add_on_return_callback(self._on_return)
+                # on the underlying channel, so that they run as the frames are read (as the confirms do)
+                channel._impl.add_on_return_callback(self._on_return)
+                channel._impl.add_on_close_callback(self._on_channel_close)
             else:
                 channel.basic_qos(prefetch_count=self.params.prefetch)
                 channel.basic_consume(self.queue_name, self._on_delivery, auto_ack=False)
@@ -170,6 +228,7 @@ class RabbitMQQueue(ExperienceQueue):
             _close_quietly(conn)
             raise
         self._conn, self._channel = conn, channel
+        self._channel_closed = None
         self._generation += 1
 
     def _declare(self, conn: pika.BlockingConnection) -> BlockingChannel:
@@ -197,7 +256,7 @@ class RabbitMQQueue(ExperienceQueue):
     def _enable_confirms(self, conn: pika.BlockingConnection, channel: BlockingChannel) -> None:
         # BlockingChannel.confirm_delivery() makes every basic_publish wait for its own
         # confirm (one round trip per message). Enabling confirm mode on the underlying
-        # channel instead lets put_many publish a whole batch and wait once.
+        # channel instead lets put publish and go on, with the confirms read as they come.
         selected: list[bool] = []
 
         def on_select_ok(_frame: Any) -> None:
@@ -217,15 +276,22 @@ class RabbitMQQueue(ExperienceQueue):
         # what was fetched over the old connection goes back to the queue with it
         self._buffer.clear()
         self._held.clear()
-        self._outstanding.clear()
+        # what was published over it and not confirmed is published again on the next one, first
+        self._unsent.extendleft(reversed(self._unconfirmed.values()))
+        self._unconfirmed.clear()
+        self._unconfirmed_bytes = 0
         if conn is not None:
-            _close_quietly(conn)
+            _close_quietly(conn)  # confirms it still reads find self._conn None: ignored
 
     def _open_channel(self) -> tuple[pika.BlockingConnection, BlockingChannel]:
         if self._closed:
             raise QueueError(f"{self.source_name}: the queue is closed")
-        if self._conn is None or self._channel is None or not self._conn.is_open or not self._channel.is_open:
+        if self._conn is None or self._channel is None or not self._conn.is_open:
             raise pika.exceptions.ConnectionWrongStateError("connection lost")
+        if self._channel_closed is not None:
+            raise self._channel_closed
+        if not self._channel.is_open:
+            raise pika.exceptions.ConnectionWrongStateError("channel lost")
         return self._conn, self._channel
 
     # ------------------------------------------------------------ producer
@@ -233,85 +299,153 @@ class RabbitMQQueue(ExperienceQueue):
         self.put_many([data])
 
     def put_many(self, items: Sequence[bytes]) -> None:
-        pending = self._payloads(items)
+        """Publish ``items``; returns once they are on the channel and the confirm window has room.
 
-        def attempt() -> None:
-            nonlocal pending
-            conn, channel = self._open_channel()
-            self._outstanding.clear()
-            self._nacked.clear()
-            self._returned = 0
-            published = 0
-            try:
-                for index, data in enumerate(pending):
-                    # registered before publishing: its confirm may be read while basic_publish flushes
-                    self._next_tag += 1
-                    self._outstanding[self._next_tag] = index
-                    channel.basic_publish("", self.queue_name, data, _PERSISTENT, mandatory=True)
-                    published += 1
-                self._wait_for_confirms(conn)
-            except _TRANSIENT:
-                # resend what the broker did not confirm (it may hold some of it: at-least-once)
-                again = set(self._outstanding.values()) | set(self._nacked) | set(range(published, len(pending)))
-                pending = [pending[i] for i in sorted(again)]
-                self._drop_connection()
-                raise
-            except pika.exceptions.ChannelClosedByBroker as e:
-                self._drop_connection()
-                if e.reply_code == 406 and "size" in e.reply_text:
-                    raise ValueError(
-                        f"{self.source_name}: the broker refused a message as too large ({e.reply_text}); "
-                        "lower max_message_bytes to the broker's max_message_size and split batches"
-                    ) from e
-                if e.reply_code == 404:
-                    raise QueueError(f"{self.source_name}: the queue does not exist any more ({e.reply_text}); "
-                                     "was the task's queue deleted?") from e
-                raise QueueError(f"{self.source_name}: the broker closed the channel ({e.reply_code} "
-                                 f"{e.reply_text})") from e
+        Raises ``QueueFullError`` for what the broker refused since the last
+        such error (this call's payloads are published all the same).
+        """
+        payloads = self._payloads(items)
+        if self.role != "producer":  # its channel is not in confirm mode: nothing would ever be confirmed
+            raise RuntimeError(f"{self.source_name}: put on a queue opened as {self.role!r}; open a producer")
+        if self._closed:
+            raise QueueError(f"{self.source_name}: the queue is closed")
+        self._unsent.extend(payloads)
+        if self._unsent:
+            self._producer_call(lambda: self._publish("put", drain=False), "put")
+        self._raise_refused()
 
-        if pending:
-            self._reconnector.call(attempt, "put")
-        if self._returned:
-            raise QueueError(
-                f"{self.source_name}: {self._returned} message(s) could not be routed: the queue does not "
-                "exist any more (was the task's queue deleted?)"
-            )
-        if self._nacked:
-            rejected = [pending[i] for i in sorted(self._nacked)]
-            self._nacked.clear()
-            raise QueueFullError(
-                f"{self.source_name}: the broker refused {len(rejected)} of {len(pending)} message(s): the "
-                f"queue is at its capacity (x-max-length={self.params.capacity}) or the broker had an internal "
-                "error; back off and put them again",
-                rejected,
-            )
+    def flush(self) -> None:
+        """Wait until the broker confirmed (or refused) every message put so far.
 
-    def _wait_for_confirms(self, conn: pika.BlockingConnection) -> None:
-        deadline = time.monotonic() + self.params.confirm_timeout_s
-        while self._outstanding:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise QueueError(
-                    f"{self.source_name}: the broker confirmed none of the last {len(self._outstanding)} "
-                    f"message(s) within {self.params.confirm_timeout_s:.0f}s; RabbitMQ blocks publishers "
-                    "when memory or disk runs low: check `rabbitmqctl status` (alarms) and free disk space"
-                )
-            conn.process_data_events(time_limit=min(remaining, 1.0))
+        Reconnects and publishes again what a lost connection left
+        unconfirmed. Raises ``QueueFullError`` for what the broker refused,
+        ``QueueError`` when ``confirm_timeout_s`` passes without any confirm.
+        """
+        if self.role == "producer" and not self._closed and (self._unsent or self._unconfirmed):
+            self._producer_call(lambda: self._publish("flush", drain=True), "flush")
+        self._raise_refused()
+
+    def _producer_call(self, op: Callable[[], None], what: str) -> None:
+        try:
+            self._reconnector.call(op, what)
+        except pika.exceptions.ChannelClosedByBroker as e:
+            # its unconfirmed messages go to the next connection (the one the broker choked on aside)
+            too_large = self._drop_too_large(e)
+            self._drop_connection()
+            if e.reply_code == 406 and "size" in e.reply_text:
+                raise ValueError(
+                    f"{self.source_name}: the broker refused a message as too large ({e.reply_text}); "
+                    f"{too_large} message(s) over its limit were not sent; lower max_message_bytes to "
+                    "the broker's max_message_size and split batches"
+                ) from e
+            if e.reply_code == 404:
+                raise QueueError(f"{self.source_name}: the queue does not exist any more ({e.reply_text}); "
+                                 "was the task's queue deleted?") from e
+            raise QueueError(f"{self.source_name}: the broker closed the channel ({e.reply_code} "
+                             f"{e.reply_text}); the {self.unconfirmed} unconfirmed message(s) are published "
+                             "again by the next put or flush") from e
+
+    def _drop_too_large(self, e: pika.exceptions.ChannelClosedByBroker) -> int:
+        """Forget the payloads over the size the broker names (sending them again cannot work)."""
+        match = _MAX_SIZE_TEXT.search(e.reply_text or "")
+        if match is None:
+            return 0
+        limit = int(match.group(1))
+        before = self.unconfirmed
+        self._unconfirmed = {tag: data for tag, data in self._unconfirmed.items() if len(data) <= limit}
+        self._unsent = deque(data for data in self._unsent if len(data) <= limit)
+        return before - self.unconfirmed
+
+    def _publish(self, what: str, *, drain: bool) -> None:
+        """Publish what is unsent, within the window; with ``drain``, then wait for every confirm."""
+        conn, channel = self._open_channel()
+        while self._unsent:
+            if not self._has_room():
+                self._wait(conn, self._has_room, what)
+            data = self._unsent[0]
+            # registered before publishing: its confirm may be read while basic_publish flushes
+            self._next_tag += 1
+            self._unconfirmed[self._next_tag] = data
+            self._unconfirmed_bytes += len(data)
+            self._unsent.popleft()
+            channel.basic_publish("", self.queue_name, data, _PERSISTENT, mandatory=True)
+        if drain:
+            self._wait(conn, lambda: not self._unconfirmed, what)
+
+    def _has_room(self) -> bool:
+        return len(self._unconfirmed) < self.confirm_window and (
+            not self._unconfirmed or self._unconfirmed_bytes < self.confirm_window_bytes)
+
+    def _wait(self, conn: pika.BlockingConnection, done: Callable[[], bool], what: str) -> None:
+        """Read confirms until ``done()``; raise when ``confirm_timeout_s`` passes without one."""
+        timeout = self.params.confirm_timeout_s
+        progress = self._confirmed
+        deadline = time.monotonic() + timeout
+        self._wake_when = done
+        try:
+            while not done():
+                if self._confirmed != progress:
+                    progress = self._confirmed
+                    deadline = time.monotonic() + timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    waiting = f" ({len(self._unsent)} more wait to be published)" if self._unsent else ""
+                    raise QueueError(
+                        f"{self.source_name}: {what}: the broker confirmed none of the {len(self._unconfirmed)} "
+                        f"message(s) in flight{waiting} within {timeout:g}s (confirm_timeout_s); RabbitMQ "
+                        "blocks publishers when memory or disk runs low: check `rabbitmqctl status` (alarms) "
+                        "and free disk space. They are kept: put or flush waits again, close gives them up"
+                    )
+                conn.process_data_events(time_limit=min(remaining, 1.0))
+                if self._channel_closed is not None:
+                    raise self._channel_closed
+        finally:
+            self._wake_when = None
 
     def _on_confirm(self, frame: Any) -> None:
+        if self._conn is None:
+            return  # a confirm read while the old connection closes: its messages were requeued already
         method = frame.method
         tag, multiple = method.delivery_tag, method.multiple
-        tags = [t for t in self._outstanding if t <= tag] if multiple else [tag]
+        # the dict is in tag order: the tags up to `tag` are its first ones
+        tags = list(itertools.takewhile(lambda t: t <= tag, self._unconfirmed)) if multiple else [tag]
         nack = isinstance(method, pika.spec.Basic.Nack)
         for t in tags:
-            index = self._outstanding.pop(t, None)
-            if nack and index is not None:
-                self._nacked.append(index)
-        if self._conn is not None and not self._outstanding:
+            data = self._unconfirmed.pop(t, None)
+            if data is None:
+                continue
+            self._unconfirmed_bytes -= len(data)
+            self._confirmed += 1
+            if nack:
+                self._refused.append(data)
+        if self._wake_when is not None and self._wake_when():
             self._conn.add_callback_threadsafe(_wake)  # makes process_data_events return now
 
     def _on_return(self, _channel: Any, _method: Any, _properties: Any, _body: bytes) -> None:
-        self._returned += 1
+        # the broker acks a returned message after returning it: count it here, not as refused
+        if self._conn is not None:
+            self._returned += 1
+
+    def _on_channel_close(self, _channel: Any, reason: Exception) -> None:
+        if isinstance(reason, pika.exceptions.ChannelClosedByBroker) and self._conn is not None:
+            self._channel_closed = reason
+            self._conn.add_callback_threadsafe(_wake)
+
+    def _raise_refused(self) -> None:
+        if self._returned:
+            returned, self._returned = self._returned, 0
+            raise QueueError(
+                f"{self.source_name}: {returned} message(s) could not be routed: the queue does not "
+                "exist any more (was the task's queue deleted?)"
+            )
+        if self._refused:
+            rejected, self._refused = self._refused, []
+            raise QueueFullError(
+                f"{self.source_name}: the broker refused {len(rejected)} message(s): the queue is at its "
+                f"capacity (x-max-length={self.params.capacity}) or the broker had an internal error; "
+                "back off and put them again (QueueFullError.rejected)",
+                rejected,
+            )
 
     # ------------------------------------------------------------ consumer
     def _on_delivery(
@@ -381,7 +515,8 @@ class RabbitMQQueue(ExperienceQueue):
             _, channel = self._open_channel()
             ok = channel.queue_declare(self.queue_name, passive=True)
             ready = int(ok.method.message_count)
-            return ready + len(self._buffer) + len(self._held)
+            # read after the round trip, which read the confirms that came before its answer
+            return ready + len(self._buffer) + len(self._held) + self.unconfirmed
 
         try:
             return self._reconnector.call(count, "depth")
@@ -391,13 +526,33 @@ class RabbitMQQueue(ExperienceQueue):
                              f"{e.reply_text}); was the task's queue deleted?") from e
 
     def close(self) -> None:
+        """Flush (a producer), then release the connection.
+
+        Raises ``QueueError`` when the broker confirms nothing for
+        ``confirm_timeout_s`` and ``BrokerUnavailableError`` when it stays
+        away, saying how many messages were left unconfirmed; the connection
+        is released all the same. Payloads the broker refused are logged,
+        not raised (a closing producer would not resend them): call
+        ``flush()`` first to get them as ``QueueFullError.rejected``.
+        """
         if self._closed:
             return
-        self._closed = True
-        self._drop_connection()
+        try:
+            self.flush()
+        except QueueFullError as e:
+            logger.warning("%s: closing: %s. They were not put again (flush() before close() hands them back)",
+                           self.source_name, e)
+        finally:
+            self._closed = True
+            self._drop_connection()
+            if self._unsent:
+                logger.error("%s: closed with %d message(s) the broker never confirmed: they may or may not "
+                             "be in the queue", self.source_name, len(self._unsent))
+                self._unsent.clear()
 
     def destroy(self) -> None:
-        """Delete the queue (end of task); its messages are gone."""
+        """Delete the queue (end of task); its messages are gone, and so are unconfirmed ones."""
+        self._forget_unconfirmed()
         try:
             _, channel = self._open_channel()
             channel.queue_delete(self.queue_name)
@@ -409,6 +564,15 @@ class RabbitMQQueue(ExperienceQueue):
                 _close_quietly(conn)
         finally:
             self.close()
+
+
+    def _forget_unconfirmed(self) -> None:
+        """What this producer still has to publish or see confirmed, dropped (the queue is being deleted)."""
+        self._unsent.clear()
+        self._unconfirmed.clear()
+        self._unconfirmed_bytes = 0
+        self._refused.clear()
+        self._returned = 0
 
 
 def _wake() -> None:
