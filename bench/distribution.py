@@ -94,7 +94,7 @@ def bare_collection(seconds: float) -> float:
     return steps / (time.perf_counter() - t0)
 
 
-def actor_with_drain(seconds: float) -> float:
+def actor_with_drain(seconds: float) -> tuple[float, float]:
     """Env steps/s of a real actor process whose queue is drained (decode + ack, no learning),
     so the actor's own sending overhead is measured without a trainer competing for a core."""
     from srl.runner.distribution import local_nodes
@@ -128,12 +128,13 @@ def actor_with_drain(seconds: float) -> float:
         rate = float(board.get_all_stats().get("actor:0", {}).get("env_steps_per_s", 0) or 0)
         if rate > 0 and time.monotonic() > deadline - seconds:
             rates.append(rate)
+    stalled = float(board.get_all_stats().get("actor:0", {}).get("backpressure_wait_s", 0) or 0)
     board.end_task("END", "bench done")
     proc.wait(timeout=30)
     stop.set()
     drainer.join()
     server.stop()
-    return statistics.median(rates) if rates else float("nan")
+    return (statistics.median(rates) if rates else float("nan")), stalled
 
 
 class Evaluator(threading.Thread):
@@ -234,7 +235,7 @@ def main() -> None:
     runner_rate = runner_train_rate(5_000)
     bare = bare_collection(args.seconds)
     print("measuring one actor process with a drain-only consumer ...", flush=True)
-    actor_drained = actor_with_drain(args.seconds)
+    actor_drained, drained_stall = actor_with_drain(args.seconds)
     print("measuring the distributed run, actors flat out (embedded Redis, 1 trainer + 1 actor process) ...",
           flush=True)
     d = distributed(args.seconds, args.target, args.max_wait, None)
@@ -258,7 +259,7 @@ def main() -> None:
     print(f"{'actor env steps/s sending vs bare collection':<52} {d['actor_rate']:>10.0f} {bare:>10.0f} "
           f"{d['actor_rate'] / bare:>7.2f} {'>= 0.9':>8}")
     print(f"{'actor env steps/s sending, queue drained, no trainer':<52} {actor_drained:>10.0f} {bare:>10.0f} "
-          f"{actor_drained / bare:>7.2f} {'>= 0.9':>8}")
+          f"{actor_drained / bare:>7.2f} {'>= 0.9':>8}   (actor stalled {drained_stall:.1f}s on a full queue)")
     print(f"{'Redis commands per transition':<52} {per_transition:>10.4f} {'':>10} {'':>7} {'<= 0.05':>8}")
     for name, run in ((f"env_steps_per_train={limit}", d_limited), ("actors flat out", d)):
         reached = run["reached"]
