@@ -214,7 +214,7 @@ def progress_lines(
     holder, _ = board.lease_holder("trainer")
     latest_version = int(trainer.get("params_version", 0) or 0)
     if holder is None:
-        lines.append(f"  trainer: MISSING for {format_seconds(_missing_for(board, 'trainer', elapsed))} — "
+        lines.append(f"  trainer: MISSING for {format_seconds(_missing_for(stats, 'trainer', elapsed))} — "
                      "start one: srl trainer --host HOST (or trainer_run_forever(...))")
     else:
         lines.append(
@@ -226,7 +226,7 @@ def progress_lines(
         holder, _ = board.lease_holder(f"actor:{i}")
         s = stats.get(f"actor:{i}", {})
         if holder is None:
-            lines.append(f"  actor {i}: MISSING for {format_seconds(_missing_for(board, f'actor:{i}', elapsed))} — "
+            lines.append(f"  actor {i}: MISSING for {format_seconds(_missing_for(stats, f'actor:{i}', elapsed))} — "
                          "start one: srl actor --host HOST (or actor_run_forever(...))")
             continue
         lag = max(0, latest_version - int(s.get("params_version", 0) or 0))
@@ -240,9 +240,9 @@ def progress_lines(
     return lines
 
 
-def _missing_for(board: Board, role: str, elapsed: float) -> float:
+def _missing_for(stats: dict[str, dict[str, Any]], role: str, elapsed: float) -> float:
     """Seconds since ``role`` last reported, or since the task started when it never did."""
-    last = board.get_all_stats().get(role, {}).get("updated_at")
+    last = stats.get(role, {}).get("updated_at")
     if isinstance(last, (int, float)):
         return max(0.0, time.time() - float(last))
     return elapsed

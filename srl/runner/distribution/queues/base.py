@@ -99,8 +99,6 @@ class ExperienceQueue(ABC):
     """what this queue is, for log lines and errors (no secrets)"""
     role: Role
     """"producer" (actors) or "consumer" (the trainer)"""
-    reports_depth: bool = True
-    """False where ``depth()`` is always None: callers then count in flight on the board"""
 
     @abstractmethod
     def put(self, data: bytes) -> None:
@@ -132,6 +130,11 @@ class ExperienceQueue(ABC):
     def depth(self) -> int | None:
         """Messages put but not yet acked, if the broker can tell cheaply; else None."""
         return None
+
+    @property
+    def reports_depth(self) -> bool:
+        """Whether this backend overrides ``depth()``; where not, callers count in flight on the board."""
+        return type(self).depth is not ExperienceQueue.depth
 
     @abstractmethod
     def close(self) -> None:

@@ -445,11 +445,6 @@ class MQTTQueue(ExperienceQueue):
                         self.source_name, stale)
 
     # ------------------------------------------------------------ both
-    reports_depth = False
-
-    def depth(self) -> int | None:
-        return None
-
     def close(self) -> None:
         if self._closed:
             return

@@ -301,11 +301,6 @@ class PubSubQueue(ExperienceQueue):
             self._held.pop(m.receipt, None)
 
     # ------------------------------------------------------------ both
-    reports_depth = False
-
-    def depth(self) -> int | None:
-        return None
-
     def close(self) -> None:
         if self._closed:
             return
