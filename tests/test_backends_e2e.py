@@ -42,7 +42,7 @@ def test_a_node_with_another_queue_than_the_task_refuses(redis_url: str, namespa
     config = srl.Runner("Pendulum-v1", tiny_config()).task_config()
     board.create_task({**config, "max_train_count": 5,
                        "queue": {"scheme": "amqp", "describe": "amqp://127.0.0.1:5672/ queue srl.x", "capacity": 8}})
-    task = build_task(board.get_task_config())
+    task = build_task(board.get_task_config_raw()[0])
     with pytest.raises(TaskConfigError, match=r"amqp://127.0.0.1:5672/.*queue_params=None"):
         check_queue_matches(task, None, "actor")
     check_queue_matches(task, "amqp://guest:guest@127.0.0.1:5672/", "actor")

@@ -12,8 +12,13 @@ import redis
 
 from srl.runner.distribution.board import (
     BOARD_FORMAT_VERSION,
+    DEADLETTER_CAP,
+    EVENT_TEXT_LIMIT,
     Board,
+    BoardDataError,
     BoardFormatError,
+    DeadLetter,
+    ParamsRecord,
     TaskExistsError,
     TaskNotFoundError,
     TaskState,
@@ -140,7 +145,7 @@ def test_fencing_refuses_older_epoch_and_non_holder(board: Board) -> None:
     assert not board.publish_params("new", old, 3, b"stale", 40)
     # a non-holder cannot write with the current epoch
     assert not board.publish_params("intruder", new, 4, b"intruder", 50)
-    assert board.get_params() == (2, 1, 20, b"new-params")
+    assert board.get_params() == ParamsRecord(2, 1, 20, b"new-params")
     assert board.get_params_version() == (2, 1)
     status = board.get_status()
     assert status is not None and (status.params_epoch, status.params_version, status.train_count) == (2, 1, 20)
@@ -312,3 +317,85 @@ def test_scripts_reload_after_a_script_flush(board: Board, client: redis.Redis) 
     client.script_flush()
     assert board.heartbeat("actor:0", "a", 10_000, "actor:0", {"x": 1}, {"env_steps": 1})
     assert board.get_counters() == {"env_steps": 1}
+
+
+def test_a_lapsed_trainer_takes_its_own_lease_back_unless_another_took_over(task: Board) -> None:
+    epoch = task.claim_trainer("t1", 10_000)
+    assert epoch is not None
+    assert task.release_lease("trainer", "t1")  # stands in for the lease expiring during an outage
+    assert task.reclaim_trainer("t1", epoch, 10_000)  # same epoch: its memory and counters stay valid
+    assert task.lease_holder("trainer")[0] == "t1"
+    assert task.publish_params("t1", epoch, 1, b"p", 5)
+    assert task.release_lease("trainer", "t1")
+    newer = task.claim_trainer("t2", 10_000)
+    assert newer == epoch + 1
+    assert not task.reclaim_trainer("t1", epoch, 10_000)  # fenced: another trainer came in between
+    status = task.get_status()
+    assert status is not None and (status.trainer_uid, status.trainer_epoch) == ("t2", newer)
+    assert task.release_lease("trainer", "t2")
+    assert not task.reclaim_trainer("t1", epoch, 10_000)  # the epoch moved on: still fenced
+
+
+def test_an_actor_takes_its_own_slot_back_first(task: Board) -> None:
+    assert task.claim_actor_slot("a", 3, 10_000, prefer=2) == 2
+    assert task.release_lease("actor:2", "a")
+    assert task.claim_actor_slot("b", 3, 10_000) == 0
+    assert task.claim_actor_slot("a", 3, 10_000, prefer=2) == 2  # not the lowest free one (1)
+
+
+def test_heartbeat_reports_the_server_clock_and_train_count(task: Board) -> None:
+    epoch = task.claim_trainer("t", 10_000)
+    assert epoch is not None and task.publish_params("t", epoch, 3, b"p", 1234)
+    beat = task.heartbeat("trainer", "t", 10_000, "trainer")
+    assert beat.train_count == 1234 and beat.params_version == 3
+    assert abs(beat.server_time - task.server_time()) < 5.0
+    task.set_active()
+    status = task.get_status()
+    assert status is not None and status.started_at is not None
+    assert abs(status.started_at - beat.server_time) < 5.0
+
+
+def test_malformed_records_are_board_data_errors_not_crashes(task: Board, client: redis.Redis) -> None:
+    """Whoever can write to Redis may write anything: every read is parsed with bounds."""
+    key = task.prefix + "task"
+    for field, value in [("actor_num", "1e400"), ("params_version", "abc"), ("timeout", "inf"),
+                         ("train_count", str(10**30)), ("status", "PWNED"), ("created_at", "nan")]:
+        original = client.hget(key, field)
+        client.hset(key, field, value)
+        with pytest.raises(BoardDataError):
+            task.get_status()
+        client.hset(key, field, original or b"")
+    client.hset(key, "params_version", "abc")
+    assert task.claim_actor_slot("a", 3, 10_000) == 0
+    with pytest.raises(BoardDataError):
+        task.heartbeat("actor:0", "a", 10_000, "actor:0")
+    client.hset(key, "params_version", "0")
+    # garbage where counters, stats and events live: the writes go on, the reads skip it
+    client.hset(task.prefix + "counters", "actor:0", "not json {")
+    client.hset(task.prefix + "counters", "trainer", json.dumps({"env_steps": "many", "x": 1}))
+    assert task.heartbeat("actor:0", "a", 10_000, "actor:0", {"r": 1}, {"env_steps": 5})
+    assert task.get_role_counters()["actor:0"] == {"env_steps": 5}
+    assert task.get_counters() == {"env_steps": 5, "x": 1}
+    client.set(task.prefix + "stats:evil", "[1, 2")
+    client.sadd(task.prefix + "roles", "evil", "bad role name!")
+    assert set(task.get_all_stats()) == {"actor:0"}
+    client.lpush(task.prefix + "events", "garbage", json.dumps({"ts": "x", "text": "ok"}))
+    assert [e.text for e in task.get_events()][-1:] == ["ok"]
+
+
+def test_a_params_blob_larger_than_the_network_is_not_fetched(task: Board) -> None:
+    epoch = task.claim_trainer("t", 10_000)
+    assert epoch is not None and task.publish_params("t", epoch, 1, b"x" * 5000, 1)
+    assert task.get_params(max_bytes=5000) == ParamsRecord(epoch, 1, 1, b"x" * 5000)
+    with pytest.raises(BoardDataError, match="5000 bytes"):
+        task.get_params(max_bytes=4999)
+
+
+def test_event_texts_and_dead_letters_are_capped(task: Board, client: redis.Redis) -> None:
+    task.log_event("x" * 100_000, source="s" * 1000)
+    event = task.get_events(1)[0]
+    assert len(event.text) <= EVENT_TEXT_LIMIT and len(event.source) <= 128
+    assert client.llen(task.prefix + "events") == 1
+    task.add_dead_letters([DeadLetter(float(i), f"src {i}", "bad", i) for i in range(DEADLETTER_CAP + 30)])
+    letters = task.get_dead_letters()
+    assert len(letters) == DEADLETTER_CAP and letters[-1].source == f"src {DEADLETTER_CAP + 29}"

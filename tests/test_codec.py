@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import struct
@@ -11,9 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from srl.base.arrays import pack_arrays
+from srl.base.schema import Column, Schema
 from srl.runner.distribution.codec import (
+    ERROR_TEXT_LIMIT,
     FLAG_COMPRESSED,
     MAGIC,
     WIRE_VERSION,
@@ -22,6 +27,18 @@ from srl.runner.distribution.codec import (
     DecodeError,
     row_nbytes,
     split_columns,
+)
+
+
+SCHEMA = Schema(
+    {
+        "obs": Column("float32", (3,)),
+        "next_obs": Column("float32", (3,)),
+        "action": Column("int64", (), low=0, high=4),
+        "reward": Column("float32"),
+        "discount": Column("float32", (), low=0.0, high=1.0),
+    },
+    priorities=True,
 )
 
 
@@ -58,7 +75,8 @@ def test_batch_round_trip(secret: bytes | str, compress: bool) -> None:
     data = codec.encode_batch(*batch)
     assert data[:4] == MAGIC and data[4] == WIRE_VERSION
     assert_same_batch(batch, codec.decode_batch(data))
-    assert_same_batch(batch, codec.decode_batch(memoryview(data), copy=False))
+    assert_same_batch(batch, codec.decode_batch(memoryview(data)))
+    assert_same_batch(batch, codec.decode_batch(data, SCHEMA))
 
 
 def test_batch_without_priorities_and_empty_batch() -> None:
@@ -179,31 +197,147 @@ def test_pickle_payload_is_refused_and_never_run(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def raw_container(header: dict, body: bytes, pad_to: int | None = None) -> bytes:
+    """A safetensors container written by hand (what a forger could send)."""
+    text = json.dumps(header).encode()
+    if pad_to is not None:
+        text = text + b" " * (pad_to - len(text))
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def meta_of(header: BatchHeader, **changes: object) -> dict[str, str]:
+    meta = {k: getattr(header, k) for k in header.__dataclass_fields__}
+    meta.update(changes)
+    return {"srl": json.dumps(meta)}
+
+
 def test_bad_array_headers_are_decode_errors() -> None:
     codec = Codec(secret="")
     frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, 0)
     header, columns, _ = make_batch(4)
     meta = {k: getattr(header, k) for k in header.__dataclass_fields__}
+    obs = columns["obs"]
+    obs_entry = {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]}
     cases = [
-        pack_arrays({"c:obs": columns["obs"]}, {**meta, "count": 5}),  # count mismatch
-        pack_arrays({"c:obs": columns["obs"], "p": np.ones(3, np.float32)}, meta),  # priorities length
-        pack_arrays({"c:obs": columns["obs"], "p": np.ones(4, np.int32)}, meta),  # priorities dtype
-        pack_arrays({"c:obs": columns["obs"], "p": np.full(4, np.inf, np.float32)}, meta),
-        pack_arrays({"c:obs": columns["obs"], "other": columns["obs"]}, meta),  # unknown array
-        pack_arrays({"c:obs": columns["obs"]}, {**meta, "seq": "41"}),  # wrong type
-        pack_arrays({"c:obs": columns["obs"]}, {**meta, "epoch": True}),
-        pack_arrays({"c:obs": columns["obs"]}, {**meta, "actor_index": -1}),
-        pack_arrays({"c:obs": columns["obs"]}, {**meta, "created_at": float("nan")}),
-        pack_arrays({"c:obs": columns["obs"]}, {**meta, "actor_id": ""}),
-        pack_arrays({"c:obs": columns["obs"]}, {k: v for k, v in meta.items() if k != "actor_id"}),
+        pack_arrays({"c:obs": obs}, {**meta, "count": 5}),  # count mismatch
+        pack_arrays({"c:obs": obs, "p": np.ones(3, np.float32)}, meta),  # priorities length
+        pack_arrays({"c:obs": obs, "p": np.ones(4, np.int32)}, meta),  # priorities dtype
+        pack_arrays({"c:obs": obs, "p": np.full(4, np.inf, np.float32)}, meta),
+        pack_arrays({"c:obs": obs, "other": obs}, meta),  # unknown array
+        pack_arrays({"c:obs": obs}, {**meta, "seq": "41"}),  # wrong type
+        pack_arrays({"c:obs": obs}, {**meta, "epoch": True}),
+        pack_arrays({"c:obs": obs}, {**meta, "actor_index": -1}),
+        pack_arrays({"c:obs": obs}, {**meta, "created_at": 10**400}),  # overflows float(): the crash of old
+        pack_arrays({"c:obs": obs}, {**meta, "seq": 2**70}),
+        pack_arrays({"c:obs": obs}, {**meta, "actor_id": ""}),
+        pack_arrays({"c:obs": obs}, {**meta, "actor_id": "x" * 300}),
+        pack_arrays({"c:obs": obs}, {k: v for k, v in meta.items() if k != "actor_id"}),
         pack_arrays({"c:s": np.float32(1.0).reshape(())}, meta),  # a 0-d column
-        b"SRLA\x01\xff\xff\xff\x7f{",  # header length past the end
-        b"SRLA\x01\x05\x00\x00\x00" + b"[" * 5,
-        b"SRLA\x01\x00\x10\x00\x00" + b"[" * 4096,  # deep nesting
+        raw_container({"__metadata__": {"srl": '{"created_at": NaN}'}, "c:obs": obs_entry}, obs.tobytes()),
+        raw_container({"__metadata__": meta_of(header), "c:obs": obs_entry, "c:o2": obs_entry},
+                      obs.tobytes()),  # two arrays on the same bytes
+        raw_container({"__metadata__": meta_of(header), "c:obs": obs_entry}, obs.tobytes() + b"x"),  # trailing
+        raw_container({"__metadata__": meta_of(header), "c:obs": {**obs_entry, "data_offsets": [4, 52]}},
+                      b"\0" * 52),  # a gap
+        raw_container({"__metadata__": meta_of(header), "c:obs": {**obs_entry, "dtype": "BF16"}}, b"\0" * 48),
+        raw_container({"__metadata__": meta_of(header), "c:obs": {**obs_entry, "shape": [2**40, 2**40]}},
+                      obs.tobytes()),  # a shape whose size overflows
+        raw_container({"__metadata__": meta_of(header)}, b"", pad_to=70 * 1024),  # a header over 64 KiB
+        raw_container({"__metadata__": {"srl": "[" * 5000}}, b""),  # deep nesting in the meta
+        struct.pack("<Q", 2**63) + b"{}",  # header length past the end
+        struct.pack("<Q", 5) + b"[" * 5,
     ]
     for payload in cases:
         with pytest.raises(DecodeError):
             codec.decode_batch(frame + payload)
+
+
+def test_a_huge_json_header_is_refused_before_parsing() -> None:
+    """14.7 KB of compressed header used to make the trainer allocate 401 MiB before refusing it."""
+    header = {"__metadata__": {"srl": json.dumps({"pad": "x" * (40 * 2**20)})}}
+    payload = zlib.compress(raw_container(header, b""), 9)
+    frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, FLAG_COMPRESSED) + payload
+    assert len(frame) < 64 * 1024
+    with pytest.raises(DecodeError, match="expands past max_bytes|over the 65536-byte limit"):
+        Codec(secret="", max_bytes=1 << 20).decode_batch(frame)
+    with pytest.raises(DecodeError, match="65536-byte limit"):
+        Codec(secret="", max_bytes=64 << 20).decode_batch(frame)
+
+
+def test_decode_error_text_is_short() -> None:
+    """A 16 KB malformed message once produced a 16 MiB error text (then logged and copied into events)."""
+    header, columns, _ = make_batch(4)
+    meta = {k: getattr(header, k) for k in header.__dataclass_fields__}
+    frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, 0)
+    cases = [
+        frame + pack_arrays({"c:obs": columns["obs"]}, {**meta, "seq": "9" * 16_000}),
+        frame + pack_arrays({"c:obs": columns["obs"]}, {**meta, "actor_id": "a" * 16_000}),
+        frame + pack_arrays({"c:" + "n" * 16_000: columns["obs"]}, meta),
+        frame + raw_container({"x" * 16_000: 1}, b""),
+    ]
+    for data in cases:
+        with pytest.raises(DecodeError) as info:
+            Codec(secret="").decode_batch(data, SCHEMA)
+        assert len(str(info.value)) <= ERROR_TEXT_LIMIT
+
+
+def test_schema_refuses_what_does_not_fit_the_algorithm() -> None:
+    codec = Codec(secret="")
+    header, columns, priorities = make_batch(8)
+    good = codec.decode_batch(codec.encode_batch(header, columns, priorities), SCHEMA)
+    assert good[0] == header
+
+    def refused(why: str, cols: dict[str, np.ndarray], pri: np.ndarray | None = priorities) -> None:
+        with pytest.raises(DecodeError, match=why):
+            codec.decode_batch(codec.encode_batch(header, cols, pri), SCHEMA)
+
+    refused("junk", {"junk": columns["obs"]})  # the forged first batch of old
+    refused("missing", {k: v for k, v in columns.items() if k != "discount"})
+    refused("dtype float64", {**columns, "reward": columns["reward"].astype(np.float64)})
+    refused("shape", {**columns, "obs": np.zeros((8, 4), np.float32)})
+    refused("above its upper bound", {**columns, "action": np.full(8, 10**9, np.int64)})
+    refused("below its lower bound", {**columns, "action": np.full(8, -1, np.int64)})
+    refused("NaN", {**columns, "obs": np.full((8, 3), np.nan, np.float32)})
+    refused("upper bound", {**columns, "discount": np.full(8, 2.0, np.float32)})
+    no_priorities = Schema(dict(SCHEMA.columns), priorities=False)
+    with pytest.raises(DecodeError, match="carry none"):
+        codec.decode_batch(codec.encode_batch(header, columns, priorities), no_priorities)
+
+
+def test_signatures_are_bound_to_the_task() -> None:
+    batch = make_batch(4)
+    data = Codec(secret="k", task="task-a").encode_batch(*batch)
+    assert_same_batch(batch, Codec(secret="k", task="task-a").decode_batch(data))
+    with pytest.raises(DecodeError, match="another task"):
+        Codec(secret="k", task="task-b").decode_batch(data)
+
+
+def test_params_meta_must_agree_with_the_board() -> None:
+    codec = Codec(secret="k", task="t")
+    old = codec.encode_params({"w": np.zeros(2, np.float32)}, {"epoch": 1, "version": 3})
+    assert codec.decode_params(old, epoch=1, version=3)[0]["version"] == 3
+    # the old signed blob written back under a newer version: refused
+    with pytest.raises(DecodeError, match="old blob"):
+        codec.decode_params(old, epoch=1, version=9)
+    with pytest.raises(DecodeError, match="epoch"):
+        codec.decode_params(old, epoch=2, version=3)
+
+
+def test_config_signature() -> None:
+    signed, unsigned = Codec(secret="k", task="t"), Codec(secret="", task="t")
+    config = '{"algorithm":"dqn"}'
+    signature = signed.config_signature(config)
+    signed.check_config_signature(config, signature)
+    unsigned.check_config_signature(config, "")
+    assert unsigned.config_signature(config) == ""
+    with pytest.raises(DecodeError, match="changed on the board"):
+        signed.check_config_signature('{"algorithm":"dqn","x":1}', signature)
+    with pytest.raises(DecodeError, match="changed on the board"):
+        Codec(secret="k", task="other").check_config_signature(config, signature)
+    with pytest.raises(DecodeError, match="unsigned task config"):
+        signed.check_config_signature(config, "")
+    with pytest.raises(DecodeError, match="no secret is set"):
+        unsigned.check_config_signature(config, signature)
 
 
 def test_garbage_never_raises_anything_but_decode_error() -> None:
@@ -266,3 +400,47 @@ def test_split_columns_and_row_estimate() -> None:
         start += 1
     with pytest.raises(ValueError, match="max_rows"):
         split_columns(columns, priorities, 0)
+
+
+# ---------------------------------------------------------------- property tests (hypothesis, bounded budget)
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+@PROPERTY
+@given(st.binary(max_size=2048), st.sampled_from(["", "k"]))
+def test_property_any_bytes_give_only_decode_errors(data: bytes, secret: str) -> None:
+    codec = Codec(secret=secret, max_bytes=1 << 20)
+    for decode in (lambda d: codec.decode_batch(d, SCHEMA), codec.decode_params):
+        try:
+            decode(data)
+        except DecodeError:
+            pass
+
+
+@PROPERTY
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=8),
+       st.integers(0, 10_000), st.booleans())
+def test_property_mutated_messages_give_only_decode_errors(
+    edits: list[tuple[int, int]], cut: int, compress: bool
+) -> None:
+    codec = Codec(secret="", compress=compress, max_bytes=1 << 20)
+    data = bytearray(codec.encode_batch(*make_batch(5)))
+    for position, value in edits:
+        data[position % len(data)] = value
+    try:
+        header, columns, _ = codec.decode_batch(bytes(data[: max(1, len(data) - cut % 64)]), SCHEMA)
+    except DecodeError:
+        return
+    assert SCHEMA.problem(columns) is None  # whatever passes fits the schema exactly
+    assert header.count == len(columns["obs"])
+
+
+@PROPERTY
+@given(st.integers(0, 300), st.integers(0, 2**63 - 1), st.floats(0, 1e11), st.text(min_size=1, max_size=256),
+       st.booleans())
+def test_property_valid_batches_round_trip(n: int, seq: int, created_at: float, actor_id: str, signed: bool) -> None:
+    codec = Codec(secret="k" if signed else "", task="t")
+    _, columns, priorities = make_batch(n, seed=n)
+    header = BatchHeader(actor_id, 1, 2, seq, 3, n, created_at)
+    assert_same_batch((header, columns, priorities), codec.decode_batch(codec.encode_batch(header, columns, priorities),
+                                                                        SCHEMA))

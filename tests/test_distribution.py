@@ -152,9 +152,11 @@ def test_paused_trainer_cannot_overwrite_params_after_takeover(
     wait_for(lambda: lease_holder_pid(board, "trainer") == successor.proc.pid, 30, "the successor to take over")
     wait_for(lambda: (s := board.get_status()) and s.params_epoch == 2, 60, "params of epoch 2")
     zombie.signal(signal.SIGCONT)
-    out = wait_for(lambda: ("refused" in (o := zombie.output()) or "lost the trainer lease" in o) and o, 20,
+    out = wait_for(lambda: "stopped: fenced off" in (o := zombie.output()) and o, 20,
                    "the resumed trainer to notice it is fenced off")
-    assert "stopped: " in out and "(epoch 1, " in out  # it gave up its run at epoch 1
+    assert "(epoch 1, " in out  # it gave up its run at epoch 1
+    successor_uid = board.get_status().trainer_uid  # type: ignore[union-attr]
+    assert f"trainer {successor_uid} (epoch 2)" in out  # and says who took over
     for _ in range(5):  # the zombie's writes never land: the board stays on epoch 2
         status = board.get_status()
         assert status is not None and status.params_epoch == 2
@@ -173,18 +175,17 @@ def test_garbage_forged_and_oversized_messages_are_counted_and_skipped(
     client.start()
     board = board_for(redis_url, namespace)
     env = {"SRL_SECRET": secret}
-    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path, "--max-message-bytes", "200000", env=env)
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path, env=env)
     wait_for(lambda: lease_holder_pid(board, "trainer") == trainer.proc.pid, 30, "the trainer")
     redis_params = RedisParameters(url=redis_url, task_name=namespace)
     header = BatchHeader("intruder", 0, 0, 0, 0, 4, time.time())
     columns = {"obs": np.zeros((4, 3), np.float32), "action": np.zeros(4, np.int64),
                "reward": np.zeros(4, np.float32), "next_obs": np.zeros((4, 3), np.float32),
                "discount": np.zeros(4, np.float32)}
-    forged = Codec(secret="not-the-secret").encode_batch(header, columns, None)
+    forged = Codec(secret="not-the-secret", task=namespace).encode_batch(header, columns, None)
     big = {k: np.zeros((20_000, *v.shape[1:]), v.dtype) for k, v in columns.items()}
-    oversized = Codec(secret=secret).encode_batch(
+    oversized = Codec(secret=secret, task=namespace).encode_batch(  # over the rows a message may carry
         BatchHeader("big", 0, 0, 0, 0, 20_000, time.time()), big, None)
-    assert len(oversized) > 200_000
     with open_queue(None, namespace=namespace, role="producer", redis_params=redis_params) as queue:
         queue.put_many([b"\x00garbage" * 10, b"cos\nsystem\n(S'echo pwned'\ntR.", forged, oversized])
     wait_for(lambda: board.get_counters().get("bad_messages", 0) >= 4, 30, "4 bad messages to be counted")

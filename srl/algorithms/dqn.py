@@ -22,9 +22,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from srl.base.env import EnvSpec
-from srl.base.rl import Columns, Parameter, RLConfig, Trainer, TrainStats, Worker, torch_from_arrays, torch_to_arrays
+from srl.base.rl import (
+    Columns,
+    Parameter,
+    RLConfig,
+    Trainer,
+    TrainStats,
+    Worker,
+    check_int,
+    check_number,
+    torch_from_arrays,
+    torch_to_arrays,
+)
+from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam
 from srl.rl.memories import Memory
+
+VALUE_BOUND = 1e9
+"""observations and returns beyond this are refused as rows (no env of sense produces them)"""
 
 
 @dataclass
@@ -63,21 +78,35 @@ class Config(RLConfig):
     def validate(self) -> None:
         super().validate()
         self.hidden_block.validate()
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
-        if self.n_step < 1:
-            raise ValueError(f"n_step must be >= 1, got {self.n_step}")
-        if self.target_update_interval < 1:
-            raise ValueError(f"target_update_interval must be >= 1, got {self.target_update_interval}")
+        check_number("lr", self.lr, 0.0, 1.0, low_open=True)
+        check_number("gamma", self.gamma, 0.0, 1.0, low_open=True)
+        check_int("n_step", self.n_step, 1, 1000)
+        check_int("target_update_interval", self.target_update_interval, 1, 2**62)
         for name in ("epsilon", "apex_epsilon", "test_epsilon"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+            check_number(name, getattr(self, name), 0.0, 1.0)
+        check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
+        check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
+        check_number("reward_scale", self.reward_scale, -1e9, 1e9)
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
         """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
         if actor_num <= 1:
             return self.epsilon
         return float(self.apex_epsilon ** (1.0 + self.apex_alpha * actor_index / (actor_num - 1)))
+
+    def schema(self, spec: EnvSpec) -> Schema:
+        """n-step transitions; ``discount`` is gamma**k, 0 after a terminal step."""
+        obs = Column("float32", spec.obs_shape, low=-VALUE_BOUND, high=VALUE_BOUND)
+        return Schema(
+            {
+                "obs": obs,
+                "action": Column("int64", (), low=0, high=spec.n_actions - 1),
+                "reward": Column("float32", (), low=-VALUE_BOUND, high=VALUE_BOUND),
+                "next_obs": obs,
+                "discount": Column("float32", (), low=0.0, high=1.0),
+            },
+            priorities=True,
+        )
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> DQNParameter:
         return DQNParameter(self, spec, device)
@@ -238,9 +267,13 @@ class DQNTrainer(Trainer):
         self.target.requires_grad_(False)
         self.optimizer = make_adam(parameter.q.parameters(), config.lr)
         self.train_count = 0
+        self.nonfinite_losses = 0
 
     def sync_target(self) -> None:
         self.target.load_state_dict(self.parameter.q.state_dict())
+
+    def on_parameters_loaded(self) -> None:
+        self.sync_target()
 
     def train(self) -> TrainStats | None:
         if len(self.memory) < self.config.warmup_size:
@@ -262,6 +295,10 @@ class DQNTrainer(Trainer):
             target = td_targets(q_online_next, self.target(next_obs), reward, discount, self.config.double_q)
         td = target - q_sa
         loss = (weights * F.smooth_l1_loss(q_sa, target, reduction="none")).mean()
+        if not torch.isfinite(loss):
+            # Diverged on this sample (e.g. extreme rewards): skip the step rather than poison the weights.
+            self.nonfinite_losses += 1
+            return TrainStats(loss=float("nan"), extra={"nonfinite_losses": float(self.nonfinite_losses)})
 
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -271,7 +308,6 @@ class DQNTrainer(Trainer):
         td_abs = td.detach().abs().cpu().numpy()
         self.memory.update_priorities(sample.indices, td_abs, sample.generations)
         self.train_count += 1
-        self.parameter.version = self.train_count
         if self.train_count % self.config.target_update_interval == 0:
             self.sync_target()
         return TrainStats(loss=float(loss.item()), extra={"td_abs": float(td_abs.mean())})

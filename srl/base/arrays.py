@@ -1,102 +1,109 @@
-"""A safe container for named numpy arrays: JSON header, then raw buffers.
+"""A safe container for named numpy arrays plus a JSON meta: the safetensors format.
 
-Owns: the byte layout used for parameters, saved checkpoints and (wrapped by
+Owns: the byte layout of parameters, checkpoints and (framed by
 ``srl.runner.distribution.codec``) experience batches. Must never: run code
-while decoding. Only plain numeric dtypes are accepted; object arrays, and any
-header that does not describe the buffer exactly, are refused.
+while decoding, or allocate more than the bytes it was given.
 
-Layout::
+Why safetensors: its parser (Rust) refuses overlapping, non-contiguous and
+out-of-range offsets, a header that does not describe the buffer exactly, and
+shapes whose size overflows; so decoding allocates at most the size of the
+input. A checkpoint is a plain ``.safetensors`` file that other tools open.
+srl's meta travels as one JSON string under the ``"srl"`` key of
+``__metadata__`` (safetensors metadata is text to text).
 
-    b"SRLA" | u8 layout version | u32 header length (little endian) | header JSON | buffers
-
-The header is ``{"meta": {...}, "arrays": [[name, dtype, shape, offset, nbytes], ...]}``.
+What this module adds: a cap on the header (``max_header_bytes``, checked
+before anything is parsed), plain numeric dtypes only, and one error type,
+:class:`ArrayFormatError`, for whatever is wrong with the bytes.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
 import struct
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
+import safetensors.numpy
 
-MAGIC = b"SRLA"
-LAYOUT_VERSION = 1
-_PREFIX = struct.Struct("<4sBI")
+MAX_HEADER_BYTES = 64 * 1024
+"""largest safetensors header (names, dtypes, shapes, offsets and the JSON meta) accepted"""
+META_KEY = "srl"
 
-ALLOWED_DTYPES = frozenset(
-    ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-     "float16", "float32", "float64"]
-)
-_LE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
+_HEADER_LEN = struct.Struct("<Q")
+# safetensors dtype code -> numpy (little endian); BF16 and FP8 have no numpy dtype and are refused.
+_DTYPES: dict[str, np.dtype] = {
+    code: np.dtype(name).newbyteorder("<")
+    for code, name in {
+        "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+        "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64",
+    }.items()
+}
+ALLOWED_DTYPES = frozenset(d.name for d in _DTYPES.values())
 
 
 class ArrayFormatError(ValueError):
     """The bytes are not a valid srl array container."""
 
 
-def pack_arrays(arrays: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> bytes:
-    """Encode named arrays and a JSON-able ``meta`` dict."""
-    entries: list[list[Any]] = []
-    buffers: list[bytes] = []
-    offset = 0
+def pack_arrays(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> bytes:
+    """Encode named arrays and a JSON-able ``meta``; TypeError for a dtype outside the allowed set."""
     for name, array in arrays.items():
-        a = np.ascontiguousarray(array)
-        dtype = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-        a = a.astype(dtype, copy=False)
-        if dtype.name not in ALLOWED_DTYPES:
-            raise TypeError(f"array {name!r} has dtype {dtype.name}; allowed: {sorted(ALLOWED_DTYPES)}")
-        raw = a.tobytes()
-        entries.append([name, dtype.name, list(a.shape), offset, len(raw)])
-        buffers.append(raw)
-        offset += len(raw)
-    header = json.dumps({"meta": meta or {}, "arrays": entries}, separators=(",", ":")).encode()
-    return b"".join([_PREFIX.pack(MAGIC, LAYOUT_VERSION, len(header)), header, *buffers])
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise TypeError(f"array names are non-empty text (not '__metadata__'), got {name!r}")
+        if np.asarray(array).dtype.name not in ALLOWED_DTYPES:
+            raise TypeError(f"array {name!r} has dtype {np.asarray(array).dtype}; allowed: {sorted(ALLOWED_DTYPES)}")
+    meta_json = json.dumps(dict(meta or {}), separators=(",", ":"), allow_nan=False)
+    contiguous = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    data: bytes = safetensors.numpy.save(contiguous, metadata={META_KEY: meta_json})
+    return data
 
 
 def unpack_arrays(
-    blob: bytes | memoryview, *, copy: bool = True
+    blob: bytes | bytearray | memoryview, *, max_header_bytes: int = MAX_HEADER_BYTES
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Decode what :func:`pack_arrays` wrote. Raises :class:`ArrayFormatError` on anything else.
+    """Decode what :func:`pack_arrays` wrote: ``(meta, arrays)``; :class:`ArrayFormatError` on anything else.
 
-    With ``copy=False`` the arrays are read-only views into ``blob``.
+    The arrays are writable copies (they do not keep ``blob`` alive).
     """
-    view = memoryview(blob)
-    if len(view) < _PREFIX.size:
-        raise ArrayFormatError(f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, header_len = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise ArrayFormatError(f"expected magic {MAGIC!r}, found {bytes(magic)!r}")
-    if version != LAYOUT_VERSION:
-        raise ArrayFormatError(f"array layout version {version}; this srl reads version {LAYOUT_VERSION}")
-    start = _PREFIX.size + header_len
-    if start > len(view):
-        raise ArrayFormatError(f"header length {header_len} runs past the end ({len(view)} bytes)")
+    data = blob if isinstance(blob, bytes) else bytes(blob)
+    if len(data) < _HEADER_LEN.size:
+        raise ArrayFormatError(f"{len(data)} bytes is shorter than the {_HEADER_LEN.size}-byte length prefix")
+    (header_len,) = _HEADER_LEN.unpack_from(data, 0)
+    if header_len > max_header_bytes:
+        raise ArrayFormatError(f"header of {header_len} bytes is over the {max_header_bytes}-byte limit")
+    if _HEADER_LEN.size + header_len > len(data):
+        raise ArrayFormatError(f"header of {header_len} bytes runs past the end ({len(data)} bytes)")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : start]))
-        meta = header["meta"]
-        entries = header["arrays"]
-        if not isinstance(meta, dict) or not isinstance(entries, list):
-            raise TypeError("meta must be an object and arrays a list")
-    except (ValueError, KeyError, TypeError) as e:
-        raise ArrayFormatError(f"malformed header: {e}") from e
-    body_len = len(view) - start
+        tensors = safetensors.deserialize(data)
+        # The header is valid JSON now (the Rust parser checked it, nesting included).
+        header = json.loads(data[_HEADER_LEN.size : _HEADER_LEN.size + header_len])
+        meta_json = (header.get("__metadata__") or {}).get(META_KEY, "{}")
+        meta = json.loads(meta_json)
+    except (safetensors.SafetensorError, ValueError, TypeError, AttributeError, RecursionError) as e:
+        raise ArrayFormatError(f"malformed container: {str(e)[:200]}") from None
+    if not isinstance(meta, dict):
+        raise ArrayFormatError(f"meta must be a JSON object, found {type(meta).__name__}")
     arrays: dict[str, np.ndarray] = {}
-    for entry in entries:
-        try:
-            name, dtype_name, shape, offset, nbytes = entry
-            shape = tuple(int(s) for s in shape)
-            offset, nbytes = int(offset), int(nbytes)
-        except (ValueError, TypeError) as e:
-            raise ArrayFormatError(f"malformed array entry {entry!r}: {e}") from e
-        if not isinstance(name, str) or dtype_name not in ALLOWED_DTYPES:
-            raise ArrayFormatError(f"array entry {entry!r}: name must be text and dtype one of the allowed")
-        dtype = _LE_DTYPES[dtype_name]
-        if any(s < 0 for s in shape) or math.prod(shape) * dtype.itemsize != nbytes:
-            raise ArrayFormatError(f"array {name!r}: shape {shape} of {dtype_name} does not fill {nbytes} bytes")
-        if offset < 0 or offset + nbytes > body_len:
-            raise ArrayFormatError(f"array {name!r}: bytes {offset}..{offset + nbytes} run past the body")
-        a = np.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=start + offset).reshape(shape)
-        arrays[name] = a.copy() if copy else a
+    for name, info in tensors:
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ArrayFormatError(f"array {name!r} has dtype {info['dtype']}; allowed: {sorted(_DTYPES)}")
+        arrays[name] = np.frombuffer(info["data"], dtype=dtype).reshape(info["shape"])
     return meta, arrays
+
+
+def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+    """Write a ``.safetensors`` file atomically (a crash leaves the old file or the new one, never half)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(pack_arrays(arrays, meta))
+    tmp.replace(target)
+
+
+def load_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a file written by :func:`save_arrays`; ArrayFormatError if it is not one."""
+    return unpack_arrays(Path(path).read_bytes(), max_header_bytes=16 * MAX_HEADER_BYTES)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
+_MAX_INT = 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -49,9 +51,9 @@ def config_from_dict(cls: type[T], data: dict[str, Any], *, where: str = "") -> 
     for name, value in data.items():
         path = f"{where}.{name}" if where else f"{cls.__name__}.{name}"
         if name not in fields:
-            close = difflib.get_close_matches(name, list(fields), n=1)
+            close = difflib.get_close_matches(name, list(fields), n=1) if len(str(name)) <= 64 else []
             hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {sorted(fields)}"
-            raise ConfigError(f"{path}: no such field in {cls.__name__}{hint}")
+            raise ConfigError(f"{_short(path, 120)}: no such field in {cls.__name__}{hint}")
         kwargs[name] = _from_data(hints[name], value, path)
     return cls(**kwargs)
 
@@ -70,10 +72,10 @@ def _from_data(tp: Any, value: Any, path: str) -> Any:
                 return _from_data(arg, value, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{path}: {value!r} fits none of {tp}: {errors}")
+        raise ConfigError(f"{path}: {_short(value)} fits none of {tp}: {errors}")
     if origin is typing.Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{path}: expected one of {list(get_args(tp))}, got {value!r}")
+            raise ConfigError(f"{path}: expected one of {list(get_args(tp))}, got {_short(value)}")
         return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return config_from_dict(tp, value, where=path)
@@ -92,14 +94,27 @@ def _from_data(tp: Any, value: Any, path: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
+            raise ConfigError(f"{path}: expected a number, got {_short(value)}")
+        if isinstance(value, int) and abs(value) > _MAX_INT:
+            raise ConfigError(f"{path}: {_short(value)} is out of range")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {_short(value)}")
+        if abs(value) > _MAX_INT:
+            raise ConfigError(f"{path}: {_short(value)} is out of range (at most 2**63-1)")
         return value
     if tp in (str, bool):
         if not isinstance(value, tp):
-            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {_short(value)}")
         return value
     return value
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value's repr, cut (configs may come from an untrusted board)."""
+    big = isinstance(value, int) and abs(value) >= 10**30
+    text = f"an integer of {value.bit_length()} bits" if big else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

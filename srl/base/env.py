@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,26 @@ import numpy as np
 
 class EnvError(ValueError):
     """The environment cannot be built or used as asked."""
+
+
+ALLOW_ENV_MODULES_ENV = "SRL_ALLOW_ENV_MODULES"
+"""comma-separated modules whose ``module:Env`` ids a node may build (gymnasium imports the module)"""
+
+
+def allowed_env_modules(option: str | Collection[str] | None = None) -> frozenset[str]:
+    """The modules a node allows in ``module:Env`` ids: ``option`` plus ``$SRL_ALLOW_ENV_MODULES``."""
+    names: list[str] = []
+    for source in (option, os.environ.get(ALLOW_ENV_MODULES_ENV, "")):
+        if not source:
+            continue
+        names += source.split(",") if isinstance(source, str) else list(source)
+    return frozenset(n.strip() for n in names if n.strip())
+
+
+def env_module(env_id: str) -> str | None:
+    """The module gymnasium would import for ``env_id`` (``"pkg.mod:Env-v0"`` -> ``"pkg.mod"``), or None."""
+    module, sep, _ = env_id.partition(":")
+    return module if sep else None
 
 
 class EnvConfig:
@@ -48,8 +70,30 @@ class EnvConfig:
     def coerce(cls, env: str | EnvConfig) -> EnvConfig:
         return env if isinstance(env, EnvConfig) else cls(env)
 
-    def make(self, render_mode: str | None = None) -> gym.Env:
-        """Build the env; an unknown id raises :class:`EnvError` naming close registered ids."""
+    def check_allowed(self, allow_modules: Collection[str] | None) -> None:
+        """Refuse a ``module:Env`` id whose module is not in ``allow_modules`` (None: no restriction).
+
+        Building such an id imports the module, i.e. runs its code: a node that
+        reads the env id from the board must not do that for a module it did not allow.
+        """
+        module = env_module(self.id)
+        if module is None or allow_modules is None:
+            return
+        if any(module == m or module.startswith(m + ".") for m in allow_modules):
+            return
+        raise EnvError(
+            f"env id {self.id!r} would import the module {module!r}, which this node does not allow; "
+            f"start the node with --allow-env-modules {module} (or {ALLOW_ENV_MODULES_ENV}={module}) "
+            "if you trust it, or register the env in an installed package and use its plain id"
+        )
+
+    def make(self, render_mode: str | None = None, allow_modules: Collection[str] | None = None) -> gym.Env:
+        """Build the env; an unknown id raises :class:`EnvError` naming close registered ids.
+
+        ``allow_modules``: on a node, the modules a ``module:Env`` id may import (see
+        :meth:`check_allowed`); None (a user's own process) allows any.
+        """
+        self.check_allowed(allow_modules)
         try:
             return gym.make(self.id, render_mode=render_mode, **self.kwargs)
         except gym.error.Error as e:
@@ -130,9 +174,16 @@ def make_spec(env: gym.Env, env_id: str, algorithm: str, action_bins: int) -> En
 class EnvAdapter:
     """A gymnasium env that speaks flat float32 observations and integer actions."""
 
-    def __init__(self, config: EnvConfig, algorithm: str, action_bins: int, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EnvConfig,
+        algorithm: str,
+        action_bins: int,
+        seed: int | None = None,
+        allow_modules: Collection[str] | None = None,
+    ) -> None:
         self.config = config
-        self.env = config.make()
+        self.env = config.make(allow_modules=allow_modules)
         self.spec = make_spec(self.env, config.id, algorithm, action_bins)
         self._seed = seed
         self._first_reset = True

@@ -23,6 +23,8 @@ The loops that call them::
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -32,10 +34,33 @@ import torch
 
 from srl.base.arrays import pack_arrays, unpack_arrays
 from srl.base.env import EnvSpec
+from srl.base.schema import Schema
 from srl.rl.memories import Memory, MemoryConfig
 
 Columns = dict[str, np.ndarray]
 """A batch of transitions as columns; every array has the same leading length."""
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {str(value)[:40]}")
+
+
+def check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a finite number in [low, high] ((low, high] with ``low_open``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value < low or value > high or (low_open and value == low)):  # type: ignore[operator]
+        ok = False
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {str(value)[:40]}")
+
+
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """Raise ValueError unless ``value`` is an int in [low, high]."""
+    _check_int(name, value, low, high)
 
 
 @dataclass
@@ -72,9 +97,17 @@ class RLConfig(ABC):
         return device
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when a setting cannot work."""
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        """Raise ValueError naming the field when a setting cannot work (or is beyond any sane bound:
+        a config may come from an untrusted board)."""
+        _check_int("batch_size", self.batch_size, 1, 1 << 16)
+        _check_int("warmup_size", self.warmup_size, 0, 1 << 30)
+        _check_int("action_bins", self.action_bins, 2, 1024)
+        _check_int("torch_threads", self.torch_threads, 1, 256)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {str(self.device)[:40]!r}")
+        self.memory.validate()
         if self.warmup_size < self.batch_size:
             raise ValueError(
                 f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})"
@@ -89,6 +122,11 @@ class RLConfig(ABC):
         return dataclasses.replace(self)
 
     @abstractmethod
+    def schema(self, spec: EnvSpec) -> Schema:
+        """The columns this algorithm's worker emits for ``spec`` (what the trainer's buffer holds and
+        what every batch from an actor must match)."""
+
+    @abstractmethod
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> Parameter: ...
 
     @abstractmethod
@@ -99,8 +137,8 @@ class RLConfig(ABC):
     @abstractmethod
     def make_trainer(self, spec: EnvSpec, parameter: Parameter, memory: Memory) -> Trainer: ...
 
-    def make_memory(self) -> Memory:
-        return self.memory.build(seed=self.seed)
+    def make_memory(self, spec: EnvSpec) -> Memory:
+        return self.memory.build(seed=self.seed, schema=self.schema(spec))
 
 
 class Parameter(ABC):
@@ -198,3 +236,7 @@ class Trainer(ABC):
     @abstractmethod
     def train(self) -> TrainStats | None:
         """One update, or None when the memory does not hold enough to start."""
+
+    def on_parameters_loaded(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
+        """The parameter's weights were replaced (a checkpoint, or params restored from the board):
+        bring any state derived from them (a target network) in line. Nothing by default."""

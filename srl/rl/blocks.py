@@ -5,6 +5,7 @@ Owns: ``MLPBlockConfig`` and the torch module it builds. Must never: know an alg
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -12,6 +13,10 @@ import torch
 from torch import nn
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "elu": nn.ELU, "silu": nn.SiLU}
+MAX_LAYERS = 16
+MAX_UNITS = 16384
+MAX_WEIGHTS = 50_000_000
+"""weights between hidden layers a block may have (200 MB of float32): configs may come from a board"""
 
 
 @dataclass
@@ -29,10 +34,18 @@ class MLPBlockConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not self.layer_sizes or any(s < 1 for s in self.layer_sizes):
-            raise ValueError(f"layer sizes must be positive integers, got {self.layer_sizes}")
+        sizes = self.layer_sizes
+        if not sizes or len(sizes) > MAX_LAYERS or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_UNITS for s in sizes
+        ):
+            raise ValueError(
+                f"layer sizes must be 1..{MAX_LAYERS} integers in 1..{MAX_UNITS}, got {str(sizes)[:80]}"
+            )
+        weights = sum(a * b for a, b in itertools.pairwise(sizes))
+        if weights > MAX_WEIGHTS:
+            raise ValueError(f"layer sizes {sizes} need {weights:,} weights; at most {MAX_WEIGHTS:,} are allowed")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}")
+            raise ValueError(f"activation {str(self.activation)[:40]!r} is not one of {sorted(ACTIVATIONS)}")
 
     def build(self, in_features: int) -> tuple[nn.Module, int]:
         """The block and the size of its output."""

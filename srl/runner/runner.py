@@ -12,14 +12,13 @@ import logging
 import os
 import random
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from srl.algorithms import config_class
-from srl.base.arrays import pack_arrays, unpack_arrays
+from srl.base.arrays import load_arrays, save_arrays
 from srl.base.config import config_from_dict, config_to_dict
 from srl.base.env import EnvAdapter, EnvConfig, EnvSpec
 from srl.base.rl import Parameter, RLConfig, Trainer
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("srl.runner")
 
 CHECKPOINT_FORMAT = "srl-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 
 
 def seed_everything(seed: int | None) -> None:
@@ -60,6 +59,7 @@ class Runner:
         self._trainer: Trainer | None = None
         self.env_steps = 0
         self.episodes = 0
+        self._train_count = 0  # loaded with weights, before a trainer exists
 
     # ---------------------------------------------------------------- pieces
     @property
@@ -80,7 +80,7 @@ class Runner:
 
     @property
     def train_count(self) -> int:
-        return self._trainer.train_count if self._trainer is not None else self.parameter.version
+        return self._trainer.train_count if self._trainer is not None else self._train_count
 
     def task_config(self) -> dict[str, Any]:
         """The algorithm, its settings and the env as plain data (what a distributed task carries)."""
@@ -105,10 +105,10 @@ class Runner:
         config = self.rl_config
         parameter = self.parameter
         if self._memory is None:
-            self._memory = config.make_memory()
+            self._memory = config.make_memory(self.spec)
         if self._trainer is None:
             self._trainer = config.make_trainer(self.spec, parameter, self._memory)
-            self._trainer.train_count = parameter.version
+            self._trainer.train_count = self._train_count
         trainer, memory = self._trainer, self._memory
         env = EnvAdapter(self.env_config, config.algorithm, config.action_bins, seed=config.seed)
         worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
@@ -193,39 +193,40 @@ class Runner:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write weights and settings in srl's array container (no pickle)."""
+        """Write weights and settings as a ``.safetensors`` file (no pickle; the meta says what it is)."""
         meta = {
             "format": CHECKPOINT_FORMAT,
             "format_version": CHECKPOINT_VERSION,
             "train_count": self.train_count,
+            "version": self.parameter.version,
             **self.task_config(),
         }
-        data = pack_arrays(self.parameter.to_arrays(), {"version": self.parameter.version, **meta})
-        tmp = Path(f"{path}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        save_arrays(path, self.parameter.to_arrays(), meta)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Load weights saved by :meth:`save` (or the final params of a distributed run)."""
-        meta, arrays = unpack_arrays(Path(path).read_bytes())
+        meta, arrays = load_arrays(path)
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not an srl checkpoint (format {meta.get('format')!r})")
         if meta.get("algorithm") != self.rl_config.algorithm:
             raise ValueError(
                 f"{path} holds {meta.get('algorithm')!r} weights; this runner is {self.rl_config.algorithm!r}"
             )
-        self.set_parameter_arrays(arrays, int(meta.get("version", 0)))
+        self.set_parameter_arrays(arrays, int(meta.get("version", 0)), int(meta.get("train_count", 0)))
 
-    def set_parameter_arrays(self, arrays: dict[str, np.ndarray], version: int) -> None:
+    def set_parameter_arrays(self, arrays: dict[str, np.ndarray], version: int, train_count: int) -> None:
+        """Replace the weights (``version``: the params version they are; ``train_count``: updates made)."""
         self.parameter.from_arrays(arrays)
         self.parameter.version = version
+        self._train_count = train_count
         if self._trainer is not None:
-            self._trainer.train_count = version
+            self._trainer.train_count = train_count
+            self._trainer.on_parameters_loaded()
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> Runner:
         """A runner rebuilt from a checkpoint's stored algorithm, settings and env."""
-        meta, _ = unpack_arrays(Path(path).read_bytes())
+        meta, _ = load_arrays(path)
         rl_config = config_from_dict(config_class(str(meta.get("algorithm"))), meta.get("rl_config", {}))
         runner = cls(EnvConfig.from_dict(meta.get("env", {})), rl_config)
         runner.load(path)

@@ -13,10 +13,13 @@ import difflib
 import math
 from dataclasses import dataclass
 
+from srl.base.schema import Schema
 from srl.rl.memories.proportional import ProportionalMemory
 from srl.rl.memories.replay import Memory, ReplayMemory
 
 MEMORY_KINDS = ("replay", "proportional")
+MAX_CAPACITY = 1 << 30
+"""most rows a memory may hold (the trainer also checks the bytes against what its machine allows)"""
 
 
 @dataclass
@@ -60,15 +63,15 @@ class MemoryConfig:
     def validate(self) -> None:
         """Raise ValueError for the first field that cannot build a memory."""
         if self.kind not in MEMORY_KINDS:
-            close = difflib.get_close_matches(str(self.kind), MEMORY_KINDS, n=1)
+            close = difflib.get_close_matches(str(self.kind)[:64], MEMORY_KINDS, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(
-                f"MemoryConfig.kind is {self.kind!r}; expected one of {', '.join(map(repr, MEMORY_KINDS))}."
+                f"MemoryConfig.kind is {str(self.kind)[:40]!r}; expected one of {', '.join(map(repr, MEMORY_KINDS))}."
                 f"{hint} Call set_replay_memory() or set_proportional_memory(), or set kind to one of those."
             )
-        if not _is_int(self.capacity) or self.capacity < 1:
+        if not _is_int(self.capacity) or not 1 <= self.capacity <= MAX_CAPACITY:
             raise ValueError(
-                f"MemoryConfig.capacity is {self.capacity!r}; expected an int >= 1 "
+                f"MemoryConfig.capacity is {str(self.capacity)[:40]}; expected an int in 1..{MAX_CAPACITY} "
                 f"(the most transitions kept, e.g. 100_000)"
             )
         if not _is_number(self.alpha) or not 0.0 <= self.alpha <= 1.0:
@@ -81,7 +84,7 @@ class MemoryConfig:
                 f"MemoryConfig.beta_initial is {self.beta_initial!r}; expected a number in [0, 1] "
                 f"(Ape-X uses 0.4, annealed to 1.0)"
             )
-        if not _is_int(self.beta_steps) or self.beta_steps < 0:
+        if not _is_int(self.beta_steps) or not 0 <= self.beta_steps <= 2**62:
             raise ValueError(
                 f"MemoryConfig.beta_steps is {self.beta_steps!r}; expected an int >= 0 "
                 f"(sample() calls until beta reaches 1.0; 0 means 1.0 from the start)"
@@ -92,11 +95,14 @@ class MemoryConfig:
                 f"(e.g. 1e-4), so no transition ever has zero priority"
             )
 
-    def build(self, seed: int | None = None) -> Memory:
-        """Validate, then make the memory this config describes; ``seed`` fixes its sampling."""
+    def build(self, seed: int | None = None, schema: Schema | None = None) -> Memory:
+        """Validate, then make the memory this config describes; ``seed`` fixes its sampling.
+
+        ``schema``: the rows it holds (allocated now, enforced on every add).
+        """
         self.validate()
         if self.kind == "replay":
-            return ReplayMemory(self.capacity, seed=seed)
+            return ReplayMemory(self.capacity, seed=seed, schema=schema)
         return ProportionalMemory(
             self.capacity,
             alpha=self.alpha,
@@ -104,6 +110,7 @@ class MemoryConfig:
             beta_steps=self.beta_steps,
             priority_epsilon=self.priority_epsilon,
             seed=seed,
+            schema=schema,
         )
 
 

@@ -21,6 +21,7 @@ import threading
 
 import numpy as np
 
+from srl.base.schema import Schema
 from srl.rl.memories.replay import (
     Batch,
     ColumnRing,
@@ -43,6 +44,7 @@ class ProportionalMemory(Memory):
         beta_steps: int = 100_000,
         priority_epsilon: float = 1e-4,
         seed: int | None = None,
+        schema: Schema | None = None,
     ) -> None:
         # MemoryConfig.validate gives the user-facing messages; these guard direct construction.
         if not 0.0 <= alpha <= 1.0:
@@ -58,7 +60,7 @@ class ProportionalMemory(Memory):
         self.beta_initial = float(beta_initial)
         self.beta_steps = int(beta_steps)
         self.priority_epsilon = float(priority_epsilon)
-        self._ring = ColumnRing(capacity)
+        self._ring = ColumnRing(capacity, schema)
         self._tree = SumTree(capacity)
         # Stored (already exponentiated) priority given to rows added without one, so new
         # experience is sampled at least once before its TD error is known.

@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from srl.base.schema import Schema
+
 Batch = dict[str, np.ndarray]
 """Named columns of ``n`` transitions: every array has the same leading length ``n``."""
 
@@ -130,12 +132,14 @@ class ColumnRing:
     ``gather``. ``conform`` only reads the layout, which is set once and never
     changes, so it runs outside the lock.
 
-    Storage is allocated lazily by the first write, from that batch's row
-    shapes and dtypes, because the memory is built before any experience
-    arrives and cannot know them earlier.
+    With a ``schema`` (what the trainer always passes: the algorithm's declared
+    columns) storage is allocated up front and every batch must match it.
+    Without one, storage is allocated by the first write from that batch's row
+    shapes and dtypes (handy for tests and tools; never for experience read
+    from a broker).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, schema: Schema | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"ring capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -145,6 +149,8 @@ class ColumnRing:
         self._cursor = 0  # next slot to write
         self._columns: dict[str, np.ndarray] = {}
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        if schema is not None:
+            self._allocate(schema.allocate(0))
 
     def conform(self, batch: Mapping[str, np.ndarray]) -> Rows:
         """Validate ``batch`` and cast it to the stored dtypes. Raises ValueError naming the column."""
@@ -159,7 +165,7 @@ class ColumnRing:
             unexpected = sorted(batch.keys() - layout.keys())
             raise ValueError(
                 f"batch columns {sorted(batch.keys())} differ from the memory's columns "
-                f"{sorted(layout.keys())}, which the first add fixed (missing: {missing}, "
+                f"{sorted(layout.keys())} (its layout; missing: {missing}, "
                 f"unexpected: {unexpected}); send every column every time"
             )
         columns: dict[str, np.ndarray] = {}
@@ -187,13 +193,13 @@ class ColumnRing:
                 if array.shape[1:] != row_shape:
                     raise ValueError(
                         f"column {name!r} has row shape {array.shape[1:]} but the memory stores "
-                        f"{row_shape} (fixed by the first add); send rows of the same shape"
+                        f"{row_shape} (its layout); send rows of that shape"
                     )
                 if array.dtype != dtype:
                     if not np.can_cast(array.dtype, dtype, casting="same_kind"):
                         raise ValueError(
                             f"column {name!r} has dtype {array.dtype}, which cannot be stored as "
-                            f"{dtype} (fixed by the first add) without changing its kind; "
+                            f"{dtype} (its layout) without changing its kind; "
                             f"send {dtype} values"
                         )
                     array = array.astype(dtype)
@@ -233,7 +239,7 @@ class ColumnRing:
         return {name: column[indices] for name, column in self._columns.items()}
 
     def _allocate(self, columns: dict[str, np.ndarray]) -> None:
-        self._layout = {name: (array.shape[1:], array.dtype) for name, array in columns.items()}
+        self._layout = {name: (tuple(array.shape[1:]), array.dtype) for name, array in columns.items()}
         # np.empty: slots are never read before they are written (reads stay below `size`).
         self._columns = {
             name: np.empty((self.capacity, *shape), dtype=dtype) for name, (shape, dtype) in self._layout.items()
@@ -256,9 +262,9 @@ def empty_memory_error(kind: str) -> ValueError:
 class ReplayMemory(Memory):
     """Uniform replay: every stored row is equally likely; priorities are ignored."""
 
-    def __init__(self, capacity: int, seed: int | None = None) -> None:
+    def __init__(self, capacity: int, seed: int | None = None, schema: Schema | None = None) -> None:
         self.capacity = capacity
-        self._ring = ColumnRing(capacity)
+        self._ring = ColumnRing(capacity, schema)
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
 

@@ -27,19 +27,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from srl.base.env import EnvAdapter
+from srl.base.env import EnvAdapter, allowed_env_modules
 from srl.base.rl import Columns, Parameter
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError, split_columns
+from srl.runner.distribution.board import Board, BoardDataError, BoardError
+from srl.runner.distribution.codec import (
+    DEFAULT_MAX_BYTES,
+    MAX_MESSAGE_ROWS,
+    BatchHeader,
+    DecodeError,
+    params_message_bytes,
+    short,
+    split_columns,
+)
 from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
 from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, with_retry
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.task import StopFlag, TaskSpec
 from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
 logger = logging.getLogger("srl.actor")
+
+_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
 
 
 @dataclass
@@ -75,23 +85,29 @@ class ActorRun:
         self.lease_name = f"actor:{slot}"
         self.stop = StopFlag()
         self.counters = CounterDeltas()
-        self.codec = Codec(secret=options.secret, compress=options.compress)
+        self.codec = options.codec(board.task_name, compress=options.compress)
         config = task.rl_config
         torch.set_num_threads(max(1, config.torch_threads))
         seed = None if config.seed is None else config.seed + 1000 * (slot + 1)
         seed_everything(seed)
-        self.env = EnvAdapter(task.env_config, config.algorithm, config.action_bins, seed=seed)
+        self.env = EnvAdapter(task.env_config, config.algorithm, config.action_bins, seed=seed,
+                              allow_modules=allowed_env_modules(options.allow_env_modules))
         self.parameter: Parameter = config.make_parameter(self.env.spec, config.resolve_device())
+        self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
+        self.codec = self.codec.with_max_bytes(max(self.max_params_bytes, DEFAULT_MAX_BYTES))
         self.worker = config.make_worker(self.env.spec, self.parameter, slot, task.actor_num, seed)
         self.queue: ExperienceQueue = open_queue(
             queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
         )
-        self.capacity = int(task.queue.get("capacity", 8))
+        self.capacity = task.queue_capacity
         self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
         self._staged_lock = threading.Lock()
         self.params_epoch = -1
         self.params_version = -1
         self.latest_version = -1
+        self.latest_train_count = 0
+        self.fatal: str | None = None
+        self._board_log = Throttle()
         self.seq = 0
         # stats the heartbeat reports
         self.env_steps = 0
@@ -108,6 +124,7 @@ class ActorRun:
         opts = self.options
         next_beat = 0.0
         last_steps, last_time = 0, time.monotonic()
+        away_since: float | None = None
         while not self.stop.is_set():
             now = time.monotonic()
             try:
@@ -121,31 +138,50 @@ class ActorRun:
                             self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
                             self._stats(rate), deltas,
                         )
-                    if not hb.lease_held:
-                        self.stop.set(f"lost actor slot {self.slot}: its lease was not renewed in time "
-                                      "(was this process paused or cut off from Redis?)")
-                        break
                     if hb.task_status is None:
                         self.stop.set("the task vanished from the board (deleted, or Redis restarted "
                                       "without persistence)")
                         break
+                    if not hb.lease_held and not self._take_slot_back(away_since):
+                        break
+                    away_since = None
                     if hb.task_status != "ACTIVE":
                         status = self.board.get_status()
                         reason = status.end_reason if status is not None else ""
                         self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
                         break
+                    self.latest_train_count = hb.train_count
                     head: tuple[int, int] | None = (hb.params_epoch, hb.params_version)
                 else:
                     head = self.board.get_params_version()
                 if head is not None and head[1] > 0 and head[1] != self.latest_version:
                     self._fetch_params()
-            except Exception as e:  # a board hiccup must not kill the actor silently
-                if not _transient(e):
-                    logger.exception("actor board thread failed")
-                    self.stop.set(f"board thread failed: {e}")
-                    break
-                logger.warning("board unreachable (%s); retrying", e)
+            except _BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
+                away_since = away_since or time.monotonic()
+                if self._board_log.ready():
+                    logger.warning("board unreachable or unreadable for %.0fs (%s); retrying",
+                                   time.monotonic() - away_since, short(e))
+            except Exception as e:
+                logger.exception("actor board thread crashed")
+                self.fatal = f"board thread crashed: {type(e).__name__}: {short(e)}"
+                self.stop.set(self.fatal)
+                break
             self.stop.wait(opts.params_poll_interval)
+
+    def _take_slot_back(self, away_since: float | None) -> bool:
+        """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
+        opts = self.options
+        slot = self.board.claim_actor_slot(opts.uid, self.task.actor_num, int(opts.lease_ttl * 1000),
+                                           prefer=self.slot)
+        if slot == self.slot:
+            away = 0.0 if away_since is None else time.monotonic() - away_since
+            logger.warning("actor %s took its lapsed slot %d back (%.0fs without the board)", opts.uid, slot, away)
+            return True
+        if slot is not None:  # another slot was free, ours was not: give it back, stand by
+            self.board.release_lease(f"actor:{slot}", opts.uid)
+        self.stop.set(f"lost actor slot {self.slot}: its lease was not renewed in time and another actor took "
+                      "it (was this process paused or cut off from Redis?)")
+        return False
 
     def _stats(self, env_steps_per_s: float) -> dict[str, Any]:
         stalled_since = self.stalled_since
@@ -168,20 +204,21 @@ class ActorRun:
 
     def _fetch_params(self) -> None:
         """Fetch and decode the latest params; the main loop applies them between steps."""
-        got = self.board.get_params()
-        if got is None:
-            return
-        epoch, version, _, blob = got
         try:
-            _, arrays = self.codec.decode_params(blob)
-        except DecodeError as e:
-            logger.error("params on the board do not decode (%s); keeping version %d", e, self.params_version)
+            record = self.board.get_params(self.max_params_bytes)
+            if record is None:
+                return
+            _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
+        except (DecodeError, BoardDataError) as e:
+            logger.error("params on the board cannot be used (%s); keeping version %d", short(e), self.params_version)
             self.counters.add(bad_messages=1)
-            self.latest_version = version  # do not fetch the same bad blob again
+            head = self.board.get_params_version()
+            self.latest_version = head[1] if head is not None else self.latest_version  # not this blob again
             return
         with self._staged_lock:
-            self._staged = (epoch, version, arrays)
-        self.latest_version = version
+            self._staged = (record.epoch, record.version, arrays)
+        self.latest_version = record.version
+        self.latest_train_count = max(self.latest_train_count, record.train_count)
 
     def _apply_staged_params(self) -> None:
         with self._staged_lock:
@@ -203,7 +240,7 @@ class ActorRun:
         train step the trainer made since this actor started, plus one batch of slack (so the warmup's
         last transitions are not stuck in an unsent batch)."""
         limit = self.task.env_steps_per_train or 0.0
-        trained = max(0, self.latest_version)
+        trained = max(0, self.latest_train_count)
         if self._trained_base is None:
             self._trained_base = trained
         warmup = self.task.rl_config.warmup_size
@@ -226,7 +263,10 @@ class ActorRun:
         delay = 0.005
         waited_from: float | None = None
         while not self.stop.is_set():
-            depth = with_retry(self._depth, "queue depth", should_stop=self.stop.is_set)
+            try:
+                depth = with_retry(self._depth, "queue depth", should_stop=self.stop.is_set)
+            except BoardUnreachableError:  # only raised once the actor is stopping
+                break
             if depth < self.capacity:
                 break
             if waited_from is None:
@@ -249,7 +289,7 @@ class ActorRun:
 
     def _send(self, columns: Columns) -> None:
         priorities = self.worker.initial_priorities(columns)
-        max_rows = max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes))
+        max_rows = min(MAX_MESSAGE_ROWS, max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes)))
         for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows):
             count = len(next(iter(chunk_cols.values())))
             header = BatchHeader(
@@ -272,25 +312,35 @@ class ActorRun:
 
     def _put(self, payloads: list[bytes]) -> None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
-        sent again after a wait, never dropped while the task runs."""
+        sent again after a wait, and a broker that is away is waited for: never dropped while the
+        task runs (a resend after a failure may deliver a batch twice: the trainer recognises it)."""
         delay = 0.05
+        away_since: float | None = None
         while payloads:
             try:
                 self.queue.put_many(payloads)
+                if away_since is not None:
+                    logger.warning("experience queue reachable again after %.0fs", time.monotonic() - away_since)
                 return
             except QueueFullError as e:
                 payloads = list(e.rejected)
                 logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
                                "lower queue_capacity below the broker's limit", len(payloads))
-                started = time.monotonic()
-                self.stop.wait(delay)
-                delay = min(delay * 2, 1.0)
-                waited = time.monotonic() - started
-                self.backpressure_wait_s += waited
-                self.counters.add(backpressure_wait_s=waited, refused_messages=len(payloads))
-                if self.stop.is_set():
-                    logger.warning("%d refused message(s) not resent: %s", len(payloads), self.stop.reason)
-                    return
+                self.counters.add(refused_messages=len(payloads))
+            except TRANSIENT_ERRORS as e:  # BrokerUnavailableError is a ConnectionError
+                away_since = away_since or time.monotonic()
+                if self._board_log.ready():
+                    logger.warning("experience queue unreachable for %.0fs (%s); holding %d batch(es) until it "
+                                   "is back", time.monotonic() - away_since, short(e), len(payloads))
+            started = time.monotonic()
+            self.stop.wait(delay)
+            delay = min(delay * 2, 1.0)
+            waited = time.monotonic() - started
+            self.backpressure_wait_s += waited
+            self.counters.add(backpressure_wait_s=waited)
+            if self.stop.is_set():
+                logger.warning("%d message(s) not sent: %s", len(payloads), self.stop.reason)
+                return
 
     # ------------------------------------------------------------ the loop
     def run(self) -> str:
@@ -346,6 +396,8 @@ class ActorRun:
             self._final_report()
             env.close()
             self.queue.close()
+        if self.fatal:
+            raise RuntimeError(self.fatal)
         return self.stop.reason
 
     def _final_report(self) -> None:
@@ -361,10 +413,6 @@ class ActorRun:
     def summary(self) -> str:
         return (f"slot {self.slot}, {self.env_steps} env steps, {self.sent_batches} batches, "
                 f"stalled {self.backpressure_wait_s:.1f}s")
-
-
-def _transient(e: BaseException) -> bool:
-    return isinstance(e, TRANSIENT_ERRORS)
 
 
 def actor_run_forever(

@@ -7,12 +7,16 @@ slot and the multi-key scripts below also run on a cluster — and
 Must never: be bypassed (no other module writes board keys; a queue backend
 that stores its data in this Redis puts it under :meth:`Board.queue_key` so it
 is deleted with the task), do get-then-set on anything shared (leases are one
-``SET NX PX``, renewals and parameter writes are compare-and-set scripts), or
-block: every call is a bounded number of round trips.
+``SET NX PX``, renewals and parameter writes are compare-and-set scripts),
+block (every call is a bounded number of round trips), or trust what it reads:
+whoever can write to this Redis may have written anything. Every value read is
+parsed with bounds; a malformed record raises :class:`BoardDataError` (a
+:class:`BoardError`), never a stray ``ValueError`` or ``OverflowError``.
 
 Keys (``P`` = ``srl:{<task_name>}:``)::
 
-    P task            hash   status, times, limits, config JSON, params head (epoch, version, train_count)
+    P task            hash   status, times, limits, config JSON + signature, params head
+                             (epoch, version, train_count), the trainer's uid and epoch
     P epoch           string trainer epoch, INCR'd by the script that grants the trainer lease
     P params          hash   epoch, version, train_count, blob, published_at
     P lease:trainer   string owner uid, PX ttl
@@ -20,13 +24,16 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
     P counters        hash   role_id -> JSON of running totals
     P roles           set    role ids that ever wrote stats
     P stats:<role_id> string JSON of the latest stats, PX ttl
-    P events          list   JSON events, newest first, capped
+    P events          list   JSON events, newest first, capped by count; each text capped
+    P deadletters     list   JSON notes of refused messages (source, reason, size), capped
     P queue:<name>    (any)  owned by a queue backend, deleted with the task
+
+Times that decide something (a task's start for its timeout, a heartbeat's
+"now") are the Redis server's ``TIME``, so nodes with skewed clocks agree.
 
 Cost (the system-wide budget is about 0.05 Redis commands per transition):
 an actor's heartbeat — lease renewal, stats, counters and the read of task
-status and params version it needs — is ONE ``EVALSHA`` (Redis counts seven
-commands for it in all, whatever the number of counters).
+status and params head it needs — is ONE ``EVALSHA``.
 
 Writes that a role may still make after :meth:`Board.delete_task` (heartbeat,
 counters, stats, events, claims) first check that the task exists and are
@@ -39,6 +46,7 @@ bytes (``decode_responses=False``): params blobs are binary.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -49,18 +57,29 @@ from typing import Any
 
 import redis
 
-BOARD_FORMAT_VERSION = 1
+BOARD_FORMAT_VERSION = 2
 """version of the key layout and field encoding above; bumped on any incompatible change"""
 EVENT_LOG_CAP = 1000
 """events kept per task (older ones are trimmed)"""
+EVENT_TEXT_LIMIT = 500
+"""characters of an event's text kept (the rest is cut): the log is capped by size too"""
+DEADLETTER_CAP = 100
+"""notes of refused messages kept per task"""
 DEFAULT_STATS_TTL_MS = 60_000
 """how long a role's stats outlive its last write"""
+MAX_ACTORS = 100_000
+"""most actor slots a task may have"""
+MAX_CONFIG_BYTES = 1 << 20
+"""largest task config JSON read from the board"""
+MAX_STATS_BYTES = 64 * 1024
+"""larger stats records are ignored when read"""
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _ROLE_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 _LEASE_NAME = re.compile(r"trainer|actor:(0|[1-9][0-9]{0,5})")
 _COUNTER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _SCAN_COUNT = 500
+_MAX_INT = 2**63 - 1
 
 
 def _srl_version() -> str:
@@ -69,7 +88,7 @@ def _srl_version() -> str:
 
 def task_key_prefix(task_name: str) -> str:
     """The prefix of every key of ``task_name`` (validated)."""
-    if not _TASK_NAME.fullmatch(task_name):
+    if not isinstance(task_name, str) or not _TASK_NAME.fullmatch(task_name):
         raise ValueError(
             f"task name {task_name!r} is not allowed: use 1-128 characters among letters, digits, '_', '.', '-'"
         )
@@ -90,6 +109,10 @@ class TaskNotFoundError(BoardError):
 
 class BoardFormatError(BoardError):
     """The task was written by an srl with another board format."""
+
+
+class BoardDataError(BoardError):
+    """A record on the board is malformed (written by something other than srl, or damaged)."""
 
 
 class TaskState(str, Enum):
@@ -116,6 +139,7 @@ class TaskStatus:
     end_reason: str
     created_at: float
     started_at: float | None
+    """Redis server time at which the task became ACTIVE (its timeout counts from here)"""
     ended_at: float | None
     actor_num: int
     max_train_count: int | None
@@ -130,6 +154,9 @@ class TaskStatus:
     board_format: int
     srl_version: str
     """srl version of the client that created the task"""
+    trainer_uid: str = ""
+    """the uid that took the trainer lease last (with ``trainer_epoch``)"""
+    trainer_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +171,10 @@ class Heartbeat:
     """None: the task is gone (deleted or overwritten)"""
     params_epoch: int
     params_version: int
+    train_count: int = 0
+    """the trainer's train count at its latest publish"""
+    server_time: float = 0.0
+    """Redis TIME when the heartbeat ran"""
 
     def __bool__(self) -> bool:
         return self.lease_held
@@ -159,9 +190,29 @@ class Event:
     source: str
 
 
+@dataclass(frozen=True)
+class DeadLetter:
+    """A refused message, as noted on the board (not the message itself)."""
+
+    ts: float
+    source: str
+    reason: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ParamsRecord:
+    """The latest params on the board: the hash fields, and the blob they describe."""
+
+    epoch: int
+    version: int
+    train_count: int
+    blob: bytes
+
+
 # ---------------------------------------------------------------- Lua scripts
-# Every script names all the keys it touches in KEYS (cluster-safe) and takes
-# times from the caller (deterministic, so script replication is safe on 6.2).
+# Every script names all the keys it touches in KEYS (cluster-safe). Times come
+# from TIME inside the script (replicated by effects, Redis >= 5) or the caller.
 
 _RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -184,12 +235,33 @@ return 0
 _CLAIM_TRAINER_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 0 then return false end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return redis.call('INCR', KEYS[2])
+  local epoch = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[3], 'trainer_uid', ARGV[1], 'trainer_epoch', epoch)
+  return epoch
 end
 return false
 """
 
-# KEYS: task, then the actor slot leases in order. ARGV: uid, ttl_ms. A slot this uid already holds is kept.
+# KEYS: trainer lease, epoch, task. ARGV: uid, epoch, ttl_ms.
+# A trainer whose lease lapsed (a Redis or network outage longer than the TTL) takes it back,
+# keeping its epoch, when no other trainer took the lease in between (the epoch did not move).
+_RECLAIM_TRAINER_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+# KEYS: task, then the actor slot leases in order. ARGV: uid, ttl_ms, preferred index (0-based, -1: none).
+# A slot this uid already holds is kept; else the preferred slot if free; else the lowest free one.
 _CLAIM_SLOT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 for i = 2, #KEYS do
@@ -199,6 +271,10 @@ for i = 2, #KEYS do
     return i - 2
   end
 end
+local prefer = tonumber(ARGV[3])
+if prefer >= 0 and prefer + 2 <= #KEYS then
+  if redis.call('SET', KEYS[prefer + 2], ARGV[1], 'NX', 'PX', ARGV[2]) then return prefer end
+end
 for i = 2, #KEYS do
   if redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return i - 2
@@ -207,25 +283,35 @@ end
 return -1
 """
 
-# KEYS: trainer lease, epoch, params, task. ARGV: uid, epoch, version, train_count, blob, now.
+# KEYS: trainer lease, epoch, params, task. ARGV: uid, epoch, version, train_count, blob.
 _PUBLISH_PARAMS_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local epoch = tonumber(ARGV[2])
 if epoch ~= tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
-local stored = redis.call('HGET', KEYS[4], 'params_epoch')
-if not stored or epoch < tonumber(stored) then return 0 end
+local stored = tonumber(redis.call('HGET', KEYS[4], 'params_epoch') or '')
+if not stored or epoch < stored then return 0 end
+local t = redis.call('TIME')
+local now = t[1] .. '.' .. string.format('%06d', t[2])
 redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'version', ARGV[3], 'train_count', ARGV[4],
-           'blob', ARGV[5], 'published_at', ARGV[6])
+           'blob', ARGV[5], 'published_at', now)
 redis.call('HSET', KEYS[4], 'params_epoch', ARGV[2], 'params_version', ARGV[3], 'train_count', ARGV[4])
 return 1
 """
 
-# Adds the JSON object of deltas ARGV[d] to the JSON totals of role ARGV[r] in hash KEYS[k].
+# Adds the JSON object of deltas to the JSON totals of a role in a hash; a stored value that is
+# not a JSON object of numbers (damaged, or written by someone else) is started over.
 _ADD_COUNTERS_LUA = """
 local function add_counters(key, role, deltas_json)
-  local current = redis.call('HGET', key, role)
   local totals = {}
-  if current then totals = cjson.decode(current) end
+  local current = redis.call('HGET', key, role)
+  if current then
+    local ok, decoded = pcall(cjson.decode, current)
+    if ok and type(decoded) == 'table' then
+      for name, value in pairs(decoded) do
+        if type(name) == 'string' and type(value) == 'number' then totals[name] = value end
+      end
+    end
+  end
   for name, delta in pairs(cjson.decode(deltas_json)) do
     totals[name] = (totals[name] or 0) + delta
   end
@@ -249,8 +335,8 @@ end
 return 1
 """
 
-# KEYS: events, task. ARGV: event_json, cap.
-_LOG_EVENT_LUA = """
+# KEYS: list, task. ARGV: entry_json, cap.
+_PUSH_CAPPED_LUA = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 redis.call('LPUSH', KEYS[1], ARGV[1])
 redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[2]) - 1)
@@ -260,8 +346,9 @@ return 1
 # KEYS: lease, stats:<role>, roles, counters, task.
 # ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none).
 _HEARTBEAT_LUA = _ADD_COUNTERS_LUA + """
-local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version')
-if not head[1] then return {0, false, false, false} end
+local t = redis.call('TIME')
+local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version', 'train_count')
+if not head[1] then return {0, false, false, false, false, t[1], t[2]} end
 local held = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -273,63 +360,112 @@ if ARGV[4] ~= '' then
   end
 end
 if ARGV[6] ~= '' then add_counters(KEYS[4], ARGV[3], ARGV[6]) end
-return {held, head[1], head[2], head[3]}
+return {held, head[1], head[2], head[3], head[4], t[1], t[2]}
 """
 
 # KEYS: task. ARGV: overwrite ('1'/'0'), then field, value, ...
 _CREATE_TASK_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status and ARGV[1] ~= '1' and (status == 'INIT' or status == 'ACTIVE') then return status end
+local t = redis.call('TIME')
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], 'created_at', t[1] .. '.' .. string.format('%06d', t[2]))
 return 'OK'
 """
 
-# KEYS: task. ARGV: now.
+# KEYS: task.
 _SET_ACTIVE_LUA = """
 if redis.call('HGET', KEYS[1], 'status') == 'INIT' then
-  redis.call('HSET', KEYS[1], 'status', 'ACTIVE', 'started_at', ARGV[1])
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'status', 'ACTIVE', 'started_at', t[1] .. '.' .. string.format('%06d', t[2]))
   return 1
 end
 return 0
 """
 
-# KEYS: task. ARGV: status, reason, now.
+# KEYS: task. ARGV: status, reason.
 _END_TASK_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'INIT' or status == 'ACTIVE' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'end_reason', ARGV[2], 'ended_at', ARGV[3])
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'end_reason', ARGV[2],
+             'ended_at', t[1] .. '.' .. string.format('%06d', t[2]))
   return 1
 end
 return 0
 """
 
 
-def _text(value: bytes | str | None) -> str | None:
+# ---------------------------------------------------------------- parsing what was read
+def _text(value: bytes | str | None, limit: int = 10_000) -> str | None:
     if value is None:
         return None
-    return value.decode() if isinstance(value, bytes) else value
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def _optional_float(value: bytes | str | None) -> float | None:
-    return None if value is None or value in (b"", "") else float(value)
+def _int(value: Any, name: str, low: int = 0, high: int = _MAX_INT) -> int:
+    """A board field as an int in [low, high]; BoardDataError otherwise."""
+    try:
+        raw = value.decode() if isinstance(value, bytes) else value
+        number = int(raw) if not isinstance(raw, float) else None
+    except (ValueError, TypeError, UnicodeDecodeError):
+        number = None
+    if number is None or not low <= number <= high:
+        raise BoardDataError(f"board field {name!r} holds {_text(value, 40)!r}; expected an integer in {low}..{high}")
+    return number
 
 
-def _optional_int(value: bytes | str | None) -> int | None:
-    return None if value is None or value in (b"", "") else int(value)
+def _opt_int(value: Any, name: str, high: int = _MAX_INT) -> int | None:
+    return None if value is None or value in (b"", "") else _int(value, name, 0, high)
+
+
+def _float(value: Any, name: str, low: float = 0.0, high: float = 1e12) -> float:
+    try:
+        raw = value.decode() if isinstance(value, bytes) else value
+        number = float(raw)
+    except (ValueError, TypeError, OverflowError, UnicodeDecodeError):
+        number = math.nan
+    if not (math.isfinite(number) and low <= number <= high):
+        raise BoardDataError(f"board field {name!r} holds {_text(value, 40)!r}; expected a number in {low}..{high:g}")
+    return number
+
+
+def _opt_float(value: Any, name: str, high: float = 1e12) -> float | None:
+    return None if value is None or value in (b"", "") else _float(value, name, 0.0, high)
 
 
 def _field(value: int | float | None) -> str:
     return "" if value is None else repr(int(value) if isinstance(value, bool) else value)
 
 
+def _json_object(raw: bytes | str | None, limit: int) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None when it is missing, too large or not one."""
+    if raw is None or len(raw) > limit:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _server_time(sec: Any, usec: Any) -> float:
+    try:
+        return int(sec) + int(usec) / 1e6
+    except (TypeError, ValueError):
+        return time.time()
+
+
 _STATUS_FIELDS = (
     "status", "end_reason", "created_at", "started_at", "ended_at", "actor_num", "max_train_count",
     "max_steps", "timeout", "params_epoch", "params_version", "train_count", "format", "srl_version",
+    "trainer_uid", "trainer_epoch",
 )
 
 
@@ -363,15 +499,17 @@ class Board:
         self._counters_key = self.prefix + "counters"
         self._roles_key = self.prefix + "roles"
         self._events_key = self.prefix + "events"
+        self._deadletters_key = self.prefix + "deadletters"
         # register_script: EVALSHA, and SCRIPT LOAD + retry on NOSCRIPT (a restarted or flushed Redis).
         self._renew = client.register_script(_RENEW_LUA)
         self._release = client.register_script(_RELEASE_LUA)
         self._claim_trainer = client.register_script(_CLAIM_TRAINER_LUA)
+        self._reclaim_trainer = client.register_script(_RECLAIM_TRAINER_LUA)
         self._claim_slot = client.register_script(_CLAIM_SLOT_LUA)
         self._publish = client.register_script(_PUBLISH_PARAMS_LUA)
         self._incr = client.register_script(_INCR_COUNTERS_LUA)
         self._put_stats = client.register_script(_PUT_STATS_LUA)
-        self._log_event = client.register_script(_LOG_EVENT_LUA)
+        self._push_capped = client.register_script(_PUSH_CAPPED_LUA)
         self._heartbeat = client.register_script(_HEARTBEAT_LUA)
         self._create = client.register_script(_CREATE_TASK_LUA)
         self._set_active = client.register_script(_SET_ACTIVE_LUA)
@@ -399,10 +537,15 @@ class Board:
     def task_keys(self) -> list[str]:
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
         keys = {self._task_key, self._epoch_key, self._params_key, self._counters_key, self._roles_key,
-                self._events_key, self.lease_key("trainer")}
-        raw = self.client.hget(self._task_key, "actor_num")
-        keys.update(self.lease_key(f"actor:{i}") for i in range(int(raw or 0)))
-        keys.update(self.prefix + "stats:" + _str(role) for role in self.client.smembers(self._roles_key))
+                self._events_key, self._deadletters_key, self.lease_key("trainer")}
+        try:
+            actor_num = _int(self.client.hget(self._task_key, "actor_num") or 0, "actor_num", 0, MAX_ACTORS)
+        except BoardDataError:
+            actor_num = 0  # the SCAN below still finds every lease
+        keys.update(self.lease_key(f"actor:{i}") for i in range(actor_num))
+        for role in self.client.smembers(self._roles_key):
+            if _ROLE_ID.fullmatch(_str(role)):
+                keys.add(self.prefix + "stats:" + _str(role))
         keys.update(_str(k) for k in self.client.scan_iter(match=self.prefix + "*", count=_SCAN_COUNT))
         existing: list[str] = []
         ordered = sorted(keys)
@@ -432,6 +575,11 @@ class Board:
         """True if the Redis answers (raises redis.ConnectionError otherwise)."""
         return bool(self.client.ping())
 
+    def server_time(self) -> float:
+        """The Redis server's clock (TIME), in seconds since the epoch."""
+        sec, usec = self.client.time()
+        return _server_time(sec, usec)
+
     def create_task(
         self,
         config: Mapping[str, Any] | str,
@@ -441,13 +589,15 @@ class Board:
         max_steps: int | None = None,
         timeout: float | None = None,
         overwrite: bool = False,
+        signature: str = "",
     ) -> TaskStatus:
         """Write a new task in state INIT with ``config`` (a JSON object, or its text: algorithm + fields).
 
         ``actor_num``, ``max_train_count``, ``max_steps`` and ``timeout`` default
-        to the config's keys of those names (actor_num: 1). Refuses
-        (TaskExistsError) while a task of that name is INIT or ACTIVE, unless
-        ``overwrite``; an old task's keys are removed first.
+        to the config's keys of those names (actor_num: 1). ``signature``: the
+        config's HMAC (``Codec.config_signature``), which nodes with a secret
+        demand. Refuses (TaskExistsError) while a task of that name is INIT or
+        ACTIVE, unless ``overwrite``; an old task's keys are removed first.
         """
         if isinstance(config, str):
             try:
@@ -460,23 +610,26 @@ class Board:
             config_json = json.dumps(parsed, separators=(",", ":"))
         if not isinstance(parsed, dict):
             raise ValueError(f"task config must be a JSON object, found {type(parsed).__name__}")
+        if len(config_json) > MAX_CONFIG_BYTES:
+            raise ValueError(f"task config is {len(config_json)} bytes; the most a node reads is {MAX_CONFIG_BYTES}")
         actor_num = int(parsed.get("actor_num", 1)) if actor_num is None else int(actor_num)
         max_train_count = _limit(parsed, "max_train_count", max_train_count, int)
         max_steps = _limit(parsed, "max_steps", max_steps, int)
         timeout = _limit(parsed, "timeout", timeout, float)
-        if actor_num < 1:
-            raise ValueError(f"actor_num must be >= 1, found {actor_num}")
+        if not 1 <= actor_num <= MAX_ACTORS:
+            raise ValueError(f"actor_num must be in 1..{MAX_ACTORS}, found {actor_num}")
         state = _text(self.client.hget(self._task_key, "status"))
         if state in ("INIT", "ACTIVE") and not overwrite:
             raise self._exists_error(state)
         if state is not None:
             self.delete_task()
         fields: list[str] = [
-            "status", TaskState.INIT.value, "end_reason", "", "created_at", repr(time.time()),
+            "status", TaskState.INIT.value, "end_reason", "",
             "started_at", "", "ended_at", "", "actor_num", str(actor_num),
             "max_train_count", _field(max_train_count), "max_steps", _field(max_steps),
             "timeout", _field(timeout), "params_epoch", "0", "params_version", "0", "train_count", "0",
             "format", str(BOARD_FORMAT_VERSION), "srl_version", _srl_version(), "config", config_json,
+            "config_sig", signature, "trainer_uid", "", "trainer_epoch", "0",
         ]
         answer = _text(self._create(keys=[self._task_key], args=["1" if overwrite else "0", *fields]))
         if answer != "OK":  # another client created it between our check and our write
@@ -492,34 +645,37 @@ class Board:
         )
 
     def get_status(self) -> TaskStatus | None:
-        """The task's status, or None if there is no such task."""
+        """The task's status, or None if there is no such task; BoardDataError if the record is malformed."""
         raw = dict(zip(_STATUS_FIELDS, self.client.hmget(self._task_key, *_STATUS_FIELDS), strict=True))
         if raw["status"] is None:
             return None
         self._check_format(raw["format"])
         try:
-            return TaskStatus(
-                task_name=self.task_name,
-                status=TaskState(_text(raw["status"])),
-                end_reason=_text(raw["end_reason"]) or "",
-                created_at=float(raw["created_at"] or 0.0),
-                started_at=_optional_float(raw["started_at"]),
-                ended_at=_optional_float(raw["ended_at"]),
-                actor_num=int(raw["actor_num"] or 0),
-                max_train_count=_optional_int(raw["max_train_count"]),
-                max_steps=_optional_int(raw["max_steps"]),
-                timeout=_optional_float(raw["timeout"]),
-                params_epoch=int(raw["params_epoch"] or 0),
-                params_version=int(raw["params_version"] or 0),
-                train_count=int(raw["train_count"] or 0),
-                board_format=int(raw["format"] or 0),
-                srl_version=_text(raw["srl_version"]) or "",
-            )
-        except ValueError as e:
-            raise BoardError(f"task {self.task_name!r} has a malformed status record: {e}") from e
+            state = TaskState(_text(raw["status"], 16))
+        except ValueError:
+            raise BoardDataError(f"task {self.task_name!r} has status {_text(raw['status'], 40)!r}") from None
+        return TaskStatus(
+            task_name=self.task_name,
+            status=state,
+            end_reason=_text(raw["end_reason"], 2000) or "",
+            created_at=_float(raw["created_at"] or 0, "created_at"),
+            started_at=_opt_float(raw["started_at"], "started_at"),
+            ended_at=_opt_float(raw["ended_at"], "ended_at"),
+            actor_num=_int(raw["actor_num"] or 0, "actor_num", 0, MAX_ACTORS),
+            max_train_count=_opt_int(raw["max_train_count"], "max_train_count"),
+            max_steps=_opt_int(raw["max_steps"], "max_steps"),
+            timeout=_opt_float(raw["timeout"], "timeout"),
+            params_epoch=_int(raw["params_epoch"] or 0, "params_epoch"),
+            params_version=_int(raw["params_version"] or 0, "params_version"),
+            train_count=_int(raw["train_count"] or 0, "train_count"),
+            board_format=BOARD_FORMAT_VERSION,
+            srl_version=_text(raw["srl_version"], 64) or "",
+            trainer_uid=_text(raw["trainer_uid"], 128) or "",
+            trainer_epoch=_int(raw["trainer_epoch"] or 0, "trainer_epoch"),
+        )
 
     def _check_format(self, raw: bytes | str | None) -> None:
-        found = _text(raw)
+        found = _text(raw, 16)
         if found != str(BOARD_FORMAT_VERSION):
             raise BoardFormatError(
                 f"task {self.task_name!r} was written with board format {found}; this srl "
@@ -527,29 +683,36 @@ class Board:
                 "on every client, actor and trainer (or recreate the task with overwrite=True)"
             )
 
-    def get_task_config(self) -> dict[str, Any]:
-        """The task's config (JSON object); TaskNotFoundError / BoardFormatError with what to do."""
-        raw_config, raw_format = self.client.hmget(self._task_key, "config", "format")
+    def get_task_config_raw(self) -> tuple[str, str]:
+        """``(config JSON text, signature)`` as stored; the caller verifies and parses."""
+        raw_config, raw_format, raw_sig = self.client.hmget(self._task_key, "config", "format", "config_sig")
         if raw_config is None:
             raise TaskNotFoundError(
                 f"no task {self.task_name!r} on this Redis; submit it first (Runner.train_distribution)"
             )
         self._check_format(raw_format)
-        config = json.loads(raw_config)
-        if not isinstance(config, dict):
-            raise BoardError(f"task {self.task_name!r} config is not a JSON object")
+        if len(raw_config) > MAX_CONFIG_BYTES:
+            raise BoardDataError(f"task {self.task_name!r} config is {len(raw_config)} bytes, over {MAX_CONFIG_BYTES}")
+        return _str(raw_config), _text(raw_sig, 256) or ""
+
+    def get_task_config(self) -> dict[str, Any]:
+        """The task's config (JSON object), unverified: for display. Nodes verify the signature first."""
+        config_json, _ = self.get_task_config_raw()
+        config = _json_object(config_json, MAX_CONFIG_BYTES)
+        if config is None:
+            raise BoardDataError(f"task {self.task_name!r} config is not a JSON object")
         return config
 
     def set_active(self) -> bool:
-        """INIT -> ACTIVE (the trainer started it); False if it was not INIT."""
-        return bool(self._set_active(keys=[self._task_key], args=[repr(time.time())]))
+        """INIT -> ACTIVE (the trainer started it), at the server's time; False if it was not INIT."""
+        return bool(self._set_active(keys=[self._task_key]))
 
     def end_task(self, status: TaskState | str, reason: str) -> bool:
         """Mark the task END or FAILED with ``reason``; False if it had already ended (first one wins)."""
         state = TaskState(status)
         if not state.finished:
             raise ValueError(f"end_task takes END or FAILED, found {state.value}")
-        return bool(self._end(keys=[self._task_key], args=[state.value, reason, repr(time.time())]))
+        return bool(self._end(keys=[self._task_key], args=[state.value, _text(reason, 2000) or ""]))
 
     # ---------------------------------------------------------------- leases
 
@@ -572,12 +735,16 @@ class Board:
         pipe.get(key)
         pipe.pttl(key)
         holder, ttl = pipe.execute()
-        return _text(holder), int(ttl)
+        return _text(holder, 256), int(ttl)
 
-    def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int) -> int | None:
-        """The lowest free actor slot, now leased to ``owner_uid`` (or the one it already holds); None if full."""
+    def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int, prefer: int | None = None) -> int | None:
+        """An actor slot now leased to ``owner_uid``: the one it holds, else ``prefer`` if free, else the
+        lowest free one; None if all are taken."""
+        if not 1 <= actor_num <= MAX_ACTORS:
+            raise ValueError(f"actor_num must be in 1..{MAX_ACTORS}, found {actor_num}")
         keys = [self._task_key, *(self.lease_key(f"actor:{i}") for i in range(actor_num))]
-        slot = int(self._claim_slot(keys=keys, args=[owner_uid, _ttl(ttl_ms)]))
+        args: list[str | int] = [owner_uid, _ttl(ttl_ms), -1 if prefer is None else int(prefer)]
+        slot = int(self._claim_slot(keys=keys, args=args))
         return None if slot < 0 else slot
 
     def claim_trainer(self, owner_uid: str, ttl_ms: int) -> int | None:
@@ -585,6 +752,12 @@ class Board:
         keys = [self.lease_key("trainer"), self._epoch_key, self._task_key]
         epoch = self._claim_trainer(keys=keys, args=[owner_uid, _ttl(ttl_ms)])
         return None if epoch is None else int(epoch)
+
+    def reclaim_trainer(self, owner_uid: str, epoch: int, ttl_ms: int) -> bool:
+        """Take back the trainer lease that lapsed while ``owner_uid`` held it at ``epoch`` (an outage);
+        False when another trainer took over since (the epoch moved) or holds it now."""
+        keys = [self.lease_key("trainer"), self._epoch_key, self._task_key]
+        return int(self._reclaim_trainer(keys=keys, args=[owner_uid, str(epoch), _ttl(ttl_ms)])) == 1
 
     def heartbeat(
         self,
@@ -595,23 +768,27 @@ class Board:
         stats: Mapping[str, Any] | None = None,
         counter_deltas: Mapping[str, int | float] | None = None,
     ) -> Heartbeat:
-        """Renew the lease, write stats, add counters, read task status and params head: one round trip.
-
-        A falsy answer (``lease_held`` False) means the lease is lost: stop working on it now.
-        """
+        """Renew the lease, write stats, add counters, read task status, params head and the server's
+        clock: one round trip. A falsy answer (``lease_held`` False) means the lease is lost."""
         stats_json = "" if stats is None else _stats_json(stats)
         deltas_json = _deltas_json(counter_deltas)
         keys = [self.lease_key(lease_name), self.stats_key(role_id), self._roles_key, self._counters_key,
                 self._task_key]
-        held, status, epoch, version = self._heartbeat(
+        held, status, epoch, version, train_count, sec, usec = self._heartbeat(
             keys=keys, args=[owner_uid, _ttl(ttl_ms), role_id, stats_json, self.stats_ttl_ms, deltas_json]
         )
-        state = _text(status)
+        state = _text(status, 16)
+        try:
+            task_status = None if state is None else TaskState(state)
+        except ValueError:
+            raise BoardDataError(f"task {self.task_name!r} has status {state!r}") from None
         return Heartbeat(
             lease_held=bool(held),
-            task_status=None if state is None else TaskState(state),
-            params_epoch=int(epoch or 0),
-            params_version=int(version or 0),
+            task_status=task_status,
+            params_epoch=_int(epoch or 0, "params_epoch"),
+            params_version=_int(version or 0, "params_version"),
+            train_count=_int(train_count or 0, "train_count"),
+            server_time=_server_time(sec, usec),
         )
 
     # ---------------------------------------------------------------- params
@@ -620,24 +797,32 @@ class Board:
         """Store params atomically; False (nothing written) unless ``owner_uid`` holds the trainer
         lease and ``epoch`` is the current trainer epoch, not older than the stored params' epoch."""
         keys = [self.lease_key("trainer"), self._epoch_key, self._params_key, self._task_key]
-        args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob, repr(time.time())]
+        args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob]
         return bool(self._publish(keys=keys, args=args))
 
     def get_params_version(self) -> tuple[int, int] | None:
         """``(epoch, version)`` of the latest params (one HMGET); None before the first publish."""
         epoch, version = self.client.hmget(self._task_key, "params_epoch", "params_version")
-        if epoch is None or version is None or int(epoch) == 0:
+        if epoch is None or version is None:
             return None
-        return int(epoch), int(version)
+        head = _int(epoch, "params_epoch"), _int(version, "params_version")
+        return None if head[0] == 0 else head
 
-    def get_params(self) -> tuple[int, int, int, bytes] | None:
-        """``(epoch, version, train_count, blob)`` of the latest params; None before the first publish."""
+    def get_params(self, max_bytes: int | None = None) -> ParamsRecord | None:
+        """The latest params; None before the first publish. ``max_bytes``: a larger blob is a
+        BoardDataError (read its length first, so a huge forged blob is never fetched)."""
+        if max_bytes is not None:
+            size = int(self.client.hstrlen(self._params_key, "blob"))
+            if size > max_bytes:
+                raise BoardDataError(f"params blob is {size} bytes, over the {max_bytes} this network needs")
         epoch, version, train_count, blob = self.client.hmget(
             self._params_key, "epoch", "version", "train_count", "blob"
         )
         if epoch is None or version is None or train_count is None or not isinstance(blob, bytes):
             return None
-        return int(epoch), int(version), int(train_count), blob
+        if max_bytes is not None and len(blob) > max_bytes:  # replaced between the two reads
+            raise BoardDataError(f"params blob is {len(blob)} bytes, over the {max_bytes} this network needs")
+        return ParamsRecord(_int(epoch, "epoch"), _int(version, "version"), _int(train_count, "train_count"), blob)
 
     # -------------------------------------------------------------- counters
 
@@ -648,10 +833,17 @@ class Board:
             self._incr(keys=[self._counters_key, self._task_key], args=[_check_role(role_id), deltas_json])
 
     def get_role_counters(self) -> dict[str, dict[str, float]]:
-        """Running totals per role id."""
-        raw = self.client.hgetall(self._counters_key)
-        return {str(_text(role)): {str(k): float(v) for k, v in json.loads(value).items()}
-                for role, value in raw.items()}
+        """Running totals per role id (records that are not JSON objects of numbers are skipped)."""
+        out: dict[str, dict[str, float]] = {}
+        for role, value in self.client.hgetall(self._counters_key).items():
+            counters = _json_object(value, MAX_STATS_BYTES)
+            if counters is None:
+                continue
+            out[_str(role)[:128]] = {
+                str(k)[:64]: float(v) for k, v in counters.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            }
+        return out
 
     def get_counters(self) -> dict[str, float]:
         """Running totals summed over every role."""
@@ -672,37 +864,78 @@ class Board:
         self._put_stats(keys=keys, args=[role_id, _stats_json(stats), self.stats_ttl_ms])
 
     def get_all_stats(self, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
-        """Latest stats per live role id (expired ones are absent; older than ``max_age_s`` too)."""
-        roles = sorted(str(_text(r)) for r in self.client.smembers(self._roles_key))
+        """Latest stats per live role id (expired ones are absent; older than ``max_age_s`` too;
+        malformed or oversized records are skipped)."""
+        roles = sorted(r for r in (_str(x) for x in self.client.smembers(self._roles_key)) if _ROLE_ID.fullmatch(r))
         if not roles:
             return {}
         now = time.time()
         found: dict[str, dict[str, Any]] = {}
         for role, raw in zip(roles, self.client.mget([self.prefix + "stats:" + r for r in roles]), strict=True):
-            if raw is None:
+            stats = _json_object(raw, MAX_STATS_BYTES)
+            if stats is None:
                 continue
-            stats = json.loads(raw)
-            if max_age_s is None or now - float(stats.get("updated_at", 0.0)) <= max_age_s:
+            updated = stats.get("updated_at", 0.0)
+            if not isinstance(updated, (int, float)) or isinstance(updated, bool) or not math.isfinite(updated):
+                continue
+            if max_age_s is None or now - float(updated) <= max_age_s:
                 found[role] = stats
         return found
 
     # ---------------------------------------------------------------- events
 
     def log_event(self, text: str, level: str = "INFO", source: str = "") -> None:
-        """Append to the capped event log (one round trip); dropped if the task does not exist."""
-        event = json.dumps({"ts": time.time(), "level": level, "text": text, "source": source})
-        self._log_event(keys=[self._events_key, self._task_key], args=[event, self.event_cap])
+        """Append to the capped event log (one round trip); dropped if the task does not exist.
+        The text is cut to ``EVENT_TEXT_LIMIT`` characters."""
+        event = json.dumps({"ts": time.time(), "level": level[:16], "text": _text(text, EVENT_TEXT_LIMIT),
+                            "source": source[:128]})
+        self._push_capped(keys=[self._events_key, self._task_key], args=[event, self.event_cap])
 
     def get_events(self, n: int = 100) -> list[Event]:
-        """The latest ``n`` events, oldest first."""
+        """The latest ``n`` events, oldest first (malformed entries are skipped)."""
         if n <= 0:
             return []
         events = []
         for raw in reversed(self.client.lrange(self._events_key, 0, n - 1)):
-            item = json.loads(raw)
-            events.append(Event(ts=float(item["ts"]), level=str(item["level"]), text=str(item["text"]),
-                                source=str(item.get("source", ""))))
+            item = _json_object(raw, 4 * EVENT_TEXT_LIMIT)
+            if item is None:
+                continue
+            ts = item.get("ts")
+            events.append(Event(
+                ts=float(ts) if isinstance(ts, (int, float)) and math.isfinite(ts) else 0.0,
+                level=str(item.get("level", ""))[:16],
+                text=str(item.get("text", ""))[:EVENT_TEXT_LIMIT],
+                source=str(item.get("source", ""))[:128],
+            ))
         return events
+
+    # ---------------------------------------------------------------- dead letters
+
+    def add_dead_letters(self, letters: list[DeadLetter]) -> None:
+        """Note refused messages (not their bytes) in the capped dead-letter list."""
+        pipe = self.client.pipeline(transaction=False)
+        for letter in letters[-DEADLETTER_CAP:]:
+            entry = json.dumps({"ts": letter.ts, "source": letter.source[:300], "reason": letter.reason[:300],
+                                "size": letter.size})
+            self._push_capped(keys=[self._deadletters_key, self._task_key], args=[entry, DEADLETTER_CAP],
+                              client=pipe)
+        pipe.execute()
+
+    def get_dead_letters(self, n: int = DEADLETTER_CAP) -> list[DeadLetter]:
+        """The latest ``n`` refused-message notes, oldest first."""
+        letters = []
+        for raw in reversed(self.client.lrange(self._deadletters_key, 0, max(0, n - 1))):
+            item = _json_object(raw, 4096)
+            if item is None:
+                continue
+            ts, size = item.get("ts"), item.get("size")
+            letters.append(DeadLetter(
+                ts=float(ts) if isinstance(ts, (int, float)) and math.isfinite(ts) else 0.0,
+                source=str(item.get("source", ""))[:300],
+                reason=str(item.get("reason", ""))[:300],
+                size=int(size) if isinstance(size, int) else 0,
+            ))
+        return letters
 
 
 def _limit(config: Mapping[str, Any], name: str, value: Any, kind: type[int] | type[float]) -> Any:
@@ -711,9 +944,12 @@ def _limit(config: Mapping[str, Any], name: str, value: Any, kind: type[int] | t
     if value is None:
         return None
     try:
-        return kind(value)
-    except (TypeError, ValueError) as e:
+        number = kind(value)
+    except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"task {name} must be a number or None, found {value!r}") from e
+    if not (math.isfinite(number) and 0 <= number <= _MAX_INT):
+        raise ValueError(f"task {name} must be a finite number >= 0, found {value!r}")
+    return number
 
 
 def _ttl(ttl_ms: int) -> int:

@@ -9,6 +9,7 @@ processes. Must never: spin without telling the user what it waits for.
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import time
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from srl.runner.distribution import local_nodes
 from srl.runner.distribution.board import Board, TaskStatus
-from srl.runner.distribution.codec import Codec
+from srl.runner.distribution.codec import Codec, params_message_bytes
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import with_retry
 from srl.runner.progress import ensure_logging, eta, format_seconds
@@ -109,7 +110,9 @@ def train_distribution(
             "env_steps_per_train": env_steps_per_train,
         }
         with_retry(lambda: board.ping(), f"connecting to {resolved.describe()}", max_wait=10)
-        board.create_task(task, overwrite=overwrite)
+        codec = Codec(secret=secret, task=resolved.task_name)
+        config_json = json.dumps(task, separators=(",", ":"))
+        board.create_task(config_json, overwrite=overwrite, signature=codec.config_signature(config_json))
         start_local = embedded is not None if local_processes is None else local_processes
         if start_local:
             procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
@@ -120,7 +123,7 @@ def train_distribution(
         logger.info("task %r submitted to %s: %s on %s, %d actor(s)", resolved.task_name, resolved.describe(),
                     task["algorithm"], runner.env_config, actor_num)
         status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs)
-        _load_final_params(board, runner, secret)
+        _load_final_params(board, runner, codec)
         if status.status == "FAILED":
             raise TaskFailedError(f"task {resolved.task_name!r} FAILED: {status.end_reason}")
         logger.info("task %r ended: %s", resolved.task_name, status.end_reason)
@@ -132,7 +135,7 @@ def train_distribution(
         logger.warning("interrupted: ending task %r as cancelled", resolved.task_name)
         try:
             board.end_task("END", "cancelled")
-            _load_final_params(board, runner, secret)
+            _load_final_params(board, runner, codec)
         finally:
             raise
     finally:
@@ -141,15 +144,15 @@ def train_distribution(
             embedded.stop()
 
 
-def _load_final_params(board: Board, runner: Runner, secret: str | None) -> None:
-    got = board.get_params()
-    if got is None:
+def _load_final_params(board: Board, runner: Runner, codec: Codec) -> None:
+    record = board.get_params(params_message_bytes(runner.parameter.to_arrays()))
+    if record is None:
         logger.warning("no params on the board: the runner keeps its current weights")
         return
-    epoch, version, train_count, blob = got
-    _, arrays = Codec(secret=secret).decode_params(blob)
-    runner.set_parameter_arrays(arrays, train_count)
-    logger.info("loaded final params (epoch %d, version %d, train_count %d)", epoch, version, train_count)
+    _, arrays = codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
+    runner.set_parameter_arrays(arrays, record.version, record.train_count)
+    logger.info("loaded final params (epoch %d, version %d, train_count %d)", record.epoch, record.version,
+                record.train_count)
 
 
 def _watch(

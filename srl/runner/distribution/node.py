@@ -1,10 +1,20 @@
 """What an actor and a trainer process share: options, counter deltas and the serve loop.
 
-Owns: ``NodeOptions`` (liveness, polling, signing, run-once), ``CounterDeltas``
-and ``serve`` — wait for an ACTIVE task, build it, claim a lease, run, repeat —
-with the rules both roles follow: a task no node could build is FAILED with the
-reason; a just-claimed lease is released at once if building the run fails or
-is interrupted. Must never: know what an actor or a trainer does inside a run.
+Owns: ``NodeOptions`` (liveness, polling, signing, trust, run-once),
+``CounterDeltas`` and ``serve`` — wait for an ACTIVE task, check and build it,
+claim a lease, run, repeat — with the rules both roles follow:
+
+* the board is untrusted: a malformed record is waited out, an unsigned or
+  mis-signed config (when this node has a secret) is refused and said so;
+* a task no node could build (unknown algorithm, bad field, an env module
+  this node does not allow, a memory larger than it may allocate) ends
+  FAILED with the reason, never a traceback, never left ACTIVE;
+* a just-claimed lease is released at once if building the run fails;
+* Redis being away is waited out, with a line every few seconds;
+* a bug inside a run (not a message, not an outage) ends the task FAILED and
+  the process with a clear error (:class:`NodeCrashedError`).
+
+Must never: know what an actor or a trainer does inside a run.
 """
 
 from __future__ import annotations
@@ -21,15 +31,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from srl.base.env import EnvError
-from srl.runner.distribution.board import Board
+from srl.base.env import allowed_env_modules
+from srl.runner.distribution.board import Board, BoardError
+from srl.runner.distribution.codec import Codec, short
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, with_retry
-from srl.runner.distribution.task import TaskConfigError, TaskSpec, build_task, check_queue_matches
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
+from srl.runner.distribution.task import (
+    QueueMismatchError,
+    TaskConfigError,
+    TaskSpec,
+    TaskTrustError,
+    build_task,
+    check_queue_matches,
+)
 
 logger = logging.getLogger("srl.node")
 
 OptionsT = TypeVar("OptionsT")
+
+
+class NodeCrashedError(RuntimeError):
+    """A node's run failed from a bug (not a message, not an outage); the task was ended FAILED."""
 
 
 @dataclass
@@ -43,7 +65,11 @@ class NodeOptions:
     task_poll_interval: float = 1.0
     """seconds between looks for a task while idle"""
     secret: str | None = None
-    """shared secret that signs messages (default: env SRL_SECRET)"""
+    """shared secret that signs messages and the task config (default: env SRL_SECRET, or the file
+    named by SRL_SECRET_FILE); on the command line use --secret-file, never the secret itself"""
+    allow_env_modules: str = ""
+    """comma-separated modules a 'module:Env' env id may import on this node (also env
+    SRL_ALLOW_ENV_MODULES); by default none: env ids from the board never import code"""
     run_once: bool = False
     """return once the task it served has ended, instead of waiting for the next (after losing its
     lease, e.g. to a pause longer than the TTL, it stands by for the same task)"""
@@ -53,6 +79,10 @@ class NodeOptions:
     def set_default_uid(self, role: str) -> None:
         if not self.uid:
             self.uid = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    def codec(self, task_name: str, **kwargs: Any) -> Codec:
+        """The codec for ``task_name`` with this node's secret."""
+        return Codec(secret=self.secret, task=task_name, **kwargs)
 
 
 def apply_overrides(options: OptionsT, overrides: dict[str, Any], caller: str) -> OptionsT:
@@ -113,6 +143,25 @@ class Run(Protocol):
         """A short account of the work done, for the log."""
 
 
+class _Notes:
+    """One log line per change of what the node waits for (and a reminder every minute)."""
+
+    def __init__(self) -> None:
+        self.state = ""
+        self._reminder = Throttle(60.0)
+
+    def __call__(self, state: str, message: str, *args: Any, level: int = logging.INFO) -> None:
+        if state != self.state:
+            self.state = state
+            self._reminder.ready()
+            logger.log(level, message, *args)
+        elif self._reminder.ready():
+            logger.log(level, "still: " + message, *args)
+
+    def reset(self) -> None:
+        self.state = ""
+
+
 def serve(
     role: str,
     board: Board,
@@ -125,55 +174,86 @@ def serve(
     build_run: Callable[[TaskSpec, int], Run],
 ) -> None:
     """Wait for an ACTIVE task, claim a lease with ``claim``, build and run, repeat (or return once)."""
-    waiting = ""
+    note = _Notes()
+    codec = options.codec(board.task_name)
+    allow_modules = allowed_env_modules(options.allow_env_modules)
+    refused: set[str] = set()  # configs already refused (one event each, not one per poll)
+    uid = options.uid
 
-    def note(state: str, message: str, *args: Any) -> None:
-        nonlocal waiting
-        if state != waiting:
-            logger.info(message, *args)
-            waiting = state
+    def fail(reason: str) -> None:
+        logger.error("%s", reason)
+        with_retry(lambda: board.end_task("FAILED", reason), "ending the task FAILED")
+        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            board.log_event(f"task FAILED: {reason}", level="ERROR", source=uid)
 
     while True:
-        status = with_retry(board.get_status, f"reading the task on {where}")
+        try:
+            status = with_retry(board.get_status, f"reading the task on {where}")
+        except BoardError as e:  # a malformed record or another board format: wait for a good one
+            note(f"bad: {e}", "%s %s cannot read the task on %s: %s", role, uid, where, short(e), level=logging.WARNING)
+            time.sleep(options.task_poll_interval)
+            continue
         if status is None or status.status != "ACTIVE":
             state = "no task" if status is None else f"task {status.status.value}"
-            note(state, "%s %s waiting for an ACTIVE task on %s (now: %s)", role, options.uid, where, state)
+            note(state, "%s %s waiting for an ACTIVE task on %s (now: %s)", role, uid, where, state)
             time.sleep(options.task_poll_interval)
             continue
         try:
-            task = build_task(board.get_task_config())
+            config_json, signature = with_retry(board.get_task_config_raw, "reading the task config")
+            task = build_task(config_json, signature, codec, allow_modules)
+            check_queue_matches(task, queue_params, role)
+        except TaskTrustError as e:  # not the client's config, or not our secret: refuse, do not run it
+            note(f"refused: {e}", "%s %s refuses the task config on %s: %s", role, uid, where, e,
+                 level=logging.ERROR)
+            if config_json not in refused:
+                refused.add(config_json)
+                with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+                    board.log_event(f"{role} {uid} refuses the task config: {e}", level="ERROR", source=uid)
+            time.sleep(options.task_poll_interval)
+            continue
+        except QueueMismatchError:
+            raise  # this node was started wrong: say so and exit
         except TaskConfigError as e:  # unknown algorithm, bad field: no node could run it
-            logger.error("cannot build the task: %s", e)
-            board.end_task("FAILED", f"{role} {options.uid}: {e}")
-            board.log_event(f"task FAILED: {e}", level="ERROR", source=options.uid)
+            fail(f"{role} {uid} cannot build the task: {e}")
             if options.run_once:
                 return
             continue
-        check_queue_matches(task, queue_params, role)
+        except BoardError as e:
+            note(f"bad: {e}", "%s %s cannot read the task config: %s", role, uid, short(e), level=logging.WARNING)
+            time.sleep(options.task_poll_interval)
+            continue
         claimed = with_retry(lambda: claim(task), f"claiming a {role} lease")  # noqa: B023 - called at once
         if claimed is None:
             note("standby", "%s", standby_note(task))
             time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
             continue
-        waiting = ""
-        board.log_event(f"{role} {options.uid} took lease {lease_name(claimed)} ({role} {claimed})", source=options.uid)
+        note.reset()
+        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
         try:
             run = build_run(task, claimed)
-        except (EnvError, ValueError, RuntimeError) as e:  # an env, network or device this task cannot have
-            board.release_lease(lease_name(claimed), options.uid)
-            logger.error("%s cannot build the task: %s", role, e)
-            board.end_task("FAILED", f"{role} {options.uid} cannot build the task: {e}")
-            board.log_event(f"task FAILED: {role} cannot build the task: {e}", level="ERROR", source=options.uid)
+        except Exception as e:  # an env, network, memory or device this task cannot have here
+            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+                board.release_lease(lease_name(claimed), uid)
+            logger.debug("building the run failed", exc_info=True)
+            fail(f"{role} {uid} cannot build the task: {type(e).__name__}: {short(e, 400)}")
             if options.run_once:
                 return
             continue
         except BaseException:
-            board.release_lease(lease_name(claimed), options.uid)  # free it now, not when it expires
+            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+                board.release_lease(lease_name(claimed), uid)  # free it now, not when it expires
             raise
-        reason = run.run()
-        logger.info("%s %s stopped: %s (%s)", role, options.uid, reason, run.summary())
-        with contextlib.suppress(*TRANSIENT_ERRORS):
-            board.log_event(f"{role} {options.uid} stopped: {reason} ({run.summary()})", source=options.uid)
+        try:
+            reason = run.run()
+        except Exception as e:  # a bug: say so loudly, end the task, stop this process
+            logger.exception("%s %s crashed", role, uid)
+            message = f"{role} {uid} crashed: {type(e).__name__}: {short(e, 400)}"
+            fail(message)
+            raise NodeCrashedError(message) from e
+        logger.info("%s %s stopped: %s (%s)", role, uid, reason, run.summary())
+        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            board.log_event(f"{role} {uid} stopped: {reason} ({run.summary()})", source=uid)
         if options.run_once and _task_over(board):
             return
         # run_once still serves the same task after losing a lease (a pause longer than the TTL)
@@ -182,5 +262,8 @@ def serve(
 
 def _task_over(board: Board) -> bool:
     """The task this node served has ended (or is gone): a run-once node may return."""
-    status = with_retry(board.get_status, "reading the task status")
+    try:
+        status = with_retry(board.get_status, "reading the task status")
+    except BoardError:
+        return False
     return status is None or status.status.finished

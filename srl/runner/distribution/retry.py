@@ -1,7 +1,11 @@
-"""Riding out a broker or Redis that is briefly away (restart, failover, network blip).
+"""Riding out a broker or Redis that is away (restart, failover, network cut, a paused server).
 
-Owns: the one retry loop every node uses around board calls. Must never: retry
-forever silently — it logs what it waits for and gives up after ``max_wait``.
+Owns: the one retry loop every node uses around board calls, and
+``Throttle``, which keeps a repeated complaint to one log line every few
+seconds. Must never: retry silently — while it waits it says what for, once
+every ``log_every`` seconds. Nodes wait as long as it takes (``max_wait=None``):
+a transient outage must never end an actor or a trainer; a client, which has
+a person waiting on it, gives up after a bound.
 """
 
 from __future__ import annotations
@@ -25,35 +29,70 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
+LOG_EVERY_S = 5.0
+"""how often a wait in progress is reported"""
+
 
 class BoardUnreachableError(ConnectionError):
-    """Redis did not answer for longer than the node is willing to wait."""
+    """Redis did not answer for longer than the caller is willing to wait."""
+
+
+class Throttle:
+    """Lets a message through at most once every ``interval`` seconds; counts what it held back."""
+
+    def __init__(self, interval: float = LOG_EVERY_S) -> None:
+        self.interval = interval
+        self._next = 0.0
+        self.suppressed = 0
+
+    def ready(self) -> bool:
+        """True (and resets the count) when a line may be written now."""
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.interval
+            return True
+        self.suppressed += 1
+        return False
+
+    def take_suppressed(self) -> int:
+        count, self.suppressed = self.suppressed, 0
+        return count
 
 
 def with_retry(
     fn: Callable[[], T],
     what: str,
     *,
-    max_wait: float = 60.0,
+    max_wait: float | None = None,
     should_stop: Callable[[], bool] | None = None,
+    log_every: float = LOG_EVERY_S,
 ) -> T:
-    """Call ``fn``; on a transient connection error retry with backoff for up to ``max_wait`` s."""
-    deadline = time.monotonic() + max_wait
+    """Call ``fn``; on a transient connection error retry with backoff (up to 2 s between tries).
+
+    ``max_wait`` None: as long as it takes (nodes); else raise
+    :class:`BoardUnreachableError` after that many seconds (clients).
+    ``should_stop``: give up early (raises the same error) when it returns True.
+    """
+    started = time.monotonic()
     delay = 0.05
-    warned = False
+    next_log = started
+    waited = False
     while True:
         try:
             result = fn()
-            if warned:
-                logger.warning("%s: reachable again", what)
+            if waited:
+                logger.warning("%s: reachable again after %.0fs", what, time.monotonic() - started)
             return result
         except TRANSIENT_ERRORS as e:
-            if time.monotonic() >= deadline or (should_stop is not None and should_stop()):
+            now = time.monotonic()
+            if (max_wait is not None and now - started >= max_wait) or (should_stop is not None and should_stop()):
                 raise BoardUnreachableError(
-                    f"{what}: no answer for {max_wait:.0f}s ({e}); check that Redis is running and reachable"
+                    f"{what}: no answer for {now - started:.0f}s ({e}); check that Redis is running and reachable"
                 ) from e
-            if not warned:
-                logger.warning("%s: connection problem (%s); retrying for up to %.0fs", what, e, max_wait)
-                warned = True
+            if now >= next_log:
+                logger.warning("%s: waiting for the connection to come back (%.0fs so far: %s)",
+                               what, now - started, str(e)[:200])
+                next_log = now + log_every
+            waited = True
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, 2.0)

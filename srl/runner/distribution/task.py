@@ -1,23 +1,37 @@
 """What a distributed task is, as data: the algorithm, its settings, the env and the limits.
 
 Owns: building the pieces (config, env spec) a node needs from a task's JSON,
-with errors that say exactly what is missing. Must never: touch Redis.
+after checking its signature and every bound, with errors that say exactly
+what is missing. Must never: touch Redis, import a module the node did not
+allow, or accept a field it cannot bound.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from srl.algorithms import config_class
+from srl.algorithms import UnknownAlgorithmError, config_class
 from srl.base.config import ConfigError, config_from_dict
-from srl.base.env import EnvConfig
+from srl.base.env import EnvConfig, EnvError
 from srl.base.rl import RLConfig
+from srl.runner.distribution.board import MAX_ACTORS
+from srl.runner.distribution.codec import Codec, DecodeError, short
+
+MAX_QUEUE_CAPACITY = 1_000_000
+"""most batches a task may allow in its queue"""
 
 
 class TaskConfigError(ValueError):
-    """A node cannot build the task it was given."""
+    """A node cannot build the task it was given (the task is at fault: it ends FAILED)."""
+
+
+class TaskTrustError(ValueError):
+    """The task's config is unsigned or its signature does not match: the node refuses to run it."""
 
 
 @dataclass
@@ -31,34 +45,94 @@ class TaskSpec:
     max_steps: int | None
     timeout: float | None
     queue: dict[str, Any]
-    """scheme and description of the experience queue the client chose"""
+    """scheme and description of the experience queue the client chose, and its capacity"""
     env_steps_per_train: float | None = None
     """past warmup, all actors together step at most this many env steps per trainer train step
     (each actor its 1/actor_num share); None: actors step as fast as they can"""
 
+    @property
+    def queue_capacity(self) -> int:
+        capacity = self.queue.get("capacity", 8)
+        return capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else 8
 
-def build_task(data: dict[str, Any]) -> TaskSpec:
-    """Build a :class:`TaskSpec` from the JSON the client wrote; raises :class:`TaskConfigError`."""
+
+def _bounded(data: dict[str, Any], key: str, kind: type, high: float, default: Any = None) -> Any:
+    value = data.get(key, default)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and isinstance(value, int)
+    if not ok or not (math.isfinite(value) and 0 <= value <= high):
+        raise TaskConfigError(
+            f"task field {key!r} must be a number in 0..{high:g} or null, found {short(repr(value), 60)}"
+        )
+    return kind(value)
+
+
+def build_task(
+    config_json: str,
+    signature: str = "",
+    codec: Codec | None = None,
+    allow_modules: Collection[str] | None = None,
+) -> TaskSpec:
+    """Build a :class:`TaskSpec` from the config JSON a client wrote.
+
+    ``codec``: checks ``signature`` first (:class:`TaskTrustError` when it does
+    not hold). ``allow_modules``: the modules a ``module:Env`` id may import
+    here (None: any, for a user's own process). Raises :class:`TaskConfigError`
+    for anything a node cannot build or bound.
+    """
+    if codec is not None:
+        try:
+            codec.check_config_signature(config_json, signature)
+        except DecodeError as e:
+            raise TaskTrustError(str(e)) from None
+    try:
+        data = json.loads(config_json)
+    except (ValueError, RecursionError) as e:
+        raise TaskConfigError(f"task config is not JSON: {short(e)}") from None
+    if not isinstance(data, dict):
+        raise TaskConfigError(f"task config must be a JSON object, found {type(data).__name__}")
     try:
         algorithm = data["algorithm"]
+        if not isinstance(algorithm, str):
+            raise TaskConfigError(f"task field 'algorithm' must be text, found {short(repr(algorithm), 60)}")
         cls = config_class(algorithm)
         rl_config = config_from_dict(cls, data.get("rl_config", {}), where=f"{algorithm}.Config")
         rl_config.validate()
         env_config = EnvConfig.from_dict(data["env"])
+        env_config.check_allowed(allow_modules)
+        actor_num = _bounded(data, "actor_num", int, MAX_ACTORS, 1)
+        if actor_num < 1:
+            raise TaskConfigError("task field 'actor_num' must be at least 1")
+        queue = data.get("queue") or {}
+        if not isinstance(queue, dict) or not all(isinstance(k, str) for k in queue):
+            raise TaskConfigError("task field 'queue' must be an object")
+        queue = {k: v for k, v in queue.items() if k in ("scheme", "describe", "capacity")}
+        if "capacity" in queue:
+            queue["capacity"] = _bounded(queue, "capacity", int, MAX_QUEUE_CAPACITY)
+        for key in ("scheme", "describe"):
+            if key in queue and not (isinstance(queue[key], str) and len(queue[key]) <= 300):
+                raise TaskConfigError(f"task field 'queue.{key}' must be short text")
         return TaskSpec(
             rl_config=rl_config,
             env_config=env_config,
-            actor_num=int(data.get("actor_num", 1)),
-            max_train_count=data.get("max_train_count"),
-            max_steps=data.get("max_steps"),
-            timeout=data.get("timeout"),
-            queue=dict(data.get("queue") or {}),
-            env_steps_per_train=data.get("env_steps_per_train"),
+            actor_num=actor_num,
+            max_train_count=_bounded(data, "max_train_count", int, 2**62),
+            max_steps=_bounded(data, "max_steps", int, 2**62),
+            timeout=_bounded(data, "timeout", float, 1e9),
+            queue=queue,
+            env_steps_per_train=_bounded(data, "env_steps_per_train", float, 1e6),
         )
     except KeyError as e:
-        raise TaskConfigError(f"task config lacks {e.args[0]!r}; it was written by an incompatible client") from e
-    except (ConfigError, ValueError) as e:
-        raise TaskConfigError(f"cannot build the task's algorithm config: {e}") from e
+        raise TaskConfigError(
+            f"task config lacks {short(e.args[0], 60)!r}; it was written by an incompatible client"
+        ) from None
+    except TaskConfigError:
+        raise
+    except (ConfigError, UnknownAlgorithmError, EnvError, ValueError, TypeError) as e:
+        raise TaskConfigError(f"cannot build the task's config: {short(e, 400)}") from None
 
 
 class StopFlag:
@@ -80,15 +154,19 @@ class StopFlag:
         return self._event.wait(timeout)
 
 
+class QueueMismatchError(TaskConfigError):
+    """This node was given another experience queue than the task's (the node is at fault)."""
+
+
 def check_queue_matches(task: TaskSpec, queue_params: Any, role: str) -> None:
     """A node whose queue differs from the task's would send into (or read from) the void."""
-    from srl.runner.distribution.queues import queue_scheme
+    from srl.runner.distribution.queues import describe_queue, queue_scheme
 
     expected = task.queue.get("scheme")
     mine = queue_scheme(queue_params)
     if expected and expected != mine:
-        given = "queue_params=None (the board's Redis)" if queue_params is None else repr(queue_params)
-        raise TaskConfigError(
+        given = "queue_params=None (the board's Redis)" if queue_params is None else describe_queue(queue_params)
+        raise QueueMismatchError(
             f"the task sends experience over {task.queue.get('describe', expected)!r} but this {role} was given "
             f"a {mine!r} queue: {given}; start the {role} with the same queue parameters as the client"
         )

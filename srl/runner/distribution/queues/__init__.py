@@ -181,6 +181,7 @@ def open_queue(
     redis_params: RedisParameters | None = None,
     consumer_name: str | None = None,
     options: Mapping[str, Any] | None = None,
+    max_read_bytes: int | None = None,
 ) -> ExperienceQueue:
     """Connect to the experience queue of task ``namespace`` as a producer or the consumer.
 
@@ -190,8 +191,10 @@ def open_queue(
     where the broker keeps one per consumer (Redis); ``options`` are backend
     options (Kombu's transport options): for Redis e.g.
     ``{"claim_min_idle_s": 30.0}``; for the other backends they override fields
-    of the parameters dataclass. Raises ``BrokerUnavailableError`` (a
-    ``ConnectionError``) when the broker does not answer.
+    of the parameters dataclass. ``max_read_bytes`` (consumer): larger
+    payloads are handed out ``refused`` instead of decoded, and not even read
+    where the backend can tell first (Redis, MQTT). Raises
+    ``BrokerUnavailableError`` (a ``ConnectionError``) when the broker does not answer.
     """
     if role not in ("producer", "consumer"):
         raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
@@ -213,12 +216,14 @@ def open_queue(
     if extra:
         accepted = [
             name for name, p in inspect.signature(cls.__init__).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("namespace", "role", "consumer_name")
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+            and name not in ("namespace", "role", "consumer_name", "max_read_bytes")
         ]
         unknown = sorted(set(extra) - set(accepted))
         if unknown:
             raise TypeError(f"unknown option(s) {unknown} for the {backend.name} queue; known: {', '.join(accepted)}")
     queue: ExperienceQueue = cls(  # type: ignore[call-arg]
-        resolved, namespace=namespace, role=role, consumer_name=consumer_name, **extra
+        resolved, namespace=namespace, role=role, consumer_name=consumer_name, max_read_bytes=max_read_bytes,
+        **extra,
     )
     return queue

@@ -60,9 +60,11 @@ class Message(Protocol):
     """
 
     data: bytes
-    """the payload, byte for byte what the producer put"""
+    """the payload, byte for byte what the producer put (empty when ``refused``)"""
     source: str
     """human-readable origin for log lines, e.g. ``redis stream srl:{ns}:queue:exp id 1700-0``"""
+    refused: str
+    """why the backend did not read the payload (e.g. over ``max_read_bytes``), or '': ack it away"""
 
     def ack(self) -> None:
         """Tell the broker this message is handled; it will not be delivered again."""
@@ -95,6 +97,10 @@ class ExperienceQueue(ABC):
 
     max_message_bytes: int
     """largest payload this backend accepts safely; ``put`` of more raises ValueError"""
+    max_read_bytes: int | None = None
+    """consumer: larger payloads are not read (handed out ``refused``, to be acked away) where the
+    backend can tell before reading them (Redis: a script checks the size; MQTT: the broker drops
+    packets over the Maximum Packet Size the consumer announces). None: no bound beyond the broker's"""
     source_name: str = "queue"
     """what this queue is, for log lines and errors (no secrets)"""
     role: Role
@@ -202,10 +208,18 @@ class QueueMessage:
     generation: int
     _ack_many: Callable[[Sequence[QueueMessage]], None] = field(repr=False)
     acked: bool = False
+    refused: str = ""
 
     def ack(self) -> None:
         if not self.acked:
             self._ack_many([self])
+
+
+def read_refusal(size: int, limit: int | None) -> str:
+    """Why a payload of ``size`` bytes is refused under a read limit, or '' when it is fine."""
+    if limit is not None and size > limit:
+        return f"payload of {size} bytes is over the {limit}-byte read limit; not decoded"
+    return ""
 
 
 def as_queue_messages(messages: Sequence[Message], owner: str) -> list[QueueMessage]:

@@ -66,6 +66,7 @@ from srl.runner.distribution.queues.base import (
     QueueMessage,
     Role,
     as_queue_messages,
+    read_refusal,
     safe_name,
 )
 
@@ -97,6 +98,7 @@ class _Connection:
         persistent: bool,
         inflight: int,
         receive_maximum: int | None,
+        max_packet_bytes: int | None = None,
         on_message: Any = None,
         on_connected: Any = None,
     ) -> None:
@@ -138,6 +140,9 @@ class _Connection:
             self.connect_properties.SessionExpiryInterval = params.session_expiry_s
         if receive_maximum is not None:
             self.connect_properties.ReceiveMaximum = max(1, min(receive_maximum, 65535))
+        if max_packet_bytes is not None:
+            # the broker must not send larger packets to us (MQTT 5): it drops them instead
+            self.connect_properties.MaximumPacketSize = max(1024, min(max_packet_bytes, 268_435_455))
 
     # paho's network thread runs these
     def _on_socket_open(self, _c: mqtt.Client, _u: Any, sock: Any) -> None:
@@ -259,9 +264,11 @@ class MQTTQueue(ExperienceQueue):
         namespace: str,
         role: Role,
         consumer_name: str | None = None,
+        max_read_bytes: int | None = None,
     ) -> None:
         self.params = params
         self.role = role
+        self.max_read_bytes = max_read_bytes
         self.topic = params.topic_name or topic_for(namespace)
         self.session_client_id = params.client_id or session_client_id_for(namespace)
         self.max_message_bytes = params.max_message_bytes
@@ -272,6 +279,7 @@ class MQTTQueue(ExperienceQueue):
             self._conn = _Connection(
                 params, self.session_client_id, persistent=True, inflight=params.inflight,
                 receive_maximum=params.prefetch, on_message=self._on_message, on_connected=self._on_connected,
+                max_packet_bytes=None if max_read_bytes is None else max_read_bytes + 64 * 1024,
             )
             self._conn.start(clean_start=False)
             try:
@@ -396,8 +404,10 @@ class MQTTQueue(ExperienceQueue):
 
     def _on_message(self, generation: int, message: mqtt.MQTTMessage) -> None:
         note = " (redelivered)" if message.dup else ""
+        refused = read_refusal(len(message.payload), self.max_read_bytes)
         self._inbox.put(QueueMessage(
-            data=bytes(message.payload),
+            data=b"" if refused else bytes(message.payload),
+            refused=refused,
             source=f"mqtt topic {message.topic} mid {message.mid}{note}",
             receipt=message.mid,
             generation=generation,

@@ -54,6 +54,7 @@ from srl.runner.distribution.queues.base import (
     Reconnector,
     Role,
     as_queue_messages,
+    read_refusal,
     safe_name,
 )
 
@@ -87,12 +88,14 @@ class PubSubQueue(ExperienceQueue):
         namespace: str,
         role: Role,
         consumer_name: str | None = None,
+        max_read_bytes: int | None = None,
     ) -> None:
         if not params.project_id:
             raise ValueError("GCPParameters.project_id is empty: name the Google Cloud project "
                              "(any id with the emulator), e.g. pubsub://my-project")
         self.params = params
         self.role = role
+        self.max_read_bytes = max_read_bytes
         self.topic_id = params.topic_name or topic_for(namespace)
         self.subscription_id = params.subscription_name or f"{self.topic_id}-trainer"
         self.topic_path = f"projects/{params.project_id}/topics/{self.topic_id}"
@@ -269,12 +272,14 @@ class PubSubQueue(ExperienceQueue):
         out: list[Message] = []
         for r in received:
             note = f" (delivery {r.delivery_attempt})" if r.delivery_attempt > 1 else ""
+            refused = read_refusal(len(r.message.data), self.max_read_bytes)
             message = QueueMessage(
-                data=r.message.data,
+                data=b"" if refused else r.message.data,
                 source=f"pubsub subscription {self.subscription_id} message {r.message.message_id}{note}",
                 receipt=r.ack_id,
                 generation=0,
                 _ack_many=self.ack_many,
+                refused=refused,
             )
             self._held[r.ack_id] = message
             out.append(message)

@@ -85,6 +85,7 @@ from srl.runner.distribution.queues.base import (
     Reconnector,
     Role,
     as_queue_messages,
+    read_refusal,
     safe_name,
 )
 
@@ -125,12 +126,14 @@ class RabbitMQQueue(ExperienceQueue):
         consumer_name: str | None = None,
         confirm_window: int = CONFIRM_WINDOW,
         confirm_window_bytes: int = CONFIRM_WINDOW_BYTES,
+        max_read_bytes: int | None = None,
     ) -> None:
         if confirm_window < 1 or confirm_window_bytes < 1:
             raise ValueError(f"confirm_window and confirm_window_bytes must be at least 1, got "
                              f"{confirm_window} and {confirm_window_bytes}")
         self.params = params
         self.role = role
+        self.max_read_bytes = max_read_bytes
         self.queue_name = params.queue_name or queue_name_for(namespace)
         self.connection_name = f"srl {role} {consumer_name or ''} {namespace}".replace("  ", " ")
         self.max_message_bytes = params.max_message_bytes
@@ -453,12 +456,14 @@ class RabbitMQQueue(ExperienceQueue):
     ) -> None:
         tag = method.delivery_tag
         note = " (redelivered)" if method.redelivered else ""
+        refused = read_refusal(len(body), self.max_read_bytes)  # pika read it already; not decoded, at least
         self._buffer.append(QueueMessage(
-            data=body,
+            data=b"" if refused else body,
             source=f"amqp queue {self.queue_name} tag {tag}{note}",
             receipt=tag,
             generation=self._generation,
             _ack_many=self.ack_many,
+            refused=refused,
         ))
 
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:

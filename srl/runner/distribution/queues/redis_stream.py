@@ -10,6 +10,15 @@ Features:
       unacked entries as long idle so the next consumer takes them at once;
     * batching: ``put_many`` is one pipeline of XADDs, ``get_many`` one
       XREADGROUP COUNT, ``ack_many`` one XACK + XDEL;
+    * bounded reads: a consumer reads (and takes over) entries through a script
+      that returns a payload only when it is at most ``max_read_bytes``;
+      a larger one is handed out ``refused`` (its id and size, not its bytes) to
+      be acked away. Only while idle does the consumer block on one plain
+      XREADGROUP of COUNT 1 (one entry, bounded by the server's
+      ``proto-max-bulk-len``: set it in redis.conf, the compose file uses 64mb);
+    * capped: XADD trims the stream to about ``max_len`` entries (MAXLEN ~), a
+      safety stop far above any queue capacity actors keep to (they wait at
+      ``capacity`` batches): only a flood that ignores backpressure is trimmed;
     * reconnect: a dropped connection (Redis restarted) is retried with backoff
       for ``reconnect_timeout_s``; a stream or group that vanished with it is
       created again;
@@ -27,10 +36,8 @@ Options (``open_queue(..., options={...})``):
     claim_min_idle_s     idle time after which another consumer's entry is taken over (30)
     claim_interval_s     how often a consumer looks for such entries (min(10, claim_min_idle_s / 2))
     reconnect_timeout_s  how long to keep reconnecting before raising (60)
-    max_message_bytes    largest payload (256 MiB; Redis's proto-max-bulk-len is 512 MB)
-
-Nothing here caps the stream: backpressure is the actor's job (it reads
-``depth()``), and trimming would drop experience.
+    max_message_bytes    largest payload put (256 MiB; Redis's proto-max-bulk-len is 512 MB)
+    max_len              entries kept at most (MAXLEN ~; default 10,000)
 """
 
 from __future__ import annotations
@@ -70,6 +77,35 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 _ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *_TRANSIENT)
 # XCLAIM ... IDLE sets an entry's idle time: this makes it claimable by anyone at once
 _RELEASED_IDLE_MS = 10**10
+DEFAULT_MAX_LEN = 10_000
+
+# Reads entries for this consumer without sending a payload over max_read_bytes back:
+# such an entry comes back as {id, false, size}. KEYS: stream. ARGV: group, consumer, count,
+# limit, mode ('new': XREADGROUP >; 'claim': XAUTOCLAIM), min_idle_ms, start id.
+_READ_LUA = """
+local entries, cursor
+if ARGV[5] == 'claim' then
+  local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[6], ARGV[7], 'COUNT', ARGV[3])
+  cursor, entries = reply[1], reply[2]
+else
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+  cursor, entries = '', (reply and reply[1][2]) or {}
+end
+local limit = tonumber(ARGV[4])
+local out = {cursor}
+for _, entry in ipairs(entries) do
+  if entry and entry[2] then
+    local data, size = false, -1
+    local fields = entry[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'd' then size = string.len(fields[i + 1]); data = fields[i + 1] end
+    end
+    if size > limit then data = false end
+    table.insert(out, {entry[1], data, size})
+  end
+end
+return out
+"""
 
 
 def stream_key_for(namespace: str) -> str:
@@ -94,6 +130,8 @@ class RedisStreamQueue(ExperienceQueue):
         claim_interval_s: float | None = None,
         reconnect_timeout_s: float = 60.0,
         max_message_bytes: int = 256 * MiB,
+        max_len: int = DEFAULT_MAX_LEN,
+        max_read_bytes: int | None = None,
     ) -> None:
         self.params = params
         self.role = role
@@ -105,12 +143,15 @@ class RedisStreamQueue(ExperienceQueue):
             claim_interval_s if claim_interval_s is not None else min(10.0, claim_min_idle_s / 2)
         )
         self.max_message_bytes = max_message_bytes
+        self.max_len = max(1, int(max_len))
+        self.max_read_bytes = max_read_bytes
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
         self._closed = False
         self._client = self._connect()
+        self._read_script = self._client.register_script(_READ_LUA)
         self._reconnector = Reconnector(
             broker=f"Redis at {params.describe()}",
             transient=_TRANSIENT,
@@ -187,7 +228,8 @@ class RedisStreamQueue(ExperienceQueue):
     # ------------------------------------------------------------ producer
     def put(self, data: bytes) -> None:
         [payload] = self._payloads([data])
-        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: payload}))
+        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: payload}, maxlen=self.max_len,
+                                                    approximate=True))
 
     def put_many(self, items: Sequence[bytes]) -> None:
         items = self._payloads(items)
@@ -197,7 +239,7 @@ class RedisStreamQueue(ExperienceQueue):
         def send() -> None:
             pipe = self._client.pipeline(transaction=False)
             for data in items:
-                pipe.xadd(self.key, {_FIELD: data})
+                pipe.xadd(self.key, {_FIELD: data}, maxlen=self.max_len, approximate=True)
             pipe.execute()
 
         self._call("put_many", send)
@@ -208,70 +250,82 @@ class RedisStreamQueue(ExperienceQueue):
         max_messages = max(1, int(max_messages))
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            now = time.monotonic()
-            if now >= self._next_claim:
+            if time.monotonic() >= self._next_claim:
                 claimed = self._call("claim", lambda: self._claim(max_messages))
                 if claimed:
                     return claimed
-            remaining = deadline - time.monotonic()
-            block_ms: int | None = None
-            if remaining > 0:
-                wait = min(remaining, max(0.001, self._next_claim - time.monotonic()))
-                block_ms = max(1, int(wait * 1000))
-            fresh = self._call("get", lambda block_ms=block_ms: self._read(max_messages, block_ms))
+            # bounded, non-blocking: what is there now, payloads over the limit left unread
+            fresh = self._call("get", lambda: self._scripted_read("new", max_messages))
             if fresh:
                 return fresh
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            # idle: block for one entry (plain XREADGROUP: the one place a payload is read unchecked)
+            wait = min(remaining, max(0.001, self._next_claim - time.monotonic()))
+            one = self._call("get", lambda wait=wait: self._blocking_read(max(1, int(wait * 1000))))
+            if one:
+                return one
             if time.monotonic() >= deadline:
                 return []
 
-    def _read(self, count: int, block_ms: int | None) -> list[Message]:
-        reply = self._client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)
+    def _read_limit(self) -> int:
+        return self.max_read_bytes if self.max_read_bytes is not None else 2**62
+
+    def _scripted_read(self, mode: str, count: int) -> list[Message]:
+        reply = self._read_script(
+            keys=[self.key],
+            args=[self.group, self.consumer, count, self._read_limit(), mode, self.claim_min_idle_ms,
+                  self._claim_cursor],
+        )
+        cursor, entries = reply[0], reply[1:]
+        if mode == "claim":
+            self._claim_cursor = cursor if isinstance(cursor, bytes) else str(cursor).encode()
+            if self._claim_cursor in (b"0-0", b"0"):
+                self._next_claim = time.monotonic() + self.claim_interval_s
+            # else: more pages are waiting; claim again on the next call
+        return self._messages([(e[0], e[1], int(e[2])) for e in entries], redelivered=mode == "claim")
+
+    def _blocking_read(self, block_ms: int) -> list[Message]:
+        reply = self._client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=1, block=block_ms)
         if not reply:
             return []
         # RESP2: [[key, entries]]; RESP3: {key: [entries]}
-        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
-        return self._messages(entries, redelivered=False)
-
-    def _claim(self, count: int) -> list[Message]:
-        """XAUTOCLAIM a page of entries idle for longer than claim_min_idle_s."""
-        reply = self._client.xautoclaim(
-            self.key, self.group, self.consumer, self.claim_min_idle_ms, start_id=self._claim_cursor, count=count
-        )
-        # Redis 6.2: [cursor, entries]; 7.x: [cursor, entries, deleted ids]
-        cursor, entries = reply[0], reply[1]
-        self._claim_cursor = cursor if isinstance(cursor, bytes) else str(cursor).encode()
-        if self._claim_cursor in (b"0-0", b"0"):
-            self._next_claim = time.monotonic() + self.claim_interval_s
-        # else: more pages are waiting; claim again on the next call
-        parsed = []
-        for entry in entries:
-            if entry is None or entry[1] is None:  # 6.2: an entry deleted while pending
-                continue
-            fields = entry[1]
-            parsed.append((entry[0], dict(zip(fields[::2], fields[1::2], strict=True))))
-        if parsed:
-            logger.warning("%s: took over %d unacked entries idle for over %.1fs (a consumer died?)",
-                           self.source_name, len(parsed), self.claim_min_idle_ms / 1000)
-        return self._messages(parsed, redelivered=True)
-
-    def _messages(self, entries: Any, *, redelivered: bool) -> list[Message]:
-        out: list[Message] = []
-        note = " (redelivered)" if redelivered else ""
+        entries: Any = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        parsed: list[tuple[Any, bytes | None, int]] = []
         for entry_id, fields in entries:
             data = fields.get(_FIELD)
+            size = -1 if data is None else len(data)
+            parsed.append((entry_id, data if data is not None and size <= self._read_limit() else None, size))
+        return self._messages(parsed, redelivered=False)
+
+    def _claim(self, count: int) -> list[Message]:
+        """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
+        messages = self._scripted_read("claim", count)
+        if messages:
+            logger.warning("%s: took over %d unacked entries idle for over %.1fs (a consumer died?)",
+                           self.source_name, len(messages), self.claim_min_idle_ms / 1000)
+        return messages
+
+    def _messages(self, entries: list[tuple[Any, bytes | None, int]], *, redelivered: bool) -> list[Message]:
+        """Messages from ``(id, payload or None, payload size or -1)``; unread ones are handed out refused."""
+        out: list[Message] = []
+        note = " (redelivered)" if redelivered else ""
+        for entry_id, data, size in entries:
             entry_id = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
-            if data is None:
-                # not ours (someone XADDed other fields): ack it away so it is not claimed forever
-                logger.error("%s: entry %s has no %r field; dropping it", self.source_name, entry_id, _FIELD)
-                self._client.xack(self.key, self.group, entry_id)
-                continue
+            refused = ""
+            if size < 0:
+                refused = f"entry has no {_FIELD!r} field (not written by srl)"
+            elif data is None:
+                refused = f"payload of {size} bytes is over the {self._read_limit()}-byte read limit; not read"
             self._held[entry_id] = None
             out.append(QueueMessage(
-                data=data,
-                source=f"redis stream {self.key} id {entry_id.decode()}{note}",
+                data=data if data is not None else b"",
+                source=f"redis stream {self.key} id {entry_id.decode(errors='replace')}{note}",
                 receipt=entry_id,
                 generation=0,
                 _ack_many=self.ack_many,
+                refused=refused,
             ))
         return out
 

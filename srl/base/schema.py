@@ -1,0 +1,108 @@
+"""The columns an algorithm's worker emits: names, dtypes, row shapes and value bounds.
+
+Owns: ``Column`` and ``Schema``, declared by each algorithm for an env spec
+(``RLConfig.schema``). The same declaration sizes the trainer's buffer before
+any experience arrives and is what the codec checks every incoming batch
+against, so a batch that does not fit is refused before it reaches memory.
+Must never: trust a batch's own description of itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from srl.base.arrays import ALLOWED_DTYPES
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: every row has ``shape`` and ``dtype``; values lie in ``[low, high]``."""
+
+    dtype: str
+    """numpy dtype name: "float32", "int64", "bool", ..."""
+    shape: tuple[int, ...] = ()
+    """shape of one row (a transition's obs: (obs_dim,); a segment's obs: (T, obs_dim))"""
+    low: float | None = None
+    """smallest allowed value (None: no bound; float columns must be finite either way)"""
+    high: float | None = None
+    """largest allowed value (None: no bound)"""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ALLOWED_DTYPES:
+            raise ValueError(f"column dtype {self.dtype!r} is not one of {sorted(ALLOWED_DTYPES)}")
+        if any(not isinstance(s, int) or s < 0 for s in self.shape):
+            raise ValueError(f"column row shape {self.shape!r} must be non-negative ints")
+
+    @property
+    def row_nbytes(self) -> int:
+        return np.dtype(self.dtype).itemsize * math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The columns of one kind of row, and whether rows may carry initial priorities."""
+
+    columns: Mapping[str, Column]
+    priorities: bool = False
+    """batches may carry one initial priority (|TD error| >= 0) per row"""
+    names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.columns:
+            raise ValueError("a schema needs at least one column")
+        object.__setattr__(self, "names", tuple(sorted(self.columns)))
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes one row takes (priorities included when declared)."""
+        return sum(c.row_nbytes for c in self.columns.values()) + (4 if self.priorities else 0)
+
+    def allocate(self, rows: int) -> dict[str, np.ndarray]:
+        """Storage for ``rows`` rows of every column (what a buffer holds)."""
+        return {name: np.zeros((rows, *c.shape), dtype=c.dtype) for name, c in self.columns.items()}
+
+    def problem(self, columns: Mapping[str, np.ndarray], priorities: np.ndarray | None = None) -> str | None:
+        """Why ``columns`` (and ``priorities``) are not rows of this schema, or None when they are.
+
+        Checks the exact set of names, each dtype and row shape, one row count for
+        all, finite floats, and the declared bounds.
+        """
+        if columns.keys() != self.columns.keys():
+            missing = sorted(self.columns.keys() - columns.keys())
+            unexpected = sorted(columns.keys() - self.columns.keys())
+            return f"columns {sorted(columns)[:8]} are not the expected {list(self.names)} " \
+                   f"(missing {missing}, unexpected {unexpected[:8]})"
+        count = -1
+        for name, column in self.columns.items():
+            array = columns[name]
+            if not isinstance(array, np.ndarray):
+                return f"column {name!r} is a {type(array).__name__}, not an array"
+            if array.dtype.name != column.dtype:
+                return f"column {name!r} has dtype {array.dtype.name}, expected {column.dtype}"
+            if array.ndim != 1 + len(column.shape) or array.shape[1:] != column.shape:
+                return f"column {name!r} has shape {array.shape}, expected (rows, {', '.join(map(str, column.shape))})"
+            if count < 0:
+                count = array.shape[0]
+            elif array.shape[0] != count:
+                return f"column {name!r} has {array.shape[0]} rows, other columns {count}"
+            if array.size == 0:
+                continue
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                return f"column {name!r} holds NaN or infinite values"
+            if column.low is not None and array.min() < column.low:
+                return f"column {name!r} holds {array.min()!r}, below its lower bound {column.low}"
+            if column.high is not None and array.max() > column.high:
+                return f"column {name!r} holds {array.max()!r}, above its upper bound {column.high}"
+        if priorities is not None:
+            if not self.priorities:
+                return "priorities sent, but this algorithm's rows carry none"
+            if priorities.dtype.kind != "f" or priorities.shape != (count,):
+                return (f"priorities have shape {priorities.shape} and dtype {priorities.dtype}; "
+                        f"expected ({count},) floats")
+            if count and not (np.isfinite(priorities).all() and (priorities >= 0).all()):
+                return "priorities must be finite and >= 0"
+        return None
