@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import os
 import sys
 import textwrap
 import time
@@ -24,7 +25,12 @@ from srl.runner.distribution.actor import ActorOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.trainer import TrainerOptions
 
-SKIP_FIELDS = {"redis_options"}
+SKIP_FIELDS = {"redis_options", "password", "secret"}
+"""never options: a password or secret on a command line is visible to every user of the machine (ps);
+they come from files (--password-file, --secret-file) or the environment (SRL_REDIS_PASSWORD, SRL_SECRET)"""
+
+ENV_DEFAULTS = {"url": "SRL_REDIS_URL", "queue_url": "SRL_QUEUE_URL"}
+"""options whose default comes from the environment (a URL with a password belongs there, not in argv)"""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -74,7 +80,11 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, group_titl
         tp = _scalar_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is dataclasses.MISSING else f.default
+        if f.name in ENV_DEFAULTS:
+            default = os.environ.get(ENV_DEFAULTS[f.name]) or default
         help_text = docs.get(f.name, "")
+        if f.name in ENV_DEFAULTS:
+            help_text += f" (env {ENV_DEFAULTS[f.name]})"
         if f.default is not dataclasses.MISSING:
             help_text += f" (default: {f.default})"
         if tp is bool:
@@ -103,15 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     actor = sub.add_parser("actor", help="serve as an actor: wait for tasks on the board, act, send experience")
     add_dataclass_options(actor, RedisParameters, "board (Redis)")
-    actor.add_argument("--queue-url", default=None,
-                       help="experience queue URL (amqp://, mqtt://, pubsub://...); default: the board's Redis")
+    actor.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
+                       help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
+                            "default: the board's Redis")
     actor.add_argument("--run-once", action="store_true", help="exit after one task")
     add_dataclass_options(actor, ActorOptions, "actor")
 
     trainer = sub.add_parser("trainer", help="serve as the trainer: take the lease, learn, publish params")
     add_dataclass_options(trainer, RedisParameters, "board (Redis)")
-    trainer.add_argument("--queue-url", default=None,
-                         help="experience queue URL (amqp://, mqtt://, pubsub://...); default: the board's Redis")
+    trainer.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
+                         help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
+                              "default: the board's Redis")
     trainer.add_argument("--run-once", "--once", dest="run_once", action="store_true", help="exit after one task")
     add_dataclass_options(trainer, TrainerOptions, "trainer")
 
@@ -129,7 +141,22 @@ def _redis_params(args: argparse.Namespace) -> RedisParameters:
     params: RedisParameters = build_dataclass(RedisParameters, args)
     if params.is_embedded:
         params.host = "localhost"
+    if params.password_file is None and os.environ.get("SRL_REDIS_PASSWORD"):
+        params.password = os.environ["SRL_REDIS_PASSWORD"]
+    _warn_if_password_in_argv(argv_values=sys.argv[1:])
     return params
+
+
+def _warn_if_password_in_argv(argv_values: list[str]) -> None:
+    """A URL with a password typed on the command line is readable by every user of the machine."""
+    for value in argv_values:
+        if "://" in value and "@" in value.partition("://")[2].partition("/")[0]:
+            userinfo = value.partition("://")[2].partition("/")[0].rpartition("@")[0]
+            if ":" in userinfo:
+                logging.getLogger("srl").warning(
+                    "a URL with a password is on the command line, where `ps` shows it to every user of this "
+                    "machine; put it in SRL_REDIS_URL / SRL_QUEUE_URL, or use --password-file")
+                return
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,6 @@ from srl.runner.distribution.codec import (
     split_columns,
 )
 
-
 SCHEMA = Schema(
     {
         "obs": Column("float32", (3,)),
@@ -258,7 +257,7 @@ def test_a_huge_json_header_is_refused_before_parsing() -> None:
     payload = zlib.compress(raw_container(header, b""), 9)
     frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, FLAG_COMPRESSED) + payload
     assert len(frame) < 64 * 1024
-    with pytest.raises(DecodeError, match="expands past max_bytes|over the 65536-byte limit"):
+    with pytest.raises(DecodeError, match=r"expands past max_bytes|over the 65536-byte limit"):
         Codec(secret="", max_bytes=1 << 20).decode_batch(frame)
     with pytest.raises(DecodeError, match="65536-byte limit"):
         Codec(secret="", max_bytes=64 << 20).decode_batch(frame)

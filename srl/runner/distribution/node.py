@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board import Board, BoardError
 from srl.runner.distribution.codec import Codec, short
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.redis_parameters import RedisParameters, read_secret_file
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
 from srl.runner.distribution.task import (
     QueueMismatchError,
@@ -64,9 +64,11 @@ class NodeOptions:
     """seconds a lease stays held without a renewal"""
     task_poll_interval: float = 1.0
     """seconds between looks for a task while idle"""
-    secret: str | None = None
-    """shared secret that signs messages and the task config (default: env SRL_SECRET, or the file
-    named by SRL_SECRET_FILE); on the command line use --secret-file, never the secret itself"""
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    """shared secret that signs messages and the task config (default: secret_file, else env
+    SRL_SECRET, else the file named by SRL_SECRET_FILE); never given on a command line"""
+    secret_file: str = ""
+    """file holding the shared secret (its first line)"""
     allow_env_modules: str = ""
     """comma-separated modules a 'module:Env' env id may import on this node (also env
     SRL_ALLOW_ENV_MODULES); by default none: env ids from the board never import code"""
@@ -82,7 +84,8 @@ class NodeOptions:
 
     def codec(self, task_name: str, **kwargs: Any) -> Codec:
         """The codec for ``task_name`` with this node's secret."""
-        return Codec(secret=self.secret, task=task_name, **kwargs)
+        secret = self.secret if self.secret is not None else read_secret_file(self.secret_file)
+        return Codec(secret=secret, task=task_name, **kwargs)
 
 
 def apply_overrides(options: OptionsT, overrides: dict[str, Any], caller: str) -> OptionsT:
@@ -177,7 +180,7 @@ def serve(
     note = _Notes()
     codec = options.codec(board.task_name)
     allow_modules = allowed_env_modules(options.allow_env_modules)
-    refused: set[str] = set()  # configs already refused (one event each, not one per poll)
+    refused = ""  # the config last refused (one event for it, not one per poll)
     uid = options.uid
 
     def fail(reason: str) -> None:
@@ -202,17 +205,16 @@ def serve(
             config_json, signature = with_retry(board.get_task_config_raw, "reading the task config")
             task = build_task(config_json, signature, codec, allow_modules)
             check_queue_matches(task, queue_params, role)
-        except TaskTrustError as e:  # not the client's config, or not our secret: refuse, do not run it
-            note(f"refused: {e}", "%s %s refuses the task config on %s: %s", role, uid, where, e,
-                 level=logging.ERROR)
-            if config_json not in refused:
-                refused.add(config_json)
+        except (TaskTrustError, QueueMismatchError) as e:
+            # not the client's config, not our secret, or not the queue this node was given: whether the
+            # task or this node is wrong, running it would do harm: refuse, say so, wait for a good one
+            note(f"refused: {e}", "%s %s refuses the task on %s: %s", role, uid, where, e, level=logging.ERROR)
+            if config_json != refused:
+                refused = config_json
                 with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                    board.log_event(f"{role} {uid} refuses the task config: {e}", level="ERROR", source=uid)
+                    board.log_event(f"{role} {uid} refuses the task: {e}", level="ERROR", source=uid)
             time.sleep(options.task_poll_interval)
             continue
-        except QueueMismatchError:
-            raise  # this node was started wrong: say so and exit
         except TaskConfigError as e:  # unknown algorithm, bad field: no node could run it
             fail(f"{role} {uid} cannot build the task: {e}")
             if options.run_once:

@@ -74,19 +74,21 @@ class RabbitMQParameters:
 
     url: str | None = None
     """amqp://user:password@host:port/vhost or amqps:// (TLS); fills host, port, credentials, vhost, ssl.
-    Its query string goes to pika as is (heartbeat=30, connection_attempts=3, ...)"""
+    Query: ssl_ca_certs=PATH (amqps); the rest goes to pika as is (heartbeat=30, connection_attempts=3, ...)"""
     host: str = "localhost"
     """host name of the broker"""
     port: int = 5672
     """AMQP port (5671 is the usual TLS port)"""
     username: str = "guest"
     """user name (RabbitMQ's guest user can only log in from localhost)"""
-    password: str = "guest"
+    password: str = dataclasses.field(default="guest", repr=False)
     """password"""
     virtual_host: str = "/"
     """virtual host"""
     ssl: bool = False
-    """connect with TLS (system CA certificates, host name checked)"""
+    """connect with TLS (certificate and host name checked against ssl_ca_certs, else the system CAs)"""
+    ssl_ca_certs: str | None = None
+    """CA bundle (PEM file) that signed the broker's TLS certificate; None: the system CAs"""
     queue_name: str | None = None
     """durable queue name; None: derived from the task namespace (srl.<namespace>.exp)"""
     prefetch: int = 128
@@ -108,6 +110,8 @@ class RabbitMQParameters:
 
     def __post_init__(self) -> None:
         if self.url is None:
+            if self.ssl_ca_certs is not None and not self.ssl:
+                raise ValueError("ssl_ca_certs is set but ssl is False; set ssl=True (TLS), or drop ssl_ca_certs")
             return
         form = "amqp://[user:password@]host[:port][/vhost] or amqps://..."
         parts = _split(self.url, ("amqp", "amqps"), form)
@@ -122,6 +126,17 @@ class RabbitMQParameters:
             self.password = unquote(parts.password)
         if parts.path not in ("", "/"):
             self.virtual_host = unquote(parts.path[1:])
+        ca_certs = _query_one(parse_qs(parts.query), "ssl_ca_certs")
+        if ca_certs:
+            self.ssl_ca_certs = ca_certs
+        if self.ssl_ca_certs is not None and not self.ssl:
+            raise ValueError(
+                f"ssl_ca_certs is set but {_hide_password(self.url)!r} is not a TLS URL; use amqps://... "
+                "(TLS), or drop ssl_ca_certs"
+            )
+
+    def __repr__(self) -> str:
+        return f"RabbitMQParameters({self.describe()!r})"
 
     @classmethod
     def from_url(cls, url: str) -> RabbitMQParameters:
@@ -151,7 +166,7 @@ class MQTTParameters:
 
     url: str | None = None
     """mqtt://user:password@host:port[/topic] or mqtts:// (TLS); fills host, port, credentials, tls, topic.
-    Query: client_id=NAME"""
+    Query: client_id=NAME, tls_ca_certs=PATH (mqtts)"""
     host: str = "localhost"
     """host name of the broker"""
     port: int = 1883
@@ -160,12 +175,12 @@ class MQTTParameters:
     """topic the batches travel on; None: derived from the task namespace (srl/<namespace>/exp)"""
     username: str | None = None
     """user name, if the broker wants one"""
-    password: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
     """password"""
     tls: bool = False
-    """connect with TLS (system CA certificates unless tls_ca_certs)"""
+    """connect with TLS (certificate and host name checked against tls_ca_certs, else the system CAs)"""
     tls_ca_certs: str | None = None
-    """CA bundle file for TLS"""
+    """CA bundle (PEM file) that signed the broker's TLS certificate; None: the system CAs"""
     client_id: str | None = None
     """client id of the consumer's persistent session; None: derived from the namespace"""
     keepalive_s: int = 30
@@ -185,6 +200,8 @@ class MQTTParameters:
 
     def __post_init__(self) -> None:
         if self.url is None:
+            if self.tls_ca_certs is not None and not self.tls:
+                raise ValueError("tls_ca_certs is set but tls is False; set tls=True (TLS), or drop tls_ca_certs")
             return
         form = "mqtt://[user:password@]host[:port][/topic] or mqtts://..."
         parts = _split(self.url, ("mqtt", "mqtts"), form)
@@ -199,9 +216,21 @@ class MQTTParameters:
             self.password = unquote(parts.password)
         if parts.path not in ("", "/"):
             self.topic_name = unquote(parts.path[1:])
-        client_id = _query_one(parse_qs(parts.query), "client_id")
+        query = parse_qs(parts.query)
+        client_id = _query_one(query, "client_id")
         if client_id:
             self.client_id = client_id
+        ca_certs = _query_one(query, "tls_ca_certs")
+        if ca_certs:
+            self.tls_ca_certs = ca_certs
+        if self.tls_ca_certs is not None and not self.tls:
+            raise ValueError(
+                f"tls_ca_certs is set but {_hide_password(self.url)!r} is not a TLS URL; use mqtts://... "
+                "(TLS), or drop tls_ca_certs"
+            )
+
+    def __repr__(self) -> str:
+        return f"MQTTParameters({self.describe()!r})"
 
     @classmethod
     def from_url(cls, url: str) -> MQTTParameters:
@@ -274,6 +303,9 @@ class GCPParameters:
             raise ValueError(f"unknown option(s) {unknown} in {self.url!r}; expected {form}")
         self.subscription_name = _query_one(query, "subscription") or self.subscription_name
         self.emulator_host = _query_one(query, "emulator_host") or self.emulator_host
+
+    def __repr__(self) -> str:
+        return f"GCPParameters({self.describe()!r})"
 
     @classmethod
     def from_url(cls, url: str) -> GCPParameters:

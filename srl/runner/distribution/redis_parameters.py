@@ -7,6 +7,8 @@ write board keys (that is ``board.py``'s job).
 from __future__ import annotations
 
 import dataclasses
+import os
+import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +16,37 @@ import redis
 
 if TYPE_CHECKING:
     from srl.runner.distribution.embedded import EmbeddedRedis
+
+
+def read_secret_file(path: str | None) -> str | None:
+    """The first line of ``path`` (a password or secret file), or None without a path."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the password file {path!r}: {e}") from e
+
+
+TLS_VERIFY_HINT = (
+    "set ssl_ca_certs (RedisParameters.ssl_ca_certs, --ssl-ca-certs, or ?ssl_ca_certs=PATH in the rediss:// URL) "
+    "to the CA that signed the server's certificate, and connect by a host name that certificate names"
+)
+
+
+class ExplainedSSLConnection(redis.SSLConnection):
+    """redis-py's TLS connection, whose failed certificate check says which option fixes it."""
+
+    def _error_message(self, exception: BaseException) -> str:
+        if isinstance(exception, ssl.SSLCertVerificationError):
+            return (f"TLS certificate verification failed connecting to {self.host}:{self.port} "
+                    f"({exception}); {TLS_VERIFY_HINT}")
+        if isinstance(exception, FileNotFoundError) and self.ca_certs and not os.path.exists(self.ca_certs):
+            return (f"cannot load the CA bundle ssl_ca_certs={self.ca_certs!r} for {self.host}:{self.port}: "
+                    "no such file; expected a PEM file of CA certificates")
+        message: str = super()._error_message(exception)
+        return message
 
 
 @dataclass
@@ -34,12 +67,22 @@ class RedisParameters:
     """redis://, rediss:// (TLS) or unix:// URL; overrides host/port/db"""
     username: str | None = None
     """ACL user name"""
-    password: str | None = None
-    """password (or the ACL user's password)"""
+    password: str | None = field(default=None, repr=False)
+    """password (or the ACL user's password); never on a command line: see password_file"""
+    password_file: str | None = None
+    """file holding the password (read when connecting; what --password-file sets)"""
     task_name: str = "srl"
     """task namespace: every key of the task lives under this prefix"""
     redis_options: dict[str, Any] = field(default_factory=dict)
     """extra keyword options passed to redis.Redis (socket_timeout, ssl_ca_certs, ...)"""
+    ssl_ca_certs: str | None = None
+    """CA bundle (PEM file) that signed the server's TLS certificate; None: the system CAs. For a rediss://
+    URL (?ssl_ca_certs=PATH in the URL does the same); with host, setting it turns TLS on. Over TLS the
+    certificate and the host name are checked"""
+
+    def __repr__(self) -> str:
+        # the url may carry a password: show where it points, never the secret
+        return f"RedisParameters({self.describe()!r}, task_name={self.task_name!r})"
 
     @property
     def is_embedded(self) -> bool:
@@ -61,17 +104,32 @@ class RedisParameters:
         options.update(overrides)
         if self.username is not None:
             options.setdefault("username", self.username)
-        if self.password is not None:
-            options.setdefault("password", self.password)
+        password = self.password if self.password is not None else read_secret_file(self.password_file)
+        if password is not None:
+            options.setdefault("password", password)
+        if self.ssl_ca_certs is not None:
+            options.setdefault("ssl_ca_certs", self.ssl_ca_certs)
         if self.url is not None:
-            return redis.Redis.from_url(self.url, **options)
-        if self.host is None:
+            if self.ssl_ca_certs is not None and not self.url.lower().startswith("rediss://"):
+                raise ValueError(
+                    f"ssl_ca_certs is set but {self.describe()} is not a TLS URL; use rediss://host:port/db "
+                    "(TLS), or drop ssl_ca_certs"
+                )
+            client = redis.Redis.from_url(self.url, **options)
+        elif self.host is None:
             raise ValueError(
                 "RedisParameters() with no host and no url means an embedded Redis; "
                 "start it first with RedisParameters.resolve() (or "
                 "srl.runner.distribution.embedded.start_embedded_redis()) and connect to what it returns"
             )
-        return redis.Redis(host=self.host, port=self.port, db=self.db, **options)
+        else:
+            if self.ssl_ca_certs is not None:
+                options.setdefault("ssl", True)
+            client = redis.Redis(host=self.host, port=self.port, db=self.db, **options)
+        pool = client.connection_pool
+        if pool.connection_class is redis.SSLConnection:
+            pool.connection_class = ExplainedSSLConnection
+        return client
 
     def resolve(self) -> tuple[RedisParameters, EmbeddedRedis | None]:
         """Parameters that point at a real server, and the embedded server started for them (or None).

@@ -4,8 +4,8 @@ Owns: the one retry loop every node uses around board calls, and
 ``Throttle``, which keeps a repeated complaint to one log line every few
 seconds. Must never: retry silently — while it waits it says what for, once
 every ``log_every`` seconds. Nodes wait as long as it takes (``max_wait=None``):
-a transient outage must never end an actor or a trainer; a client, which has
-a person waiting on it, gives up after a bound.
+a transient outage must never end an actor or a trainer, and a client keeps
+telling its user what it waits for (Ctrl-C ends it).
 """
 
 from __future__ import annotations

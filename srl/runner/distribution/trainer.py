@@ -229,8 +229,8 @@ class TrainerRun:
         self.parameter.version = record.version
         self.trainer.train_count = record.train_count
         self.trainer.on_parameters_loaded()
-        logger.info("restored params epoch %d version %d: train_count continues from %d",
-                    record.epoch, record.version, record.train_count)
+        logger.info("trainer at epoch %d restored the params of epoch %d version %d: train_count continues from %d",
+                    self.epoch, record.epoch, record.version, record.train_count)
 
     # ------------------------------------------------------------ ingest thread
     def _ingest_loop(self) -> None:

@@ -37,6 +37,10 @@ Connection string:
 Options (fields of ``MQTTParameters``): topic_name, client_id, keepalive_s,
 prefetch, inflight, session_expiry_s, confirm_timeout_s, reconnect_timeout_s,
 max_message_bytes, tls_ca_certs.
+
+TLS (``mqtts://`` or ``tls=True``): the broker's certificate is verified
+against ``tls_ca_certs`` (else the system CAs) and must name the host
+connected to; a failed check raises ``BrokerUnavailableError`` saying so.
 """
 
 from __future__ import annotations
@@ -128,7 +132,12 @@ class _Connection:
         if params.username is not None:
             self.client.username_pw_set(params.username, params.password)
         if params.tls:
-            self.client.tls_set(ca_certs=params.tls_ca_certs, cert_reqs=ssl.CERT_REQUIRED)
+            try:
+                self.client.tls_set(ca_certs=params.tls_ca_certs, cert_reqs=ssl.CERT_REQUIRED)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"cannot load the CA bundle tls_ca_certs={params.tls_ca_certs!r} for the MQTT "
+                                 f"broker at {params.describe()}: {e}; expected a PEM file of CA certificates") from e
+            self.client.tls_insecure_set(False)  # the broker's host name is checked against its certificate
         self.client.on_socket_open = self._on_socket_open
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -212,6 +221,12 @@ class _Connection:
         try:
             self.client.connect(p.host, p.port, keepalive=p.keepalive_s, clean_start=clean_start,
                                 properties=self.connect_properties)
+        except ssl.SSLCertVerificationError as e:
+            raise BrokerUnavailableError(
+                f"TLS certificate verification failed for the MQTT broker at {p.describe()} ({e}); set "
+                "tls_ca_certs (MQTTParameters.tls_ca_certs, or ?tls_ca_certs=PATH in the mqtts:// URL) to the CA "
+                "that signed the broker's certificate, and connect by a host name that certificate names"
+            ) from e
         except (OSError, ValueError) as e:
             raise BrokerUnavailableError(
                 f"cannot reach the MQTT broker at {p.describe()} for the experience queue ({e}); is it running "

@@ -40,10 +40,14 @@ thread-safe, and each queue object has its own connection.
 
 Connection string:
     ``amqp://[user:password@]host[:port][/vhost]``, ``amqps://`` (TLS); the
-    query string goes to pika (``?heartbeat=30&connection_attempts=3``).
+    query string goes to pika (``?heartbeat=30&connection_attempts=3``), but
+    for ``ssl_ca_certs=PATH``, the CA bundle that signed the broker's
+    certificate. Over TLS the certificate is verified (against
+    ``ssl_ca_certs``, else the system CAs) and must name the host connected
+    to; a failed check raises ``BrokerUnavailableError`` saying so.
 
 Options (fields of ``RabbitMQParameters``, also through
-``open_queue(options=...)``): queue_name, prefetch, capacity,
+``open_queue(options=...)``): ssl_ca_certs, queue_name, prefetch, capacity,
 queue_arguments, heartbeat_s, confirm_timeout_s, reconnect_timeout_s,
 max_message_bytes. Keywords of the ``RabbitMQQueue`` constructor only
 (``open_queue`` gives this backend the parameters' fields alone):
@@ -67,6 +71,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
@@ -108,6 +113,28 @@ _PERSISTENT = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent,
                                    content_type="application/octet-stream")
 _MAX_SIZE_TEXT = re.compile(r"larger than configured max size (\d+)")
 _warned_arguments: set[str] = set()
+
+
+def _tls_context(params: RabbitMQParameters) -> ssl.SSLContext:
+    """Verifies the broker's certificate (against ``ssl_ca_certs``, else the system CAs) and host name."""
+    try:
+        context = ssl.create_default_context(cafile=params.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"cannot load the CA bundle ssl_ca_certs={params.ssl_ca_certs!r} for RabbitMQ at "
+                         f"{params.describe()}: {e}; expected a PEM file of CA certificates") from e
+    context.check_hostname = True
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _without_query_option(url: str, name: str) -> tuple[str, str]:
+    """``url`` without the query option ``name``, and the query that is left."""
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if all(k != name for k, _ in pairs):
+        return url, parts.query
+    query = urlencode([(k, v) for k, v in pairs if k != name])
+    return urlunsplit(parts._replace(query=query)), query
 
 
 def queue_name_for(namespace: str) -> str:
@@ -167,6 +194,12 @@ class RabbitMQQueue(ExperienceQueue):
         )
         try:
             self._connect()
+        except ssl.SSLCertVerificationError as e:
+            raise BrokerUnavailableError(
+                f"TLS certificate verification failed for RabbitMQ at {params.describe()} ({e}); set "
+                "ssl_ca_certs (RabbitMQParameters.ssl_ca_certs, or ?ssl_ca_certs=PATH in the amqps:// URL) to "
+                "the CA that signed the broker's certificate, and connect by a host name that certificate names"
+            ) from e
         except pika.exceptions.ProbableAuthenticationError as e:
             raise BrokerUnavailableError(
                 f"RabbitMQ at {params.describe()} refused the login ({e}); check username/password "
@@ -194,14 +227,17 @@ class RabbitMQQueue(ExperienceQueue):
         p = self.params
         client_properties = {"connection_name": self.connection_name}
         if p.url is not None:
-            url_params = pika.URLParameters(p.url)
-            if "heartbeat" not in p.url:
+            url, query = _without_query_option(p.url, "ssl_ca_certs")  # ours (in p.ssl_ca_certs), not pika's
+            url_params = pika.URLParameters(url)
+            if "heartbeat" not in query:
                 url_params.heartbeat = p.heartbeat_s
+            if p.ssl and "ssl_options" not in query:
+                url_params.ssl_options = pika.SSLOptions(_tls_context(p), p.host)
             url_params.client_properties = client_properties
             return url_params
         ssl_options = None
         if p.ssl:
-            ssl_options = pika.SSLOptions(ssl.create_default_context(), p.host)
+            ssl_options = pika.SSLOptions(_tls_context(p), p.host)
         return pika.ConnectionParameters(
             host=p.host,
             port=p.port,

@@ -10,12 +10,13 @@ Features:
       unacked entries as long idle so the next consumer takes them at once;
     * batching: ``put_many`` is one pipeline of XADDs, ``get_many`` one
       XREADGROUP COUNT, ``ack_many`` one XACK + XDEL;
-    * bounded reads: a consumer reads (and takes over) entries through a script
-      that returns a payload only when it is at most ``max_read_bytes``;
-      a larger one is handed out ``refused`` (its id and size, not its bytes) to
-      be acked away. Only while idle does the consumer block on one plain
-      XREADGROUP of COUNT 1 (one entry, bounded by the server's
-      ``proto-max-bulk-len``: set it in redis.conf, the compose file uses 64mb);
+    * bounded reads: a consumer reads (and takes over) entries only through a
+      script that returns a payload when it is at most ``max_read_bytes``; a
+      larger one is handed out ``refused`` (its id and size, not its bytes) to
+      be acked away. So one read brings at most ``count * max_read_bytes``.
+      Every blocking read of Redis would return whatever an entry holds, so
+      an idle consumer polls instead, backing off to ``poll_max_s`` (about
+      ten commands a second while idle, none extra while batches flow);
     * capped: XADD trims the stream to about ``max_len`` entries (MAXLEN ~), a
       safety stop far above any queue capacity actors keep to (they wait at
       ``capacity`` batches): only a flood that ignores backpressure is trimmed;
@@ -38,6 +39,7 @@ Options (``open_queue(..., options={...})``):
     reconnect_timeout_s  how long to keep reconnecting before raising (60)
     max_message_bytes    largest payload put (256 MiB; Redis's proto-max-bulk-len is 512 MB)
     max_len              entries kept at most (MAXLEN ~; default 10,000)
+    poll_max_s           longest pause between reads of an idle consumer (0.1)
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class RedisStreamQueue(ExperienceQueue):
         max_message_bytes: int = 256 * MiB,
         max_len: int = DEFAULT_MAX_LEN,
         max_read_bytes: int | None = None,
+        poll_max_s: float = 0.1,
     ) -> None:
         self.params = params
         self.role = role
@@ -145,6 +148,8 @@ class RedisStreamQueue(ExperienceQueue):
         self.max_message_bytes = max_message_bytes
         self.max_len = max(1, int(max_len))
         self.max_read_bytes = max_read_bytes
+        self.poll_max_s = max(0.001, poll_max_s)
+        self._poll_s = 0.001
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
         self._claim_cursor = b"0-0"
@@ -172,6 +177,8 @@ class RedisStreamQueue(ExperienceQueue):
             ) from e
         except _TRANSIENT as e:
             self._client.close()
+            if "TLS certificate verification failed" in str(e):  # the cause is known: say only that
+                raise BrokerUnavailableError(f"Redis at {params.describe()} for the experience queue: {e}") from e
             raise BrokerUnavailableError(
                 f"cannot reach Redis at {params.describe()} for the experience queue ({e}); "
                 "is redis-server running there? start it (scripts/services.sh start) or fix host/port/url"
@@ -257,17 +264,13 @@ class RedisStreamQueue(ExperienceQueue):
             # bounded, non-blocking: what is there now, payloads over the limit left unread
             fresh = self._call("get", lambda: self._scripted_read("new", max_messages))
             if fresh:
+                self._poll_s = 0.001
                 return fresh
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
-            # idle: block for one entry (plain XREADGROUP: the one place a payload is read unchecked)
-            wait = min(remaining, max(0.001, self._next_claim - time.monotonic()))
-            one = self._call("get", lambda wait=wait: self._blocking_read(max(1, int(wait * 1000))))
-            if one:
-                return one
-            if time.monotonic() >= deadline:
-                return []
+            time.sleep(min(remaining, self._poll_s))
+            self._poll_s = min(self._poll_s * 2, self.poll_max_s)
 
     def _read_limit(self) -> int:
         return self.max_read_bytes if self.max_read_bytes is not None else 2**62
@@ -285,19 +288,6 @@ class RedisStreamQueue(ExperienceQueue):
                 self._next_claim = time.monotonic() + self.claim_interval_s
             # else: more pages are waiting; claim again on the next call
         return self._messages([(e[0], e[1], int(e[2])) for e in entries], redelivered=mode == "claim")
-
-    def _blocking_read(self, block_ms: int) -> list[Message]:
-        reply = self._client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=1, block=block_ms)
-        if not reply:
-            return []
-        # RESP2: [[key, entries]]; RESP3: {key: [entries]}
-        entries: Any = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
-        parsed: list[tuple[Any, bytes | None, int]] = []
-        for entry_id, fields in entries:
-            data = fields.get(_FIELD)
-            size = -1 if data is None else len(data)
-            parsed.append((entry_id, data if data is not None and size <= self._read_limit() else None, size))
-        return self._messages(parsed, redelivered=False)
 
     def _claim(self, count: int) -> list[Message]:
         """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
