@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_options(status, RedisParameters, "board (Redis)")
     status.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="repeat every SECONDS")
     status.add_argument("--events", type=int, default=10, help="how many recent events to show")
+    status.add_argument("--dead-letters", type=int, default=5,
+                        help="how many of the latest refused messages to show (source and reason)")
 
     stop = sub.add_parser("stop", help="end a task (reason: cancelled)")
     add_dataclass_options(stop, RedisParameters, "board (Redis)")
@@ -185,14 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         ended = board.end_task("END", "cancelled")
         print("task ended (cancelled)" if ended else "the task was not running")
         return 0
-    return _status(board, redis_params, args.watch, args.events)
+    return _status(board, redis_params, args.watch, args.events, args.dead_letters)
 
 
-def _status(board: Any, redis_params: RedisParameters, watch: float | None, events: int) -> int:
+def _status(board: Any, redis_params: RedisParameters, watch: float | None, events: int, dead_letters: int) -> int:
+    from srl.runner.distribution.board import BoardError
     from srl.runner.distribution.client import progress_lines
 
     while True:
-        status = board.get_status()
+        try:
+            status = board.get_status()
+        except BoardError as e:  # a damaged record is shown, not a traceback
+            print(f"task {redis_params.task_name!r} on {redis_params.describe()} cannot be read: {e}")
+            return 2
         if status is None:
             print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
             return 1
@@ -204,6 +211,12 @@ def _status(board: Any, redis_params: RedisParameters, watch: float | None, even
         for event in board.get_events(events):
             stamp = time.strftime("%H:%M:%S", time.localtime(event.ts))
             print(f"  {stamp} {event.level:<7} {event.text}")
+        letters = board.get_dead_letters(dead_letters) if dead_letters > 0 else []
+        if letters:
+            print(f"  refused messages (latest {len(letters)}; acked and skipped):")
+        for letter in letters:
+            stamp = time.strftime("%H:%M:%S", time.localtime(letter.ts))
+            print(f"  {stamp} {letter.size} bytes from {letter.source}: {letter.reason}")
         if watch is None:
             return 0
         time.sleep(watch)

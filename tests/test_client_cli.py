@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import srl
 from srl.cli import build_parser, field_docs, main
 from srl.runner.distribution import ActorOptions, RedisParameters
-from srl.runner.distribution.board import TaskExistsError, TaskState
+from srl.runner.distribution.board import DeadLetter, TaskExistsError, TaskState
 from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, tiny_config, wait_for
 
 
@@ -108,6 +109,11 @@ def test_srl_status_shows_the_task_and_missing_nodes(
     assert main(["status", "--host", host, "--port", port, "--task-name", namespace]) == 0
     out = capsys.readouterr().out
     assert "task ACTIVE" in out and "trainer: MISSING" in out and "actor 1: MISSING" in out
+    assert "refused messages" not in out
+    board.add_dead_letters([DeadLetter(time.time(), "redis stream x id 1-0", "bad signature", 601)])
+    assert main(["status", "--host", host, "--port", port, "--task-name", namespace]) == 0
+    out = capsys.readouterr().out
+    assert "refused messages" in out and "601 bytes from redis stream x id 1-0: bad signature" in out
     assert main(["stop", "--host", host, "--port", port, "--task-name", namespace]) == 0
     status = board.get_status()
     assert status is not None and status.end_reason == "cancelled"

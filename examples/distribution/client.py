@@ -5,9 +5,9 @@ order, any machines that reach Redis), then:
 
     python examples/distribution/client.py
 
-SRL_REDIS_HOST (default localhost), SRL_QUEUE_URL (default: the board's Redis;
-e.g. amqp://guest:guest@rabbitmq:5672/), SRL_ACTOR_NUM (default 1) and
-SRL_MAX_TRAIN_COUNT (default 20000) change the setup; docker-compose.yaml uses them.
+SRL_REDIS_URL or SRL_REDIS_HOST (default localhost) with SRL_REDIS_PASSWORD, SRL_QUEUE_URL (default:
+the board's Redis; e.g. amqp://srl:PASSWORD@rabbitmq:5672/), SRL_SECRET, SRL_ACTOR_NUM (default 1) and
+SRL_MAX_TRAIN_COUNT (default 20000) change the setup; docker-compose.yaml sets them.
 """
 
 import os
@@ -25,7 +25,7 @@ rl_config.memory.capacity = 5000
 
 runner = srl.Runner("Pendulum-v1", rl_config)
 runner.train_distribution(
-    RedisParameters(host=os.environ.get("SRL_REDIS_HOST", "localhost")),
+    RedisParameters.from_env(),
     os.environ.get("SRL_QUEUE_URL") or None,
     actor_num=int(os.environ.get("SRL_ACTOR_NUM", "1")),
     max_train_count=int(os.environ.get("SRL_MAX_TRAIN_COUNT", "20000")),

@@ -80,6 +80,23 @@ class RedisParameters:
     URL (?ssl_ca_certs=PATH in the URL does the same); with host, setting it turns TLS on. Over TLS the
     certificate and the host name are checked"""
 
+    @classmethod
+    def from_env(cls, **overrides: Any) -> RedisParameters:
+        """Parameters from the environment, the way containers and notebooks pass them:
+        ``SRL_REDIS_URL`` (else ``SRL_REDIS_HOST``, default localhost), ``SRL_REDIS_PASSWORD`` or
+        ``SRL_REDIS_PASSWORD_FILE``, ``SRL_TASK_NAME``; keyword arguments win."""
+        env = os.environ
+        fields: dict[str, Any] = {"task_name": env.get("SRL_TASK_NAME") or "srl"}
+        if env.get("SRL_REDIS_URL"):
+            fields["url"] = env["SRL_REDIS_URL"]
+        else:
+            fields["host"] = env.get("SRL_REDIS_HOST") or "localhost"
+        if env.get("SRL_REDIS_PASSWORD"):
+            fields["password"] = env["SRL_REDIS_PASSWORD"]
+        elif env.get("SRL_REDIS_PASSWORD_FILE"):
+            fields["password_file"] = env["SRL_REDIS_PASSWORD_FILE"]
+        return cls(**{**fields, **overrides})
+
     def __repr__(self) -> str:
         # the url may carry a password: show where it points, never the secret
         return f"RedisParameters({self.describe()!r}, task_name={self.task_name!r})"

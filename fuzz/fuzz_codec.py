@@ -1,0 +1,78 @@
+"""Coverage-guided fuzzing of everything srl decodes from a broker or the board (atheris / libFuzzer).
+
+    pip install atheris
+    python fuzz/fuzz_codec.py fuzz/corpus -max_total_time=600     # seeds itself when the folder is empty
+
+Inputs that start with ``{`` are task configs (what a node reads from the board and builds);
+the rest are messages, decoded as a batch (against DQN's schema) and as params, signed and not.
+An "escape" is any exception other than DecodeError (codec) or TaskConfigError/TaskTrustError (task
+config): libFuzzer stops and writes the input as crash-<sha1>. Not part of CI (it runs for as long as
+it is given); the hypothesis property tests in tests/test_codec.py are its bounded cousin.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import atheris
+
+with atheris.instrument_imports():
+    import numpy as np
+
+    import srl
+    from srl.algorithms import dqn
+    from srl.base.env import EnvSpec
+    from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError
+    from srl.runner.distribution.task import TaskConfigError, TaskTrustError, build_task
+
+SCHEMA = dqn.Config().schema(EnvSpec("Pendulum-v1", (3,), 5))
+UNSIGNED = Codec(secret="", task="fuzz", max_bytes=1 << 20)
+SIGNED = Codec(secret="k", task="fuzz", max_bytes=1 << 20)
+NO_MODULES: frozenset[str] = frozenset()
+
+
+def seeds() -> list[bytes]:
+    columns = {"obs": np.zeros((4, 3), np.float32), "action": np.arange(4, dtype=np.int64),
+               "reward": np.ones(4, np.float32), "next_obs": np.zeros((4, 3), np.float32),
+               "discount": np.full(4, 0.99, np.float32)}
+    header = BatchHeader("actor-1", 0, 1, 7, 3, 4, time.time())
+    compressed = Codec(secret="", task="fuzz", compress=True)
+    config = srl.Runner("Pendulum-v1", dqn.Config()).task_config()
+    return [
+        UNSIGNED.encode_batch(header, columns, np.ones(4, np.float32)),
+        compressed.encode_batch(header, columns, None),
+        UNSIGNED.encode_params({"q.w": np.ones((2, 3), np.float32)}, {"epoch": 1, "version": 2}),
+        json.dumps({**config, "actor_num": 2, "max_train_count": 10, "queue": {"scheme": "redis"}}).encode(),
+    ]
+
+
+def one_input(data: bytes) -> None:
+    if data[:1] == b"{":
+        try:
+            build_task(data.decode("utf-8", "replace"), "", UNSIGNED, allow_modules=NO_MODULES)
+        except (TaskConfigError, TaskTrustError):
+            pass
+        return
+    for codec in (UNSIGNED, SIGNED):
+        try:
+            codec.decode_batch(data, SCHEMA)
+        except DecodeError:
+            pass
+        try:
+            codec.decode_params(data, epoch=1, version=2)
+        except DecodeError:
+            pass
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        folder = Path(arg)
+        if not arg.startswith("-") and (not folder.exists() or not any(folder.iterdir())):
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, seed in enumerate(seeds()):
+                (folder / f"seed-{i}").write_bytes(seed)
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
