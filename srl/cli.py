@@ -57,7 +57,7 @@ def _own_field_docs(cls: type) -> dict[str, str]:
             and isinstance(node.value, ast.Constant)
             and isinstance(node.value.value, str)
         ):
-            docs[prev.target.id] = node.value.value.strip()
+            docs[prev.target.id] = " ".join(node.value.value.split())
     return docs
 
 

@@ -24,7 +24,7 @@ from srl.runner.distribution.board import Board
 
 FAST_NODE = ["--lease-ttl", "2", "--heartbeat-interval", "0.3", "--task-poll-interval", "0.2"]
 FAST_ACTOR = [*FAST_NODE, "--batch-size", "64", "--batch-max-age", "0.2", "--params-poll-interval", "0.2"]
-FAST_TRAINER = [*FAST_NODE, "--publish-interval", "0.2"]
+FAST_TRAINER = [*FAST_NODE]
 
 
 def tiny_config(**changes: Any) -> dqn.Config:

@@ -82,7 +82,7 @@ def meta(**changes: object) -> dict[str, object]:
 def pendulum_columns(n: int, **changes: np.ndarray) -> dict[str, np.ndarray]:
     columns = {"obs": np.zeros((n, 3), np.float32), "action": np.zeros(n, np.int64),
                "reward": np.zeros(n, np.float32), "next_obs": np.zeros((n, 3), np.float32),
-               "discount": np.zeros(n, np.float32)}
+               "discount": np.zeros(n, np.float32), "version": np.ones(n, np.int64)}
     columns.update(changes)
     return columns
 

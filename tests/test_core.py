@@ -9,7 +9,7 @@ import torch
 import srl
 from srl.algorithms import UnknownAlgorithmError, config_class, dqn
 from srl.base.config import ConfigError, config_from_dict, config_to_dict
-from srl.base.env import EnvAdapter, EnvConfig, EnvError
+from srl.base.env import BoxActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions, env_spec
 
 
 def small_config(**changes: object) -> dqn.Config:
@@ -21,37 +21,30 @@ def small_config(**changes: object) -> dqn.Config:
     return config
 
 
-# ------------------------------------------------------------------ env adapter
-def test_box_actions_are_discretized_per_dimension() -> None:
-    env = EnvAdapter(EnvConfig("Pendulum-v1"), "dqn", action_bins=5)
-    assert env.spec.n_actions == 5
-    assert env.spec.action_values is not None
-    np.testing.assert_allclose(env.spec.action_values.reshape(-1), [-2.0, -1.0, 0.0, 1.0, 2.0])
-    env.reset()
-    obs, reward, _, _ = env.step(4)  # the largest torque
-    assert obs.dtype == np.float32 and obs.shape == (3,)
-    assert reward <= 0.0
+# ------------------------------------------------------------------ env spaces (DQN's binning is its own)
+def test_box_actions_are_binned_by_dqn_per_dimension() -> None:
+    spec = env_spec(EnvConfig("Pendulum-v1"))
+    assert isinstance(spec.actions, BoxActions) and spec.actions.shape == (1,)
+    table = dqn.action_table(spec, action_bins=5)
+    assert table is not None
+    np.testing.assert_allclose(table.reshape(-1), [-2.0, -1.0, 0.0, 1.0, 2.0])
+    assert dqn.action_count(spec, 5) == 5
 
 
 def test_multi_dimensional_box_grid_is_the_cartesian_product() -> None:
-    from gymnasium.spaces import Box
-
-    from srl.base.env import make_spec
-
-    class TwoDim:
-        observation_space = Box(-1.0, 1.0, (4,), np.float32)
-        action_space = Box(np.array([-1.0, 0.0], np.float32), np.array([1.0, 2.0], np.float32))
-
-    spec = make_spec(TwoDim(), "two-dim", "dqn", action_bins=3)  # type: ignore[arg-type]
-    assert spec.n_actions == 9 and spec.action_values is not None
-    rows = {tuple(r) for r in spec.action_values.tolist()}
-    assert rows == {(a, b) for a in (-1.0, 0.0, 1.0) for b in (0.0, 1.0, 2.0)}
+    spec = EnvSpec("two-dim", (4,), BoxActions((2,), np.array([-1.0, 0.0], np.float32),
+                                              np.array([1.0, 2.0], np.float32)))
+    table = dqn.action_table(spec, action_bins=3)
+    assert table is not None and table.shape == (9, 2)
+    assert {tuple(r) for r in table.tolist()} == {(a, b) for a in (-1.0, 0.0, 1.0) for b in (0.0, 1.0, 2.0)}
 
 
-def test_discrete_observation_is_one_hot() -> None:
-    env = EnvAdapter(EnvConfig("FrozenLake-v1"), "dqn", action_bins=5, seed=0)
-    obs = env.reset()
-    assert obs.shape == (16,) and obs.sum() == 1.0 and obs[0] == 1.0
+def test_multi_discrete_actions_are_the_product_for_dqn() -> None:
+    spec = EnvSpec("md", (2,), MultiDiscreteActions((2, 3)))
+    table = dqn.action_table(spec, action_bins=5)
+    assert table is not None and table.shape == (6, 2) and table.dtype == np.int64
+    with pytest.raises(EnvError, match="more than 4096"):
+        dqn.action_count(EnvSpec("big", (2,), MultiDiscreteActions((100, 100))), 5)
 
 
 def test_misspelled_env_names_close_ids() -> None:
@@ -59,7 +52,7 @@ def test_misspelled_env_names_close_ids() -> None:
         EnvConfig("Pendulm-v1").make()
 
 
-def test_unsupported_space_says_which_space_and_algorithm() -> None:
+def test_unsupported_space_says_which_space() -> None:
     from gymnasium.spaces import Box, Dict, MultiBinary
 
     from srl.base.env import make_spec
@@ -68,8 +61,8 @@ def test_unsupported_space_says_which_space_and_algorithm() -> None:
         observation_space = Dict({"a": Box(0, 1, (2,))})
         action_space = MultiBinary(3)
 
-    with pytest.raises(EnvError, match=r"dqn cannot use the observation space Dict"):
-        make_spec(DictObs(), "dict-env", "dqn", 5)  # type: ignore[arg-type]
+    with pytest.raises(EnvError, match=r"cannot use the observation space Dict"):
+        make_spec(DictObs(), "dict-env")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ config as data
@@ -104,14 +97,24 @@ def make_worker(config: dqn.Config) -> dqn.DQNWorker:
     return worker
 
 
+def run_episode(worker: dqn.DQNWorker, obs: list[np.ndarray], rewards: list[float], terminated_at: int | None,
+                truncated_at: int | None = None) -> list[int]:
+    """Feed one env's episode to the worker; the actions it chose."""
+    worker.reset(np.array([0]), obs[0][None])
+    actions = []
+    for t, r in enumerate(rewards):
+        actions.append(int(worker.act(obs[t][None])[0]))
+        worker.observe(np.array([r], np.float32), obs[t + 1][None], np.array([t == terminated_at]),
+                       np.array([t == truncated_at]))
+    return actions
+
+
 def test_n_step_returns_match_a_hand_computed_episode() -> None:
     worker = make_worker(small_config(gamma=0.5, n_step=3))
+    worker.parameter.version = 7
     obs = [np.full(4, i, np.float32) for i in range(6)]
-    rewards = [1.0, 2.0, 4.0, 8.0, 16.0]
-    worker.on_reset(obs[0])
-    for t in range(5):
-        worker.on_step(obs[t], t % 2, rewards[t], obs[t + 1], terminated=(t == 4), truncated=False)
-    cols = worker.take_transitions()
+    actions = run_episode(worker, obs, [1.0, 2.0, 4.0, 8.0, 16.0], terminated_at=4)
+    cols = worker.take()
     assert cols is not None and worker.pending() == 0
     # t=0: 1 + .5*2 + .25*4 = 3, bootstraps from obs3 with .125
     # t=1: 2 + 2 + 2 = 6 from obs4; t=2: 4 + 4 + 4 = 12 from obs5 but episode terminated -> discount 0
@@ -119,19 +122,37 @@ def test_n_step_returns_match_a_hand_computed_episode() -> None:
     np.testing.assert_allclose(cols["discount"], [0.125, 0.125, 0.0, 0.0, 0.0])
     np.testing.assert_allclose(cols["next_obs"][:, 0], [3, 4, 5, 5, 5])
     np.testing.assert_allclose(cols["obs"][:, 0], [0, 1, 2, 3, 4])
-    np.testing.assert_array_equal(cols["action"], [0, 1, 0, 1, 0])
+    np.testing.assert_array_equal(cols["action"], actions)
+    np.testing.assert_array_equal(cols["version"], [7] * 5)  # the params version that chose each action
 
 
 def test_truncated_episode_keeps_bootstrapping() -> None:
     worker = make_worker(small_config(gamma=0.5, n_step=3))
     o = [np.full(4, i, np.float32) for i in range(3)]
-    worker.on_reset(o[0])
-    worker.on_step(o[0], 0, 1.0, o[1], False, False)
-    worker.on_step(o[1], 0, 1.0, o[2], False, True)
-    cols = worker.take_transitions()
+    run_episode(worker, o, [1.0, 1.0], terminated_at=None, truncated_at=1)
+    cols = worker.take()
     assert cols is not None
     np.testing.assert_allclose(cols["reward"], [1.5, 1.0])
     np.testing.assert_allclose(cols["discount"], [0.25, 0.5])
+
+
+def test_each_env_has_its_own_n_step_window() -> None:
+    config = small_config(gamma=0.5, n_step=2, envs_per_actor=2)
+    runner = srl.Runner("CartPole-v1", config)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    obs = np.zeros((2, 4), np.float32)
+    worker.reset(np.arange(2), obs)
+    worker.act(obs)
+    worker.observe(np.array([1.0, 10.0], np.float32), obs + 1, np.array([False, True]), np.array([False, False]))
+    cols = worker.take()  # env 1 ended: its one transition comes out at once; env 0 waits for its second step
+    assert cols is not None
+    np.testing.assert_allclose(cols["reward"], [10.0])
+    np.testing.assert_allclose(cols["discount"], [0.0])
+    worker.act(obs + 1)
+    worker.observe(np.array([2.0, 20.0], np.float32), obs + 2, np.array([False, False]), np.array([False, False]))
+    cols = worker.take()
+    assert cols is not None
+    np.testing.assert_allclose(cols["reward"], [1.0 + 0.5 * 2.0])  # env 0's 2-step return; env 1 restarted
 
 
 def test_apex_epsilon_schedule() -> None:
@@ -152,6 +173,7 @@ def test_initial_priorities_are_abs_td_errors() -> None:
         "reward": rng.normal(size=8).astype(np.float32),
         "next_obs": rng.normal(size=(8, 4)).astype(np.float32),
         "discount": np.full(8, 0.99, np.float32),
+        "version": np.zeros(8, np.int64),
     }
     pr = worker.initial_priorities(cols)
     with torch.no_grad():
@@ -161,14 +183,12 @@ def test_initial_priorities_are_abs_td_errors() -> None:
     np.testing.assert_allclose(pr, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_parameter_round_trip_through_bytes() -> None:
+def test_parameter_round_trip_through_arrays() -> None:
     a = srl.Runner("CartPole-v1", small_config(seed=1))
     b = srl.Runner("CartPole-v1", small_config(seed=2))
-    a.parameter.version = 42
     obs = torch.ones(1, 4)
     assert not torch.allclose(a.parameter.q(obs), b.parameter.q(obs))  # type: ignore[attr-defined]
-    meta = b.parameter.from_bytes(a.parameter.to_bytes({"epoch": 3}))
-    assert meta["epoch"] == 3 and b.parameter.version == 42
+    b.parameter.from_arrays(a.parameter.to_arrays())
     assert torch.allclose(a.parameter.q(obs), b.parameter.q(obs))  # type: ignore[attr-defined]
 
 
@@ -178,7 +198,7 @@ def test_parameters_of_another_shape_are_refused_by_name() -> None:
     config.hidden_block.set_mlp((8,))
     b = srl.Runner("CartPole-v1", config)
     with pytest.raises(ValueError, match="has shape"):
-        b.parameter.from_bytes(a.parameter.to_bytes())
+        b.parameter.from_arrays(a.parameter.to_arrays())
 
 
 def test_invalid_config_is_refused_with_the_field_name() -> None:

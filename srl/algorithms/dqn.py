@@ -1,9 +1,17 @@
 """DQN with the Ape-X pieces: n-step returns, double Q, dueling head, prioritized replay.
 
-Read top to bottom: ``Config`` (every setting, documented), the Q network,
-``Parameter`` (weights <-> arrays), ``Worker`` (acts ε-greedily, builds n-step
-transitions, computes their initial priorities) and ``Trainer`` (samples,
-learns, returns priority updates). Must never: know about Redis or queues.
+Read top to bottom: ``Config`` (every setting, documented, and the data path:
+n-step transitions into a prioritized replay, params published every
+``publish_every`` train steps, ``env_steps_per_train`` env steps per train step
+in one process and across actors alike), the Q network, ``Parameter`` (weights
+<-> arrays), ``Worker`` (acts ε-greedily in E envs with one batched forward
+pass, builds n-step transitions per env, computes their initial priorities)
+and ``Trainer`` (samples, learns, returns priority updates). Must never: know
+about Redis or queues.
+
+Actions: Discrete natively; a bounded Box is binned into ``action_bins`` values
+per dimension and a MultiDiscrete into its product, both here (the worker maps
+the chosen index to the env action); the ``action`` column is the index.
 
 Exploration: a lone worker uses ``epsilon``; actor i of N > 1 uses the Ape-X
 schedule ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)).
@@ -12,6 +20,7 @@ schedule ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -21,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srl.base.env import EnvSpec
+from srl.base.env import BoxActions, DiscreteActions, EnvError, EnvSpec, MultiDiscreteActions
 from srl.base.rl import (
+    Buffer,
     Columns,
+    DataPath,
     Parameter,
     RLConfig,
     Trainer,
@@ -36,10 +47,11 @@ from srl.base.rl import (
 )
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam
-from srl.rl.memories import Memory
+from srl.rl.memories import Memory, MemoryConfig
 
 VALUE_BOUND = 1e9
 """observations and returns beyond this are refused as rows (no env of sense produces them)"""
+MAX_ACTIONS = 4096
 
 
 @dataclass
@@ -50,6 +62,19 @@ class Config(RLConfig):
 
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
     """the layers between observation and Q head"""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """replay memory (uniform or proportional)"""
+    batch_size: int = 32
+    """transitions per gradient step"""
+    warmup_size: int = 1000
+    """transitions in memory before training starts"""
+    env_steps_per_train: float | None = 1.0
+    """env steps per train step, one process and distributed alike (in a distributed run all actors
+    together step at most this many; None: actors run flat out, the Ape-X way for many actors and a
+    big memory)"""
+    publish_every: int = 100
+    """distributed: train steps between params publications (actors act with params about this old;
+    at 1 s between publications distributed Pendulum lost 1 run in 3)"""
     lr: float = 1e-3
     """Adam learning rate"""
     gamma: float = 0.99
@@ -74,10 +99,19 @@ class Config(RLConfig):
     """gradient norm clip"""
     reward_scale: float = 1.0
     """rewards are multiplied by this before learning"""
+    action_bins: int = 5
+    """values per dimension when a Box action space is binned"""
 
     def validate(self) -> None:
         super().validate()
         self.hidden_block.validate()
+        self.memory.validate()
+        check_int("batch_size", self.batch_size, 1, 1 << 16)
+        check_int("warmup_size", self.warmup_size, 0, 1 << 30)
+        check_int("action_bins", self.action_bins, 2, 1024)
+        check_int("publish_every", self.publish_every, 1, 1 << 30)
+        if self.env_steps_per_train is not None:
+            check_number("env_steps_per_train", self.env_steps_per_train, 0.0, 1e6, low_open=True)
         check_number("lr", self.lr, 0.0, 1.0, low_open=True)
         check_number("gamma", self.gamma, 0.0, 1.0, low_open=True)
         check_int("n_step", self.n_step, 1, 1000)
@@ -87,6 +121,13 @@ class Config(RLConfig):
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
         check_number("reward_scale", self.reward_scale, -1e9, 1e9)
+        if self.warmup_size < self.batch_size:
+            raise ValueError(f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})")
+        if self.memory.capacity < self.warmup_size:
+            raise ValueError(
+                f"memory.capacity ({self.memory.capacity}) is smaller than warmup_size ({self.warmup_size}); "
+                "training would never start"
+            )
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
         """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
@@ -94,16 +135,25 @@ class Config(RLConfig):
             return self.epsilon
         return float(self.apex_epsilon ** (1.0 + self.apex_alpha * actor_index / (actor_num - 1)))
 
+    def check_spec(self, spec: EnvSpec) -> None:
+        action_table(spec, self.action_bins)
+
+    def data_path(self) -> DataPath:
+        return DataPath(rows="transitions", publish_every=self.publish_every,
+                        env_steps_per_train=self.env_steps_per_train, warmup_rows=self.warmup_size)
+
     def schema(self, spec: EnvSpec) -> Schema:
-        """n-step transitions; ``discount`` is gamma**k, 0 after a terminal step."""
+        """n-step transitions; ``discount`` is gamma**k, 0 after a terminal step; ``action`` an index."""
+        n_actions = action_count(spec, self.action_bins)
         obs = Column("float32", spec.obs_shape, low=-VALUE_BOUND, high=VALUE_BOUND)
         return Schema(
             {
                 "obs": obs,
-                "action": Column("int64", (), low=0, high=spec.n_actions - 1),
+                "action": Column("int64", (), low=0, high=n_actions - 1),
                 "reward": Column("float32", (), low=-VALUE_BOUND, high=VALUE_BOUND),
                 "next_obs": obs,
                 "discount": Column("float32", (), low=0.0, high=1.0),
+                "version": Column("int64", (), low=0),
             },
             priorities=True,
         )
@@ -115,11 +165,50 @@ class Config(RLConfig):
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
     ) -> DQNWorker:
         assert isinstance(parameter, DQNParameter)
-        return DQNWorker(self, parameter, self.actor_epsilon(actor_index, actor_num), seed)
+        return DQNWorker(self, parameter, self.actor_epsilon(actor_index, actor_num), self.envs_per_actor, seed)
 
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, memory: Memory) -> DQNTrainer:
-        assert isinstance(parameter, DQNParameter)
-        return DQNTrainer(self, parameter, memory)
+    def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Memory:
+        return self.memory.build(seed=self.seed, schema=self.schema(spec))
+
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer) -> DQNTrainer:
+        assert isinstance(parameter, DQNParameter) and isinstance(buffer, Memory)
+        return DQNTrainer(self, parameter, buffer)
+
+
+def action_count(spec: EnvSpec, action_bins: int) -> int:
+    """How many discrete actions DQN chooses among for ``spec`` (EnvError if it cannot act there)."""
+    actions = spec.actions
+    if isinstance(actions, DiscreteActions):
+        return actions.n
+    if isinstance(actions, BoxActions):
+        n = action_bins ** int(np.prod(actions.shape))
+    else:
+        n = int(np.prod(actions.nvec))
+    if n > MAX_ACTIONS:
+        raise EnvError(
+            f"DQN would choose among {n} actions in {spec.actions} of {spec.env_id!r} (more than {MAX_ACTIONS}); "
+            "lower action_bins or use an algorithm for continuous or multi-discrete actions (PPO)"
+        )
+    return n
+
+
+def action_table(spec: EnvSpec, action_bins: int) -> np.ndarray | None:
+    """Row i: the env action of DQN's action i (None for a Discrete space, where it is i itself)."""
+    actions = spec.actions
+    action_count(spec, action_bins)
+    if isinstance(actions, DiscreteActions):
+        return None
+    if isinstance(actions, MultiDiscreteActions):
+        return np.array(list(itertools.product(*(range(n) for n in actions.nvec))), dtype=np.int64)
+    if not actions.bounded:
+        raise EnvError(
+            f"DQN bins Box actions but {spec.env_id!r} has unbounded actions {actions}; clip the action space "
+            "with a wrapper first, or use PPO"
+        )
+    low, high = actions.low.reshape(-1), actions.high.reshape(-1)
+    axes = [np.linspace(lo, hi, action_bins, dtype=np.float64) for lo, hi in zip(low, high, strict=True)]
+    grid = np.array(list(itertools.product(*axes)), dtype=np.float32)
+    return grid.reshape((grid.shape[0], *actions.shape))
 
 
 class QNetwork(nn.Module):
@@ -147,7 +236,9 @@ class DQNParameter(Parameter):
 
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
         self.device = device
-        self.q = QNetwork(config, spec.obs_shape[0], spec.n_actions).to(device)
+        self.n_actions = action_count(spec, config.action_bins)
+        self.actions = action_table(spec, config.action_bins)
+        self.q = QNetwork(config, spec.obs_shape[0], self.n_actions).to(device)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return torch_to_arrays({"q": self.q})
@@ -170,60 +261,75 @@ def td_targets(
 
 
 class DQNWorker(Worker):
-    """ε-greedy acting; n-step transitions with columns obs, action, reward, next_obs, discount.
+    """ε-greedy in E envs with one forward pass; n-step transitions per env.
 
-    ``discount`` is gamma**k for a k-step return that bootstraps, 0 when the episode terminated.
+    Columns: obs, action (index), reward (the n-step return), next_obs, discount (gamma**k for a k-step
+    return that bootstraps, 0 when the episode terminated), version (of the params that chose the action).
     """
 
-    def __init__(self, config: Config, parameter: DQNParameter, epsilon: float, seed: int | None) -> None:
+    def __init__(self, config: Config, parameter: DQNParameter, epsilon: float, num_envs: int,
+                 seed: int | None) -> None:
         self.config = config
         self.parameter = parameter
         self.epsilon = epsilon
+        self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
-        self.n_actions = int(parameter.q.advantage.out_features if config.dueling else parameter.q.q.out_features)
-        self._window: deque[tuple[np.ndarray, int, float]] = deque()
-        self._rows: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "next_obs", "discount")}
+        self.n_actions = parameter.n_actions
+        self._windows: list[deque[tuple[np.ndarray, int, float, int]]] = [deque() for _ in range(num_envs)]
+        self._rows: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "next_obs", "discount",
+                                                           "version")}
         self._gammas = config.gamma ** np.arange(config.n_step + 1)
+        self._obs: np.ndarray | None = None
+        self._action = np.zeros(num_envs, dtype=np.int64)
 
-    def on_reset(self, obs: np.ndarray) -> None:
-        self._window.clear()
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        for i in env_ids:
+            self._windows[i].clear()
 
-    def act(self, obs: np.ndarray) -> int:
-        eps = self.epsilon if self.training else self.config.test_epsilon
-        if eps > 0.0 and self.rng.random() < eps:
-            return int(self.rng.integers(self.n_actions))
+    def act(self, obs: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            q = self.parameter.q(torch.from_numpy(obs).to(self.parameter.device).unsqueeze(0))
-        return int(q.argmax(dim=1).item())
+            q = self.parameter.q(torch.from_numpy(obs).to(self.parameter.device))
+        action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
+        eps = self.epsilon if self.training else self.config.test_epsilon
+        if eps > 0.0:
+            explore = self.rng.random(len(action)) < eps
+            if explore.any():
+                action[explore] = self.rng.integers(self.n_actions, size=int(explore.sum()))
+        self._obs, self._action = obs, action
+        table = self.parameter.actions
+        return action if table is None else table[action]
 
-    def on_step(
-        self, obs: np.ndarray, action: int, reward: float, next_obs: np.ndarray, terminated: bool, truncated: bool
-    ) -> None:
-        if not self.training:
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        if not self.training or self._obs is None:
             return
-        self._window.append((obs, action, reward * self.config.reward_scale))
-        if len(self._window) == self.config.n_step:
-            self._emit(next_obs, bootstrap=not terminated)
-        if terminated or truncated:
-            while self._window:
-                self._emit(next_obs, bootstrap=not terminated)
+        version = self.parameter.version
+        scale = self.config.reward_scale
+        for i, window in enumerate(self._windows):
+            window.append((self._obs[i], int(self._action[i]), float(reward[i]) * scale, version))
+            bootstrap = not terminated[i]
+            if len(window) == self.config.n_step:
+                self._emit(window, next_obs[i], bootstrap)
+            if terminated[i] or truncated[i]:
+                while window:
+                    self._emit(window, next_obs[i], bootstrap)
 
-    def _emit(self, next_obs: np.ndarray, bootstrap: bool) -> None:
+    def _emit(self, window: deque[tuple[np.ndarray, int, float, int]], next_obs: np.ndarray, bootstrap: bool) -> None:
         """The oldest step of the window becomes one transition; it leaves the window."""
-        k = len(self._window)
-        ret = float(sum(self._gammas[i] * self._window[i][2] for i in range(k)))
-        obs, action, _ = self._window.popleft()
+        k = len(window)
+        ret = float(sum(self._gammas[i] * window[i][2] for i in range(k)))
+        obs, action, _, version = window.popleft()
         rows = self._rows
         rows["obs"].append(obs)
         rows["action"].append(action)
         rows["reward"].append(ret)
         rows["next_obs"].append(next_obs)
         rows["discount"].append(self._gammas[k] if bootstrap else 0.0)
+        rows["version"].append(version)
 
     def pending(self) -> int:
         return len(self._rows["action"])
 
-    def take_transitions(self) -> Columns | None:
+    def take(self) -> Columns | None:
         if not self._rows["action"]:
             return None
         rows = self._rows
@@ -233,6 +339,7 @@ class DQNWorker(Worker):
             "reward": np.asarray(rows["reward"], dtype=np.float32),
             "next_obs": np.stack(rows["next_obs"]).astype(np.float32, copy=False),
             "discount": np.asarray(rows["discount"], dtype=np.float32),
+            "version": np.asarray(rows["version"], dtype=np.int64),
         }
         for v in rows.values():
             v.clear()
@@ -253,6 +360,19 @@ class DQNWorker(Worker):
                 torch.from_numpy(columns["discount"]).to(device), self.config.double_q,
             )
             return (target - q_sa).abs().cpu().numpy().astype(np.float32)
+
+    def stats(self) -> dict[str, float]:
+        return {"epsilon": self.epsilon}
+
+
+@dataclass
+class DQNStats(TrainStats):
+    """One gradient step."""
+
+    td_abs: float = 0.0
+    """mean |TD error| of the sampled batch"""
+    nonfinite_losses: int = 0
+    """steps skipped so far because the loss was NaN or infinite"""
 
 
 class DQNTrainer(Trainer):
@@ -275,7 +395,7 @@ class DQNTrainer(Trainer):
     def on_parameters_loaded(self) -> None:
         self.sync_target()
 
-    def train(self) -> TrainStats | None:
+    def train(self) -> DQNStats | None:
         if len(self.memory) < self.config.warmup_size:
             return None
         sample = self.memory.sample(self.config.batch_size)
@@ -298,7 +418,7 @@ class DQNTrainer(Trainer):
         if not torch.isfinite(loss):
             # Diverged on this sample (e.g. extreme rewards): skip the step rather than poison the weights.
             self.nonfinite_losses += 1
-            return TrainStats(loss=float("nan"), extra={"nonfinite_losses": float(self.nonfinite_losses)})
+            return DQNStats(loss=float("nan"), gradient_steps=0, nonfinite_losses=self.nonfinite_losses)
 
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -310,4 +430,4 @@ class DQNTrainer(Trainer):
         self.train_count += 1
         if self.train_count % self.config.target_update_interval == 0:
             self.sync_target()
-        return TrainStats(loss=float(loss.item()), extra={"td_abs": float(td_abs.mean())})
+        return DQNStats(loss=float(loss.item()), td_abs=float(td_abs.mean()), nonfinite_losses=self.nonfinite_losses)

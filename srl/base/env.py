@@ -1,17 +1,19 @@
 """The environment adapter: gymnasium envs as srl sees them.
 
 Owns: ``EnvConfig`` (which env, with which keyword arguments), building the
-env with a clear error when it does not exist, and ``EnvSpec`` — the shapes an
-algorithm is built for. Observations are flattened to a float32 vector (a
-Discrete observation becomes one-hot); a Box action space is discretized into
-a fixed grid of actions for value-based algorithms. Must never: know about
-algorithms beyond the spaces they accept, or anything distributed.
+env with a clear error when it does not exist (and never importing a module a
+node did not allow), ``EnvSpec`` — the observation shape and the action space
+an algorithm is built for — and ``ObsTransform``. Observations are flattened to
+a float32 vector (a Discrete observation becomes one-hot). Actions are native:
+``DiscreteActions`` (an int), ``BoxActions`` (a float array, bounded or not)
+and ``MultiDiscreteActions`` (an int array); an algorithm that needs another
+form (DQN bins a Box) does that itself. Must never: know about algorithms, or
+anything distributed.
 """
 
 from __future__ import annotations
 
 import difflib
-import itertools
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -95,7 +97,8 @@ class EnvConfig:
         """
         self.check_allowed(allow_modules)
         try:
-            return gym.make(self.id, render_mode=render_mode, **self.kwargs)
+            extra = {} if render_mode is None else {"render_mode": render_mode}
+            return gym.make(self.id, **extra, **self.kwargs)
         except gym.error.Error as e:
             known = list(gym.registry.keys())
             close = difflib.get_close_matches(self.id, known, n=3, cutoff=0.6)
@@ -115,21 +118,73 @@ class EnvConfig:
         return isinstance(other, EnvConfig) and self.to_dict() == other.to_dict()
 
 
-@dataclass
+@dataclass(frozen=True)
+class DiscreteActions:
+    """``n`` actions, 0 .. n-1."""
+
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def dtype(self) -> str:
+        return "int64"
+
+
+@dataclass(frozen=True)
+class BoxActions:
+    """Real-valued actions of ``shape`` in [low, high] (each bound may be infinite)."""
+
+    shape: tuple[int, ...]
+    low: np.ndarray = field(repr=False, compare=False)
+    high: np.ndarray = field(repr=False, compare=False)
+
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
+    @property
+    def bounded(self) -> bool:
+        return bool(np.all(np.isfinite(self.low)) and np.all(np.isfinite(self.high)))
+
+
+@dataclass(frozen=True)
+class MultiDiscreteActions:
+    """One choice per dimension: dimension i takes 0 .. nvec[i]-1."""
+
+    nvec: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.nvec),)
+
+    @property
+    def dtype(self) -> str:
+        return "int64"
+
+
+ActionSpace = DiscreteActions | BoxActions | MultiDiscreteActions
+
+
+@dataclass(frozen=True)
 class EnvSpec:
-    """What an algorithm is built for: a flat float observation and ``n_actions`` discrete actions."""
+    """What an algorithm is built for: a flat float32 observation and a native action space."""
 
     env_id: str
     obs_shape: tuple[int, ...]
-    n_actions: int
-    action_values: np.ndarray | None = field(default=None, repr=False)
-    """for a discretized Box: row i is the env action of discrete action i"""
+    actions: ActionSpace
     obs_onehot: int = 0
     """for a Discrete observation space: its size (the obs is one-hot encoded)"""
 
+    def unsupported(self, algorithm: str, takes: str) -> EnvError:
+        """The error an algorithm raises for an action space it does not take."""
+        return EnvError(f"{algorithm} cannot use the action space {self.actions} of {self.env_id!r}: it takes {takes}")
 
-def make_spec(env: gym.Env, env_id: str, algorithm: str, action_bins: int) -> EnvSpec:
-    """Check the spaces against what ``algorithm`` takes and describe them."""
+
+def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
+    """Describe ``env``'s spaces; EnvError for a space srl cannot flatten or act in."""
     obs_space, act_space = env.observation_space, env.action_space
     onehot = 0
     if isinstance(obs_space, gym.spaces.Box):
@@ -139,74 +194,58 @@ def make_spec(env: gym.Env, env_id: str, algorithm: str, action_bins: int) -> En
         obs_shape = (onehot,)
     else:
         raise EnvError(
-            f"{algorithm} cannot use the observation space {obs_space} of {env_id!r}: it takes Box or "
-            "Discrete observations. Wrap the env (e.g. gymnasium.wrappers.FlattenObservation) and "
-            "register the wrapped env under its own id."
+            f"srl cannot use the observation space {obs_space} of {env_id!r}: it takes Box or Discrete "
+            "observations. Wrap the env (e.g. gymnasium.wrappers.FlattenObservation) and register the "
+            "wrapped env under its own id."
         )
+    actions: ActionSpace
     if isinstance(act_space, gym.spaces.Discrete):
-        return EnvSpec(env_id, obs_shape, int(act_space.n), None, onehot)
-    if isinstance(act_space, gym.spaces.Box):
-        if action_bins < 2:
-            raise EnvError(f"action_bins must be at least 2 to discretize {act_space} of {env_id!r}, got {action_bins}")
-        if not (np.all(np.isfinite(act_space.low)) and np.all(np.isfinite(act_space.high))):
-            raise EnvError(
-                f"{algorithm} discretizes Box actions but {env_id!r} has unbounded actions {act_space}; "
-                "clip the action space with a wrapper first."
-            )
-        low, high = act_space.low.reshape(-1), act_space.high.reshape(-1)
-        n_grid = action_bins ** low.size
-        if n_grid > 4096:
-            raise EnvError(
-                f"discretizing {act_space} of {env_id!r} with {action_bins} bins per dimension gives {n_grid} "
-                "actions (more than 4096); lower action_bins or use an algorithm for continuous actions."
-            )
-        axes = [np.linspace(lo, hi, action_bins, dtype=np.float64) for lo, hi in zip(low, high, strict=True)]
-        grid = np.array(list(itertools.product(*axes)), dtype=act_space.dtype).reshape(
-            (n_grid, *act_space.shape)
+        if int(act_space.start) != 0:
+            raise EnvError(f"{env_id!r}: a Discrete action space must start at 0, found start={act_space.start}")
+        actions = DiscreteActions(int(act_space.n))
+    elif isinstance(act_space, gym.spaces.Box):
+        actions = BoxActions(tuple(int(s) for s in act_space.shape), np.asarray(act_space.low, np.float32),
+                             np.asarray(act_space.high, np.float32))
+    elif isinstance(act_space, gym.spaces.MultiDiscrete):
+        if np.any(np.asarray(act_space.start) != 0) or act_space.nvec.ndim != 1:
+            raise EnvError(f"{env_id!r}: srl takes one-dimensional MultiDiscrete actions starting at 0")
+        actions = MultiDiscreteActions(tuple(int(n) for n in act_space.nvec))
+    else:
+        raise EnvError(
+            f"srl cannot use the action space {act_space} of {env_id!r}: it takes Discrete, Box or MultiDiscrete"
         )
-        return EnvSpec(env_id, obs_shape, n_grid, grid, onehot)
-    raise EnvError(
-        f"{algorithm} cannot use the action space {act_space} of {env_id!r}: it takes Discrete actions, "
-        "or Box actions that it discretizes (action_bins per dimension)."
-    )
+    return EnvSpec(env_id, obs_shape, actions, onehot)
 
 
-class EnvAdapter:
-    """A gymnasium env that speaks flat float32 observations and integer actions."""
+class ObsTransform:
+    """Observations as algorithms see them: float32, flattened per env; Discrete ones one-hot."""
 
-    def __init__(
-        self,
-        config: EnvConfig,
-        algorithm: str,
-        action_bins: int,
-        seed: int | None = None,
-        allow_modules: Collection[str] | None = None,
-    ) -> None:
-        self.config = config
-        self.env = config.make(allow_modules=allow_modules)
-        self.spec = make_spec(self.env, config.id, algorithm, action_bins)
-        self._seed = seed
-        self._first_reset = True
+    def __init__(self, spec: EnvSpec) -> None:
+        self.spec = spec
 
-    def _obs(self, obs: Any) -> np.ndarray:
+    def one(self, obs: Any) -> np.ndarray:
+        """One env's observation -> shape ``spec.obs_shape``."""
         if self.spec.obs_onehot:
             out = np.zeros(self.spec.obs_onehot, dtype=np.float32)
             out[int(obs)] = 1.0
             return out
         return np.asarray(obs, dtype=np.float32).reshape(-1)
 
-    def reset(self) -> np.ndarray:
-        seed = self._seed if self._first_reset else None
-        self._first_reset = False
-        obs, _ = self.env.reset(seed=seed)
-        if seed is not None:
-            self.env.action_space.seed(seed)
-        return self._obs(obs)
+    def batch(self, obs: Any) -> np.ndarray:
+        """``E`` envs' observations (a vector env's) -> shape ``(E, *spec.obs_shape)``."""
+        if self.spec.obs_onehot:
+            index = np.asarray(obs, dtype=np.int64).reshape(-1)
+            out = np.zeros((index.size, self.spec.obs_onehot), dtype=np.float32)
+            out[np.arange(index.size), index] = 1.0
+            return out
+        array = np.asarray(obs, dtype=np.float32)
+        return array.reshape(array.shape[0], -1)
 
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool]:
-        env_action: Any = int(action) if self.spec.action_values is None else self.spec.action_values[action]
-        obs, reward, terminated, truncated, _ = self.env.step(env_action)
-        return self._obs(obs), float(reward), bool(terminated), bool(truncated)
 
-    def close(self) -> None:
-        self.env.close()
+def env_spec(config: EnvConfig, allow_modules: Collection[str] | None = None) -> EnvSpec:
+    """Build ``config``'s env once to read its spaces."""
+    env = config.make(allow_modules=allow_modules)
+    try:
+        return make_spec(env, config.id)
+    finally:
+        env.close()

@@ -1,23 +1,28 @@
-"""The role interfaces every algorithm implements.
+"""The role interfaces every algorithm implements, and the data path it declares.
 
-Owns: ``RLConfig`` (an algorithm's settings as one dataclass), ``Parameter``
-(the weights, to and from bytes without pickle), ``Worker`` (acts in an env and
-turns steps into transitions), ``Trainer`` (learns from a memory). Must never:
-import anything distributed. The same objects run in one process
-(``Runner.train``) and split across machines (actor and trainer processes).
+Owns: ``RLConfig`` (an algorithm's settings as one dataclass, and the factory
+of its parts), ``DataPath`` (what the algorithm's rows are, when its trainer
+publishes, which params versions it accepts, how fast actors may go),
+``Parameter`` (the weights, to and from arrays without pickle), ``Worker``
+(acts in E envs at once and turns their steps into rows), ``Buffer`` (where
+the trainer keeps rows until it learns from them) and ``Trainer`` (learns from
+its buffer). Must never: import anything distributed. The same objects run in
+one process (``Runner.train``) and split across machines (actor and trainer
+processes), with the same columns.
 
 The loops that call them::
 
-    # an actor (or Runner.train)                # the trainer
-    obs = env.reset(); worker.on_reset(obs)       while not done:
-    while running:                                    stats = trainer.train()   # None: not enough data
-        action = worker.act(obs)                      if stats and time_to_publish:
-        next_obs, r, term, trunc = env.step(action)       blob = parameter.to_bytes()
-        worker.on_step(obs, action, r, next_obs, term, trunc)
-        if worker.pending() >= batch_size:
-            columns = worker.take_transitions()
-            priorities = worker.initial_priorities(columns)
-            send(columns, priorities)              # or memory.add(columns, priorities)
+    # an actor (or Runner.train)                   # the trainer
+    rollout = Rollout(env, worker, num_envs=E)       while not done:
+    while running:                                       stats = trainer.train()   # one update, or None:
+        rollout.step()   # worker.act / observe                                     # not enough data yet
+        rows = worker.take()                             if time to publish (data_path.publish_every):
+        if rows is not None:                                 blob = parameter.to_arrays() -> board
+            send(rows, worker.initial_priorities(rows))  # or buffer.add(rows, priorities)
+
+Every row carries the ``version`` of the params it was acted with (a column),
+so policy lag is data. The params version counts publications; ``train_count``
+counts gradient steps; they are different counters.
 """
 
 from __future__ import annotations
@@ -26,24 +31,24 @@ import dataclasses
 import math
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
-from srl.base.arrays import pack_arrays, unpack_arrays
 from srl.base.env import EnvSpec
 from srl.base.schema import Schema
-from srl.rl.memories import Memory, MemoryConfig
 
 Columns = dict[str, np.ndarray]
-"""A batch of transitions as columns; every array has the same leading length."""
+"""Rows as columns; every array has the same leading length."""
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?")
+MAX_ENVS_PER_ACTOR = 1024
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """Raise ValueError unless ``value`` is an int in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in {low}..{high}, got {str(value)[:40]}")
 
@@ -58,9 +63,33 @@ def check_number(name: str, value: object, low: float, high: float, *, low_open:
         raise ValueError(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {str(value)[:40]}")
 
 
-def check_int(name: str, value: object, low: int, high: int) -> None:
-    """Raise ValueError unless ``value`` is an int in [low, high]."""
-    _check_int(name, value, low, high)
+@dataclass(frozen=True)
+class DataPath:
+    """How an algorithm's experience travels from its workers to its trainer.
+
+    The distribution layer reads this and never branches on the algorithm;
+    ``Runner.train`` reads it too, so one process follows the same rules.
+    """
+
+    rows: Literal["transitions", "segments"]
+    """what one row is: an (n-step) transition, or a segment of T steps of one env"""
+    publish_every: int = 0
+    """publish params every this many train steps (gradient steps); 0: after every update"""
+    sync: bool = False
+    """on-policy in lockstep: actors wait for a new params version after each segment; the trainer
+    takes rows of the current version only and trains once it has one segment per env of every actor"""
+    max_policy_lag: int | None = None
+    """rows acted with params more than this many versions behind are refused (counted, shown);
+    None: any age (off-policy)"""
+    sync_wait_s: float = 30.0
+    """sync: seconds the trainer waits for every actor's segments before it goes on with what it has"""
+    min_segments: int = 1
+    """sync: the fewest segments the trainer goes on with after ``sync_wait_s``"""
+    env_steps_per_train: float | None = None
+    """replay ratio: env steps (all actors together) per train step; actors wait past it, and one
+    process trains to keep it. None: not limited (on-policy data paths pace themselves)"""
+    warmup_rows: int = 0
+    """rows the trainer needs before its first update (actors may run that far ahead of the replay ratio)"""
 
 
 @dataclass
@@ -70,20 +99,18 @@ class RLConfig(ABC):
     algorithm: ClassVar[str] = ""
     """registry name of the algorithm (e.g. "dqn")"""
 
-    action_bins: int = 5
-    """bins per dimension when a Box action space is discretized"""
-    batch_size: int = 32
-    """transitions per gradient step"""
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    """replay memory (uniform or proportional)"""
-    warmup_size: int = 1000
-    """transitions in memory before training starts"""
+    envs_per_actor: int = 1
+    """envs each actor (and Runner.train) steps at once, one batched inference for all of them; an env
+    whose episode ends is reset alone"""
+    vectorization: str = "sync"
+    """how those envs run: "sync" (one process, in turn; best for fast envs) or "async" (a process
+    per env; pays off when one env step costs milliseconds)"""
     device: str = "auto"
     """torch device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ..."""
     torch_threads: int = 1
     """torch CPU threads per process (small nets run fastest on one)"""
     seed: int | None = None
-    """seed for torch, numpy and the env; None draws one"""
+    """seed for torch, numpy and the envs; None draws one"""
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -99,32 +126,29 @@ class RLConfig(ABC):
     def validate(self) -> None:
         """Raise ValueError naming the field when a setting cannot work (or is beyond any sane bound:
         a config may come from an untrusted board)."""
-        _check_int("batch_size", self.batch_size, 1, 1 << 16)
-        _check_int("warmup_size", self.warmup_size, 0, 1 << 30)
-        _check_int("action_bins", self.action_bins, 2, 1024)
-        _check_int("torch_threads", self.torch_threads, 1, 256)
+        check_int("envs_per_actor", self.envs_per_actor, 1, MAX_ENVS_PER_ACTOR)
+        check_int("torch_threads", self.torch_threads, 1, 256)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, 2**63 - 1)
+            check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.vectorization not in ("sync", "async"):
+            raise ValueError(f"vectorization must be 'sync' or 'async', got {str(self.vectorization)[:40]!r}")
         if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {str(self.device)[:40]!r}")
-        self.memory.validate()
-        if self.warmup_size < self.batch_size:
-            raise ValueError(
-                f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})"
-            )
-        if self.memory.capacity < self.warmup_size:
-            raise ValueError(
-                f"memory.capacity ({self.memory.capacity}) is smaller than warmup_size ({self.warmup_size}); "
-                "training would never start"
-            )
 
     def copy(self) -> RLConfig:
         return dataclasses.replace(self)
 
+    def check_spec(self, spec: EnvSpec) -> None:  # noqa: B027 - an optional hook
+        """Raise EnvError when this algorithm cannot act in ``spec``'s spaces (say which it takes)."""
+
+    @abstractmethod
+    def data_path(self) -> DataPath:
+        """How this algorithm's rows travel and when its trainer publishes (see ``DataPath``)."""
+
     @abstractmethod
     def schema(self, spec: EnvSpec) -> Schema:
         """The columns this algorithm's worker emits for ``spec`` (what the trainer's buffer holds and
-        what every batch from an actor must match)."""
+        what every batch from an actor must match); a ``version`` int64 column among them."""
 
     @abstractmethod
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> Parameter: ...
@@ -132,17 +156,19 @@ class RLConfig(ABC):
     @abstractmethod
     def make_worker(
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
-    ) -> Worker: ...
+    ) -> Worker:
+        """A worker for ``envs_per_actor`` envs; actor ``actor_index`` of ``actor_num``."""
 
     @abstractmethod
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, memory: Memory) -> Trainer: ...
+    def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Buffer:
+        """Where the trainer keeps rows (allocated from ``schema(spec)``), for ``actor_num`` actors."""
 
-    def make_memory(self, spec: EnvSpec) -> Memory:
-        return self.memory.build(seed=self.seed, schema=self.schema(spec))
+    @abstractmethod
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer) -> Trainer: ...
 
 
 class Parameter(ABC):
-    """An algorithm's weights. ``version`` counts updates the trainer made."""
+    """An algorithm's weights. ``version`` is the params version they are (0: never published)."""
 
     version: int = 0
 
@@ -151,18 +177,6 @@ class Parameter(ABC):
 
     @abstractmethod
     def from_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...
-
-    def to_bytes(self, meta: dict[str, Any] | None = None) -> bytes:
-        return pack_arrays(self.to_arrays(), {"version": self.version, **(meta or {})})
-
-    def from_bytes(self, blob: bytes) -> dict[str, Any]:
-        """Load weights; returns the meta stored with them."""
-        meta, arrays = unpack_arrays(blob)
-        self.from_arrays(arrays)
-        version = meta.get("version")
-        if isinstance(version, int):
-            self.version = version
-        return meta
 
 
 def torch_to_arrays(modules: dict[str, torch.nn.Module]) -> dict[str, np.ndarray]:
@@ -192,50 +206,93 @@ def torch_from_arrays(modules: dict[str, torch.nn.Module], arrays: dict[str, np.
 
 
 class Worker(ABC):
-    """Acts in one env and turns its steps into transitions (see the module docstring)."""
+    """Acts in ``num_envs`` envs at once and turns their steps into rows (see the module docstring).
+
+    ``Rollout`` calls ``reset`` when episodes start, ``act`` with every env's observation, and
+    ``observe`` with what followed; the owner takes finished rows with ``take``.
+    """
 
     training: bool = True
+    """False while evaluating: act greedily / with the mean action, emit no rows"""
+    num_envs: int = 1
+
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:  # noqa: B027 - an optional hook
+        """Episodes start in envs ``env_ids`` with first observations ``obs``."""
 
     @abstractmethod
-    def on_reset(self, obs: np.ndarray) -> None: ...
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        """The env actions for observations ``(E, *obs_shape)``: ``(E,)`` ints, ``(E, *shape)`` floats, ..."""
 
     @abstractmethod
-    def act(self, obs: np.ndarray) -> int: ...
-
-    @abstractmethod
-    def on_step(
-        self, obs: np.ndarray, action: int, reward: float, next_obs: np.ndarray, terminated: bool, truncated: bool
-    ) -> None: ...
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        """What the last ``act`` led to, per env (``next_obs`` is an ended episode's final observation)."""
 
     @abstractmethod
     def pending(self) -> int:
-        """Transitions finished and not yet taken."""
+        """Rows finished and not yet taken."""
 
     @abstractmethod
-    def take_transitions(self) -> Columns | None:
-        """The finished transitions as columns (None when there are none); they leave the worker."""
+    def take(self) -> Columns | None:
+        """The finished rows as columns (None when there are none); they leave the worker."""
 
     def initial_priorities(self, columns: Columns) -> np.ndarray | None:
-        """|TD error| per transition with the worker's own weights, or None (memory uses its max)."""
+        """A priority per row for a prioritized buffer (|TD error| with the worker's weights), or None."""
         return None
+
+    def may_load_params(self) -> bool:
+        """Whether new params may be loaded now (a segment is acted with one version: not mid-segment)."""
+        return True
+
+    def stats(self) -> dict[str, float]:
+        """What the worker wants shown (e.g. its exploration rate)."""
+        return {}
+
+
+class Buffer(ABC):
+    """Where the trainer keeps rows between their arrival and learning (a replay memory, a FIFO).
+
+    One thread may add (the trainer's ingest) while another learns from it; implementations lock.
+    """
+
+    @abstractmethod
+    def add(self, columns: Columns, priorities: np.ndarray | None = None) -> None:
+        """Store rows (with initial priorities where the buffer uses them)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Rows held now."""
+
+    def room(self) -> int | None:
+        """Rows it can take before the ingest must wait (None: it never fills, the oldest rows go)."""
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its storage takes when full (checked against what a trainer may allocate)."""
+        return 0
 
 
 @dataclass
 class TrainStats:
-    """What one update reports."""
+    """What one update reports; each algorithm extends it with its own fields (all numbers)."""
 
     loss: float
-    extra: dict[str, float] = field(default_factory=dict)
+    gradient_steps: int = 1
+    """optimizer steps this update made (train_count grows by this)"""
+
+    def scalars(self) -> dict[str, float]:
+        """Every field as a float, for progress lines, the board and history files."""
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 class Trainer(ABC):
-    """Samples from a memory and updates the parameter; ``train_count`` counts updates."""
+    """Learns from a buffer and updates the parameter; ``train_count`` counts gradient steps."""
 
     train_count: int = 0
 
     @abstractmethod
     def train(self) -> TrainStats | None:
-        """One update, or None when the memory does not hold enough to start."""
+        """One update (one or more gradient steps), or None when the buffer does not hold enough."""
 
     def on_parameters_loaded(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """The parameter's weights were replaced (a checkpoint, or params restored from the board):

@@ -20,9 +20,9 @@ import torch
 from srl.algorithms import config_class
 from srl.base.arrays import load_arrays, save_arrays
 from srl.base.config import config_from_dict, config_to_dict
-from srl.base.env import EnvAdapter, EnvConfig, EnvSpec
-from srl.base.rl import Parameter, RLConfig, Trainer
-from srl.rl.memories import Memory
+from srl.base.env import EnvConfig, EnvSpec, env_spec
+from srl.base.rl import Buffer, DataPath, Parameter, RLConfig, Trainer, TrainStats
+from srl.base.rollout import Rollout
 from srl.runner.progress import TrainProgress, ensure_logging
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("srl.runner")
 
+FLUSH_TRANSITIONS = 32
+"""transitions a one-process worker gathers before they go into the buffer"""
 CHECKPOINT_FORMAT = "srl-checkpoint"
 CHECKPOINT_VERSION = 2
 
@@ -55,7 +57,7 @@ class Runner:
         rl_config.validate()
         self._spec: EnvSpec | None = None
         self._parameter: Parameter | None = None
-        self._memory: Memory | None = None
+        self._buffer: Buffer | None = None
         self._trainer: Trainer | None = None
         self.env_steps = 0
         self.episodes = 0
@@ -64,10 +66,11 @@ class Runner:
     # ---------------------------------------------------------------- pieces
     @property
     def spec(self) -> EnvSpec:
+        """The env's spaces as the algorithm sees them (EnvError if it cannot act there)."""
         if self._spec is None:
-            env = EnvAdapter(self.env_config, self.rl_config.algorithm, self.rl_config.action_bins)
-            self._spec = env.spec
-            env.close()
+            spec = env_spec(self.env_config)
+            self.rl_config.check_spec(spec)
+            self._spec = spec
         return self._spec
 
     @property
@@ -80,6 +83,7 @@ class Runner:
 
     @property
     def train_count(self) -> int:
+        """Gradient steps made so far (continued from a checkpoint or a distributed run)."""
         return self._trainer.train_count if self._trainer is not None else self._train_count
 
     def task_config(self) -> dict[str, Any]:
@@ -98,55 +102,61 @@ class Runner:
         timeout: float | None = None,
         progress_interval: float | None = 5.0,
     ) -> None:
-        """Train in this process until one limit is reached (at least one is required)."""
+        """Train in this process until one limit is reached (at least one is required).
+
+        ``max_train_count``: gradient steps; ``max_steps``: env steps (all envs together);
+        ``timeout``: seconds. The same worker, buffer and trainer a distributed run uses, on the
+        same data path: rows go into the buffer, and off-policy algorithms train
+        ``1 / env_steps_per_train`` steps per env step.
+        """
         if max_train_count is None and max_steps is None and timeout is None:
             raise ValueError("train() needs a limit: max_train_count=, max_steps= or timeout=")
         ensure_logging()
         config = self.rl_config
         parameter = self.parameter
-        if self._memory is None:
-            self._memory = config.make_memory(self.spec)
+        if self._buffer is None:
+            self._buffer = config.make_buffer(self.spec)
         if self._trainer is None:
-            self._trainer = config.make_trainer(self.spec, parameter, self._memory)
+            self._trainer = config.make_trainer(self.spec, parameter, self._buffer)
             self._trainer.train_count = self._train_count
-        trainer, memory = self._trainer, self._memory
-        env = EnvAdapter(self.env_config, config.algorithm, config.action_bins, seed=config.seed)
+        trainer, buffer = self._trainer, self._buffer
+        data_path = config.data_path()
         worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
+        rollout = Rollout(self.env_config, worker, config.envs_per_actor, config.seed, config.vectorization)
         progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout)
         start_train, start_steps = trainer.train_count, self.env_steps
         deadline = None if timeout is None else time.perf_counter() + timeout
-        flush_every = max(1, min(32, config.batch_size))
-
-        obs = env.reset()
-        worker.on_reset(obs)
-        episode_reward = 0.0
+        # transitions are handed over in small batches (a buffer add and a priority pass per row would
+        # cost more than the step); segments as soon as they are complete
+        flush_rows = FLUSH_TRANSITIONS if data_path.rows == "transitions" else 1
+        ratio = data_path.env_steps_per_train
+        credit = 0.0
         try:
             while True:
                 if max_train_count is not None and trainer.train_count - start_train >= max_train_count:
                     break
                 if max_steps is not None and self.env_steps - start_steps >= max_steps:
                     break
-                action = worker.act(obs)
-                next_obs, reward, terminated, truncated = env.step(action)
-                worker.on_step(obs, action, reward, next_obs, terminated, truncated)
-                self.env_steps += 1
-                episode_reward += reward
-                done = terminated or truncated
-                if done or worker.pending() >= flush_every:
-                    columns = worker.take_transitions()
-                    if columns is not None:
-                        memory.add(columns)
-                if done:
+                episodes = rollout.step()
+                self.env_steps += rollout.num_envs
+                for episode in episodes:
                     self.episodes += 1
-                    progress.rewards.append(episode_reward)
-                    episode_reward = 0.0
-                    obs = env.reset()
-                    worker.on_reset(obs)
+                    progress.rewards.append(episode.total_reward)
+                if worker.pending() >= flush_rows or (episodes and worker.pending()):
+                    rows = worker.take()
+                    if rows is not None:
+                        buffer.add(rows, worker.initial_priorities(rows))
+                if ratio is None:  # on-policy: train whenever the buffer holds an update's worth
+                    self._record(trainer.train(), progress, data_path)
                 else:
-                    obs = next_obs
-                stats = trainer.train()
-                if stats is not None:
-                    progress.loss = stats.loss
+                    credit += rollout.num_envs / ratio
+                    while credit >= 1.0:
+                        stats = trainer.train()
+                        if stats is None:  # warming up: steps before training starts earn nothing
+                            credit = 0.0
+                            break
+                        credit -= max(1, stats.gradient_steps)
+                        self._record(stats, progress, data_path)
                 now = time.perf_counter()
                 if progress.due(now):
                     logger.info(progress.line(self.env_steps - start_steps, trainer.train_count - start_train,
@@ -154,7 +164,7 @@ class Runner:
                 if deadline is not None and now >= deadline:
                     break
         finally:
-            env.close()
+            rollout.close()
         elapsed = progress.elapsed()
         logger.info(
             "train done: %d train steps, %d env steps in %.1fs (%.0f train/s, %.0f env steps/s)",
@@ -163,33 +173,42 @@ class Runner:
             (self.env_steps - start_steps) / max(elapsed, 1e-9),
         )
 
+    def _record(self, stats: TrainStats | None, progress: TrainProgress, data_path: DataPath) -> None:
+        """Note an update; the params version moves as a distributed trainer's publications would."""
+        if stats is None:
+            return
+        progress.loss = stats.loss
+        parameter, trainer = self.parameter, self._trainer
+        assert trainer is not None
+        if data_path.publish_every == 0:
+            parameter.version += 1
+        else:
+            parameter.version = trainer.train_count // data_path.publish_every
+
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, max_episodes: int = 10, seed: int | None = None) -> list[float]:
-        """Total reward of each of ``max_episodes`` episodes, acting with ``test_epsilon``."""
+        """Total reward of each of ``max_episodes`` episodes, acting greedily (DQN: ``test_epsilon``;
+        PPO: the mean action). Runs ``min(envs_per_actor, max_episodes)`` envs at once, each for a
+        fixed share of the episodes, so the result does not favour short episodes."""
         if max_episodes < 1:
             raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
         config = self.rl_config
         if seed is None and config.seed is not None:
             seed = config.seed + 10_000
-        env = EnvAdapter(self.env_config, config.algorithm, config.action_bins, seed=seed)
+        num_envs = min(config.envs_per_actor, max_episodes)
+        targets = [(max_episodes + i) // num_envs for i in range(num_envs)]
         worker = config.make_worker(self.spec, self.parameter, 0, 1, seed)
         worker.training = False
-        rewards: list[float] = []
-        try:
-            for _ in range(max_episodes):
-                obs = env.reset()
-                worker.on_reset(obs)
-                total = 0.0
-                while True:
-                    action = worker.act(obs)
-                    obs, reward, terminated, truncated = env.step(action)
-                    total += reward
-                    if terminated or truncated:
-                        break
-                rewards.append(total)
-        finally:
-            env.close()
-        return rewards
+        done = [0] * num_envs
+        rewards: list[list[float]] = [[] for _ in range(num_envs)]
+        with Rollout(self.env_config, worker, num_envs, seed, config.vectorization) as rollout:
+            while any(d < t for d, t in zip(done, targets, strict=True)):
+                for episode in rollout.step():
+                    i = episode.env_index
+                    if done[i] < targets[i]:
+                        rewards[i].append(episode.total_reward)
+                        done[i] += 1
+        return [r for per_env in rewards for r in per_env]
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -147,6 +147,10 @@ class ProportionalMemory(Memory):
         return self._ring.total_added
 
     @property
+    def nbytes(self) -> int:
+        return self._ring.nbytes + self._tree.nbytes
+
+    @property
     def beta(self) -> float:
         return self._beta_at(self._sample_calls)
 

@@ -12,13 +12,14 @@ the caller may use it after another thread has overwritten the slots).
 from __future__ import annotations
 
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from srl.base.rl import Buffer
 from srl.base.schema import Schema
 
 Batch = dict[str, np.ndarray]
@@ -41,8 +42,8 @@ class Sample:
     """int64 write generation of each slot when it was sampled, for ``update_priorities``"""
 
 
-class Memory(ABC):
-    """Experience replay as the trainer uses it.
+class Memory(Buffer):
+    """Experience replay as the trainer uses it (a ``Buffer`` rows are sampled from many times).
 
     The trainer's ingest thread adds what actors sent; its learning loop
     samples, learns, and feeds the new |TD errors| back::
@@ -234,6 +235,10 @@ class ColumnRing:
         self.total_added += n
         return ranges
 
+    @property
+    def nbytes(self) -> int:
+        return sum(int(column.nbytes) for column in self._columns.values())
+
     def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Copies of the rows at ``indices`` (fancy indexing always copies)."""
         return {name: column[indices] for name, column in self._columns.items()}
@@ -298,6 +303,10 @@ class ReplayMemory(Memory):
     @property
     def total_added(self) -> int:
         return self._ring.total_added
+
+    @property
+    def nbytes(self) -> int:
+        return self._ring.nbytes
 
     @property
     def beta(self) -> float:

@@ -56,6 +56,10 @@ class SumTree:
         return view
 
     @property
+    def nbytes(self) -> int:
+        return int(self._nodes.nbytes)
+
+    @property
     def total(self) -> float:
         """Sum of all leaf priorities."""
         return float(self._top.sum())

@@ -1,11 +1,15 @@
-"""``actor_run_forever``: claim an actor slot, step an env, send batches of experience.
+"""``actor_run_forever``: claim an actor slot, step envs, send rows of experience.
 
 Owns: the actor process — waiting for a task, holding its slot lease (a
 heartbeat is a lease renewal), pulling params in the background by version,
-batching transitions with their initial priorities, and backpressure. Must
-never: drop experience silently. When the queue is full the actor waits (with
-backoff), keeps renewing its lease, and reports how long it stalled. It stops
-within one heartbeat when the task ends or its lease is lost.
+stepping ``envs_per_actor`` envs through the same ``Rollout`` one process uses,
+sending the worker's rows (with their initial priorities where the algorithm
+has them), following the algorithm's data path (a replay ratio it may not run
+ahead of; in sync mode, waiting for the next params version after each
+segment), and backpressure. Must never: drop experience silently. When the
+queue is full the actor waits (with backoff), keeps renewing its lease, and
+reports how long it stalled. It stops within one heartbeat when the task ends
+or its lease is lost.
 
 The loop::
 
@@ -27,12 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from srl.base.env import EnvAdapter, allowed_env_modules
+from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter
+from srl.base.rollout import Rollout
 from srl.runner.distribution.board import Board, BoardDataError, BoardError
 from srl.runner.distribution.codec import (
     DEFAULT_MAX_BYTES,
-    MAX_MESSAGE_ROWS,
     BatchHeader,
     DecodeError,
     params_message_bytes,
@@ -43,7 +47,7 @@ from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overr
 from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
-from srl.runner.distribution.task import StopFlag, TaskSpec
+from srl.runner.distribution.task import StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
@@ -57,11 +61,12 @@ class ActorOptions(NodeOptions):
     """How an actor process behaves (the task itself comes from the board)."""
 
     batch_size: int = 256
-    """transitions per message sent to the queue"""
+    """transitions per message sent to the queue (at most the task's message bound; segments go as
+    soon as they are complete)"""
     batch_max_age: float = 1.0
     """seconds a partly filled batch may wait before it is sent anyway"""
-    params_poll_interval: float = 0.5
-    """seconds between checks of the params version on the board"""
+    params_poll_interval: float = 0.1
+    """seconds between checks of the params version on the board (one HMGET)"""
     compress: bool = False
     """zlib-compress batches (helps on slow links, costs CPU)"""
 
@@ -85,20 +90,29 @@ class ActorRun:
         self.lease_name = f"actor:{slot}"
         self.stop = StopFlag()
         self.counters = CounterDeltas()
-        self.codec = options.codec(board.task_name, compress=options.compress)
         config = task.rl_config
+        self.data_path = config.data_path()
         torch.set_num_threads(max(1, config.torch_threads))
         seed = None if config.seed is None else config.seed + 1000 * (slot + 1)
         seed_everything(seed)
-        self.env = EnvAdapter(task.env_config, config.algorithm, config.action_bins, seed=seed,
-                              allow_modules=allowed_env_modules(options.allow_env_modules))
-        self.parameter: Parameter = config.make_parameter(self.env.spec, config.resolve_device())
+        allow = allowed_env_modules(options.allow_env_modules)
+        self.spec = env_spec(task.env_config, allow)
+        config.check_spec(self.spec)
+        self.parameter: Parameter = config.make_parameter(self.spec, config.resolve_device())
+        self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
         self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
-        self.codec = self.codec.with_max_bytes(max(self.max_params_bytes, DEFAULT_MAX_BYTES))
-        self.worker = config.make_worker(self.env.spec, self.parameter, slot, task.actor_num, seed)
+        self.codec = options.codec(board.task_name, compress=options.compress,
+                                   max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
+        self.max_rows = max_message_rows(task)
         self.queue: ExperienceQueue = open_queue(
             queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
         )
+        try:
+            self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed, config.vectorization,
+                                   allow)
+        except BaseException:
+            self.queue.close()
+            raise
         self.capacity = task.queue_capacity
         self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
         self._staged_lock = threading.Lock()
@@ -108,6 +122,7 @@ class ActorRun:
         self.latest_train_count = 0
         self.fatal: str | None = None
         self._board_log = Throttle()
+        self._fresh_params = threading.Event()
         self.seq = 0
         # stats the heartbeat reports
         self.env_steps = 0
@@ -116,6 +131,7 @@ class ActorRun:
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
         self.throttled_s = 0.0
+        self.sync_wait_s = 0.0
         self._trained_base: int | None = None
         self.recent_rewards: list[float] = []
 
@@ -150,12 +166,13 @@ class ActorRun:
                         reason = status.end_reason if status is not None else ""
                         self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
                         break
-                    self.latest_train_count = hb.train_count
-                    head: tuple[int, int] | None = (hb.params_epoch, hb.params_version)
+                    head: tuple[int, int, int] | None = (hb.params_epoch, hb.params_version, hb.train_count)
                 else:
-                    head = self.board.get_params_version()
-                if head is not None and head[1] > 0 and head[1] != self.latest_version:
-                    self._fetch_params()
+                    head = self.board.get_params_head()
+                if head is not None:
+                    self.latest_train_count = max(self.latest_train_count, head[2])
+                    if head[1] > 0 and head[1] != self.latest_version:
+                        self._fetch_params()
             except _BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
                 away_since = away_since or time.monotonic()
                 if self._board_log.ready():
@@ -191,6 +208,7 @@ class ActorRun:
             "slot": self.slot,
             "env_steps": self.env_steps,
             "env_steps_per_s": round(env_steps_per_s, 1),
+            "envs": self.rollout.num_envs,
             "episodes": self.episodes,
             "sent_batches": self.sent_batches,
             "params_version": self.params_version,
@@ -198,12 +216,13 @@ class ActorRun:
             "backpressure_wait_s": round(self.backpressure_wait_s + stalled_now, 3),
             "stalled_now_s": round(stalled_now, 3),
             "rate_limited_s": round(self.throttled_s, 3),
+            "sync_wait_s": round(self.sync_wait_s, 3),
             "reward": round(float(np.mean(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
-            "epsilon": round(float(getattr(self.worker, "epsilon", 0.0)), 5),
+            **{k: round(v, 5) for k, v in self.worker.stats().items()},
         }
 
     def _fetch_params(self) -> None:
-        """Fetch and decode the latest params; the main loop applies them between steps."""
+        """Fetch and decode the latest params; the main loop applies them when the worker may load them."""
         try:
             record = self.board.get_params(self.max_params_bytes)
             if record is None:
@@ -219,6 +238,7 @@ class ActorRun:
             self._staged = (record.epoch, record.version, arrays)
         self.latest_version = record.version
         self.latest_train_count = max(self.latest_train_count, record.train_count)
+        self._fresh_params.set()
 
     def _apply_staged_params(self) -> None:
         with self._staged_lock:
@@ -229,33 +249,48 @@ class ActorRun:
         try:
             self.parameter.from_arrays(arrays)
         except ValueError as e:
-            logger.error("params version %d do not fit this network: %s", version, e)
+            logger.error("params version %d do not fit this network: %s", version, short(e))
             return
         self.params_epoch, self.params_version = epoch, version
         self.parameter.version = version
 
+    def _wait_for_params(self, newer_than: int, why: str) -> None:
+        """Block (heartbeat going on) until params newer than ``newer_than`` are loaded, or the run stops."""
+        started = time.monotonic()
+        while not self.stop.is_set() and self.params_version <= newer_than:
+            if self._staged is not None:
+                self._apply_staged_params()
+                continue
+            self._fresh_params.wait(0.05)
+            self._fresh_params.clear()
+        waited = time.monotonic() - started
+        if why == "sync":
+            self.sync_wait_s += waited
+
     # ------------------------------------------------------------ rate limit
     def _allowed_steps(self) -> float:
-        """Env steps this actor may have taken by now: its share of warmup plus env_steps_per_train per
-        train step the trainer made since this actor started, plus one batch of slack (so the warmup's
-        last transitions are not stuck in an unsent batch)."""
-        limit = self.task.env_steps_per_train or 0.0
+        """Env steps this actor may have taken by now: its share of the warmup plus the replay ratio's
+        env steps per train step the trainer made since this actor started, plus one batch of slack (so
+        the warmup's last transitions are not stuck in an unsent batch)."""
+        ratio = self.data_path.env_steps_per_train or 0.0
         trained = max(0, self.latest_train_count)
         if self._trained_base is None:
             self._trained_base = trained
-        warmup = self.task.rl_config.warmup_size
-        share = (warmup + limit * (trained - self._trained_base)) / self.task.actor_num
-        return share + self.options.batch_size
+        share = (self.data_path.warmup_rows + ratio * (trained - self._trained_base)) / self.task.actor_num
+        return share + self._batch_rows()
 
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
-        columns = self.worker.take_transitions()
-        if columns is not None:
-            self._send(columns)
+        self._flush()
         started = time.monotonic()
         while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
             self.stop.wait(0.01)
         self.throttled_s += time.monotonic() - started
+
+    def _batch_rows(self) -> int:
+        if self.data_path.rows == "segments":
+            return 1  # a segment goes as soon as it is complete
+        return max(1, min(self.options.batch_size, self.max_rows))
 
     # ------------------------------------------------------------ sending
     def _wait_for_room(self) -> None:
@@ -287,9 +322,17 @@ class ActorRun:
         counters = self.board.get_counters()  # written at once by every actor and the trainer (see _send)
         return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
 
+    def _flush(self) -> int | None:
+        """Send the worker's finished rows; the newest params version among them (None: nothing sent)."""
+        columns = self.worker.take()
+        if columns is None:
+            return None
+        self._send(columns)
+        return int(columns["version"].max()) if "version" in columns and len(columns["version"]) else None
+
     def _send(self, columns: Columns) -> None:
         priorities = self.worker.initial_priorities(columns)
-        max_rows = min(MAX_MESSAGE_ROWS, max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes)))
+        max_rows = min(self.max_rows, max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes)))
         for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows):
             count = len(next(iter(chunk_cols.values())))
             header = BatchHeader(
@@ -299,7 +342,7 @@ class ActorRun:
             blob = self.codec.encode_batch(header, chunk_cols, chunk_pr)
             self._wait_for_room()
             if self.stop.is_set():
-                logger.info("not sending %d transitions: %s", count, self.stop.reason)
+                logger.info("not sending %d rows: %s", count, self.stop.reason)
                 return
             self.seq += 1
             self.sent_batches += 1
@@ -346,55 +389,46 @@ class ActorRun:
     def run(self) -> str:
         """Act until the task ends or the slot is lost; returns why it stopped."""
         opts = self.options
+        path = self.data_path
         board_thread = threading.Thread(target=self._board_loop, name="srl-actor-board", daemon=True)
         board_thread.start()
-        logger.info("actor %s holds slot %d of %d (ε=%.4g); env %s", opts.uid, self.slot, self.task.actor_num,
-                    getattr(self.worker, "epsilon", float("nan")), self.task.env_config)
-        env, worker = self.env, self.worker
-        obs = env.reset()
-        worker.on_reset(obs)
-        episode_reward = 0.0
+        stats = ", ".join(f"{k}={v:.4g}" for k, v in self.worker.stats().items())
+        logger.info("actor %s holds slot %d of %d (%d env(s)%s); env %s", opts.uid, self.slot, self.task.actor_num,
+                    self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
         batch_started = time.monotonic()
         steps_since_count = 0
         try:
+            self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
             while not self.stop.is_set():
-                if self._staged is not None:
+                if self._staged is not None and self.worker.may_load_params():
                     self._apply_staged_params()
-                if self.task.env_steps_per_train is not None and self.env_steps >= self._allowed_steps():
+                if path.env_steps_per_train is not None and self.env_steps >= self._allowed_steps():
                     self._throttle()
                     batch_started = time.monotonic()
                     continue
-                action = worker.act(obs)
-                next_obs, reward, terminated, truncated = env.step(action)
-                worker.on_step(obs, action, reward, next_obs, terminated, truncated)
-                self.env_steps += 1
-                steps_since_count += 1
-                episode_reward += reward
-                if terminated or truncated:
+                for episode in self.rollout.step():
                     self.episodes += 1
-                    self.recent_rewards.append(episode_reward)
+                    self.recent_rewards.append(episode.total_reward)
                     del self.recent_rewards[:-20]
-                    self.counters.add(episodes=1, env_steps=steps_since_count)
+                    self.counters.add(episodes=1)
+                self.env_steps += self.rollout.num_envs
+                steps_since_count += self.rollout.num_envs
+                if steps_since_count >= 1000:
+                    self.counters.add(env_steps=steps_since_count)
                     steps_since_count = 0
-                    episode_reward = 0.0
-                    obs = env.reset()
-                    worker.on_reset(obs)
-                else:
-                    obs = next_obs
-                pending = worker.pending()
-                if pending >= opts.batch_size or (
-                    pending and time.monotonic() - batch_started >= opts.batch_max_age
-                ):
-                    columns = worker.take_transitions()
-                    if columns is not None:
-                        self._send(columns)
+                pending = self.worker.pending()
+                aged = pending and time.monotonic() - batch_started >= opts.batch_max_age
+                if pending >= self._batch_rows() or aged:
+                    sent_version = self._flush()
                     batch_started = time.monotonic()
+                    if path.sync and sent_version is not None:  # lockstep: the next segment waits for new params
+                        self._wait_for_params(sent_version, "sync")
         finally:
             self.counters.add(env_steps=steps_since_count)
             self.stop.set("actor stopping")
             board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
             self._final_report()
-            env.close()
+            self.rollout.close()
             self.queue.close()
         if self.fatal:
             raise RuntimeError(self.fatal)
@@ -408,7 +442,6 @@ class ActorRun:
             self.board.release_lease(self.lease_name, self.options.uid)
         except Exception as e:  # the board may be gone; the lease then simply expires
             logger.warning("could not report the end of actor %s: %s", self.options.uid, e)
-
 
     def summary(self) -> str:
         return (f"slot {self.slot}, {self.env_steps} env steps, {self.sent_batches} batches, "

@@ -802,10 +802,16 @@ class Board:
 
     def get_params_version(self) -> tuple[int, int] | None:
         """``(epoch, version)`` of the latest params (one HMGET); None before the first publish."""
-        epoch, version = self.client.hmget(self._task_key, "params_epoch", "params_version")
+        head = self.get_params_head()
+        return None if head is None else (head[0], head[1])
+
+    def get_params_head(self) -> tuple[int, int, int] | None:
+        """``(epoch, version, train_count)`` of the latest params (one HMGET); None before the first publish."""
+        epoch, version, train_count = self.client.hmget(self._task_key, "params_epoch", "params_version",
+                                                        "train_count")
         if epoch is None or version is None:
             return None
-        head = _int(epoch, "params_epoch"), _int(version, "params_version")
+        head = _int(epoch, "params_epoch"), _int(version, "params_version"), _int(train_count or 0, "train_count")
         return None if head[0] == 0 else head
 
     def get_params(self, max_bytes: int | None = None) -> ParamsRecord | None:

@@ -28,10 +28,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("srl.client")
 
 
-DEFAULT_ENV_STEPS_PER_TRAIN = 2.0
-"""default rate limit (see ``train_distribution``)"""
-
-
 TIMEOUT_GRACE_S = 30.0
 """how long past ``timeout`` the client waits for the trainer to end the task before it does"""
 
@@ -58,7 +54,6 @@ def train_distribution(
     progress_interval: float | None = 5.0,
     overwrite: bool = False,
     queue_capacity: int = 8,
-    env_steps_per_train: float | None = DEFAULT_ENV_STEPS_PER_TRAIN,
     secret: str | None = None,
     local_processes: bool | None = None,
     actor_options: dict[str, Any] | None = None,
@@ -71,13 +66,12 @@ def train_distribution(
         queue_params: where experience flows (None: the board's Redis; or RabbitMQParameters,
             MQTTParameters, GCPParameters, or a URL). Actors and trainer must be given the same.
         actor_num: actor slots; actor i of N explores with the algorithm's per-actor schedule.
-        max_train_count, max_steps, timeout: the end rule (at least one); the trainer applies it.
+        max_train_count, max_steps, timeout: the end rule (at least one); the trainer applies it:
+            gradient steps, env steps (all actors together), seconds.
         progress_interval: seconds between progress lines (None: quiet).
         overwrite: replace a task of the same name that is still INIT/ACTIVE.
-        queue_capacity: batches allowed in the queue before actors wait (backpressure).
-        env_steps_per_train: rate limit: past warmup, all actors together take at most this many env
-            steps per train step, so a small replay memory is not flushed by actors far faster than
-            the trainer (None: actors run flat out, the Ape-X way, for many actors and a big memory).
+        queue_capacity: batches allowed in the queue before actors wait (backpressure). How fast
+            actors may go otherwise is the algorithm's data path (DQN: ``env_steps_per_train``).
         secret: shared secret signing every message (default: env SRL_SECRET).
         local_processes: start the trainer and actors here (default: only with an embedded Redis).
         actor_options, trainer_options: ActorOptions / TrainerOptions fields for local processes.
@@ -107,7 +101,6 @@ def train_distribution(
             "max_steps": max_steps,
             "timeout": timeout,
             "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
-            "env_steps_per_train": env_steps_per_train,
         }
         with_retry(lambda: board.ping(), f"connecting to {resolved.describe()}", max_wait=10)
         codec = Codec(secret=secret, task=resolved.task_name)
@@ -207,12 +200,13 @@ def progress_lines(
             None if timeout is None else timeout - elapsed]
     known = [e for e in etas if e is not None]
     sent, received = counters.get("sent_batches", 0), counters.get("received_batches", 0)
+    stale = counters.get("stale_rows", 0)
     lines = [
         f"task {status.status.value} {format_seconds(elapsed)} elapsed, "
         f"ETA {format_seconds(min(known) if known else None)}"
         f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
         f" | batches sent {sent:.0f} received {received:.0f} (in flight ~{max(0.0, sent - received):.0f})"
-        f" | bad {counters.get('bad_messages', 0):.0f}"
+        f" | bad {counters.get('bad_messages', 0):.0f}" + (f" | stale rows refused {stale:.0f}" if stale else "")
     ]
     holder, _ = board.lease_holder("trainer")
     latest_version = int(trainer.get("params_version", 0) or 0)
@@ -220,10 +214,17 @@ def progress_lines(
         lines.append(f"  trainer: MISSING for {format_seconds(_missing_for(stats, 'trainer', elapsed))} — "
                      "start one: srl trainer --host HOST (or trainer_run_forever(...))")
     else:
+        lag = ""
+        if "lag_steps_p50" in trainer or "lag_p50" in trainer:
+            lag = (f", policy lag {_g(trainer.get('lag_steps_p50'))}/{_g(trainer.get('lag_steps_p95'))} train steps "
+                   f"(p50/p95; {_g(trainer.get('lag_p50'))}/{_g(trainer.get('lag_p95'))} versions)")
+        waiting = f" — WAITING for segments from actor slot(s) {trainer['waiting_for']}" \
+            if trainer.get("waiting_for") else ""
         lines.append(
             f"  trainer {holder} (epoch {trainer.get('epoch', '?')}, {trainer.get('device', '?')}): "
-            f"{trainer.get('train_per_s', 0)} train/s, memory {trainer.get('memory', 0)}, "
-            f"ingest {trainer.get('received_per_s', 0)} transitions/s, loss {trainer.get('loss', '-')}"
+            f"{trainer.get('train_per_s', 0)} train/s, buffer {trainer.get('memory', 0)}, "
+            f"ingest {trainer.get('received_per_s', 0)} rows/s, loss {trainer.get('loss', '-')}, "
+            f"params v{trainer.get('params_version', 0)}{lag}{waiting}"
         )
     for i in range(actor_num):
         holder, _ = board.lease_holder(f"actor:{i}")
@@ -232,15 +233,21 @@ def progress_lines(
             lines.append(f"  actor {i}: MISSING for {format_seconds(_missing_for(stats, f'actor:{i}', elapsed))} — "
                          "start one: srl actor --host HOST (or actor_run_forever(...))")
             continue
-        lag = max(0, latest_version - int(s.get("params_version", 0) or 0))
+        versions_behind = max(0, latest_version - int(s.get("params_version", 0) or 0))
         stalled_now = float(s.get("stalled_now_s", 0) or 0)
         waiting = f" — WAITING on a full queue for {format_seconds(stalled_now)}" if stalled_now >= 1 else ""
+        sync = f", sync-waited {s.get('sync_wait_s')}s" if s.get("sync_wait_s") else ""
         lines.append(
-            f"  actor {i} {holder}: {s.get('env_steps_per_s', 0)} steps/s, {s.get('episodes', 0)} episodes, "
-            f"reward {s.get('reward', '-')}, params lag {lag}, "
-            f"stalled {s.get('backpressure_wait_s', 0)}s, rate-limited {s.get('rate_limited_s', 0)}s{waiting}"
+            f"  actor {i} {holder}: {s.get('env_steps_per_s', 0)} steps/s ({s.get('envs', 1)} env(s)), "
+            f"{s.get('episodes', 0)} episodes, reward {s.get('reward', '-')}, params v{s.get('params_version', '?')} "
+            f"({versions_behind} behind), stalled {s.get('backpressure_wait_s', 0)}s, "
+            f"rate-limited {s.get('rate_limited_s', 0)}s{sync}{waiting}"
         )
     return lines
+
+
+def _g(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
 
 
 def _missing_for(stats: dict[str, dict[str, Any]], role: str, elapsed: float) -> float:

@@ -20,7 +20,7 @@ from srl.base.config import ConfigError, config_from_dict
 from srl.base.env import EnvConfig, EnvError
 from srl.base.rl import RLConfig
 from srl.runner.distribution.board import MAX_ACTORS
-from srl.runner.distribution.codec import Codec, DecodeError, short
+from srl.runner.distribution.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, short
 
 MAX_QUEUE_CAPACITY = 1_000_000
 """most batches a task may allow in its queue"""
@@ -46,9 +46,6 @@ class TaskSpec:
     timeout: float | None
     queue: dict[str, Any]
     """scheme and description of the experience queue the client chose, and its capacity"""
-    env_steps_per_train: float | None = None
-    """past warmup, all actors together step at most this many env steps per trainer train step
-    (each actor its 1/actor_num share); None: actors step as fast as they can"""
 
     @property
     def queue_capacity(self) -> int:
@@ -123,7 +120,6 @@ def build_task(
             max_steps=_bounded(data, "max_steps", int, 2**62),
             timeout=_bounded(data, "timeout", float, 1e9),
             queue=queue,
-            env_steps_per_train=_bounded(data, "env_steps_per_train", float, 1e6),
         )
     except KeyError as e:
         raise TaskConfigError(
@@ -133,6 +129,14 @@ def build_task(
         raise
     except (ConfigError, UnknownAlgorithmError, EnvError, ValueError, TypeError) as e:
         raise TaskConfigError(f"cannot build the task's config: {short(e, 400)}") from None
+
+
+def max_message_rows(task: TaskSpec) -> int:
+    """Most rows one batch message of ``task`` may carry (actors split more; the trainer refuses more):
+    an actor's segments of one vector step, or ``MAX_MESSAGE_ROWS`` transitions."""
+    if task.rl_config.data_path().rows == "segments":
+        return max(1, task.rl_config.envs_per_actor)
+    return MAX_MESSAGE_ROWS
 
 
 class StopFlag:

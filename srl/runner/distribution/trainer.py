@@ -3,21 +3,31 @@
 Owns: the trainer process — taking the lease (which increments the epoch that
 fences every params write), restoring from the params on the board so
 ``train_count`` continues after a takeover, ingesting in a background thread
-(decode against the algorithm's schema → dedupe → memory → ack: never ack
-before the batch is in replay), training on the main thread, publishing
-params from the board thread, and ending the task at its limits with the final
-params written first. Must never: ack a batch before it is in memory, let one
-message stop it (whatever a message does, it is counted, noted with its
-source, acked and skipped), or give up on a board that is away for a while.
+(decode against the algorithm's schema → dedupe → the data path's version
+policy → buffer → ack: never ack before the rows are in the buffer), training
+on the main thread, publishing params from the board thread, and ending the
+task at its limits with the final params written first. It follows the
+algorithm's ``DataPath`` and never branches on the algorithm. Must never: ack
+a batch before it is in the buffer, let one message stop it (whatever a
+message does, it is counted, noted with its source, acked and skipped), or
+give up on a board that is away for a while.
 
 The loop::
 
     epoch = claim_trainer()                      # SET NX PX + INCR, atomically
     restore params (epoch, version) from board   # train_count goes on
-    ingest thread: get_many → decode(schema) → dedupe → memory.add → ack_many
+    ingest thread: get_many → decode(schema) → dedupe → version policy → buffer.add → ack_many
+                   (a full buffer is not read into: the queue fills and actors wait)
     board thread:  heartbeat (renew lease, stats) · publish the latest params blob
-    main thread:   while not done: trainer.train(); every interval: hand a params blob to the board thread
+    main thread:   while not done:
+                       sync: once every actor's segments of this version are in → train → publish
+                       else: train; publish every ``publish_every`` train steps
     publish final params; end_task(END, reason)
+
+Every row carries the params version it was acted with: the trainer refuses
+rows its data path does not accept (sync: another version; ``max_policy_lag``:
+too old), counts them as stale, and reports the lag of what it accepts in
+versions and in train steps (p50/p95/max).
 
 After a board outage longer than the lease TTL the lease has lapsed: the
 trainer takes it back with its own epoch (``Board.reclaim_trainer``) and keeps
@@ -38,12 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from srl.base.env import EnvAdapter, allowed_env_modules
+from srl.base.env import allowed_env_modules, env_spec
+from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
-from srl.rl.memories import Memory
 from srl.runner.distribution.board import Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import (
-    MAX_MESSAGE_ROWS,
     DecodeError,
     batch_message_bytes,
     params_message_bytes,
@@ -53,7 +62,7 @@ from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overr
 from srl.runner.distribution.queues import Message, QueueError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
-from srl.runner.distribution.task import StopFlag, TaskSpec
+from srl.runner.distribution.task import StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
@@ -70,14 +79,15 @@ MAX_INITIAL_PRIORITY = 1e6
 class TrainerOptions(NodeOptions):
     """How a trainer process behaves (the task itself comes from the board)."""
 
-    publish_interval: float = 1.0
-    """seconds between params publications to the board"""
+    min_publish_interval: float = 0.05
+    """seconds between params publications at least (the algorithm sets the cadence in train steps;
+    this keeps a very fast trainer from writing params hundreds of times a second)"""
     ingest_max_messages: int = 16
     """batches fetched from the queue per round trip (with the task's message size, this bounds
     the bytes one read may bring)"""
     max_buffer_bytes: int = 0
-    """largest replay memory this trainer allocates for a task (0: 75% of this machine's memory);
-    a task asking for more ends FAILED with the reason"""
+    """largest buffer (replay memory) this trainer allocates for a task (0: 75% of this machine's
+    memory); a task asking for more ends FAILED with the reason"""
 
 
 def machine_memory_bytes() -> int:
@@ -133,6 +143,49 @@ class SeenBatches:
         return len(self._actors)
 
 
+class PolicyLag:
+    """How old the params were that accepted rows were acted with, in versions and in train steps.
+
+    The trainer notes the train count of each version it publishes; a row of version v that
+    arrives when the latest version is V is ``V - v`` versions and ``train_count(V) -
+    train_count(v)`` train steps behind. Kept for the last ``window`` rows (Sample Factory's
+    ``version_diff``).
+    """
+
+    def __init__(self, window: int = 4096, versions_kept: int = 100_000) -> None:
+        self._versions: deque[int] = deque(maxlen=window)
+        self._steps: deque[int] = deque(maxlen=window)
+        self._train_at: OrderedDict[int, int] = OrderedDict()
+        self._kept = versions_kept
+
+    def published(self, version: int, train_count: int) -> None:
+        self._train_at[version] = train_count
+        while len(self._train_at) > self._kept:
+            self._train_at.popitem(last=False)
+
+    def note(self, versions: np.ndarray, current: int) -> None:
+        if versions.size == 0:
+            return
+        now = self._train_at.get(current)
+        for version, count in zip(*np.unique(versions, return_counts=True), strict=True):
+            behind = max(0, current - int(version))
+            then = self._train_at.get(int(version))
+            steps = -1 if now is None or then is None else max(0, now - then)
+            self._versions.extend([behind] * min(int(count), self._versions.maxlen or 0))
+            self._steps.extend([steps] * min(int(count), self._steps.maxlen or 0))
+
+    def summary(self) -> dict[str, float]:
+        """p50/p95/max of the recent lag, in versions (``lag_*``) and train steps (``lag_steps_*``)."""
+        out: dict[str, float] = {}
+        for name, values in (("lag", self._versions), ("lag_steps", self._steps)):
+            known = np.array([v for v in values if v >= 0])
+            if known.size:
+                out[f"{name}_p50"] = float(np.percentile(known, 50))
+                out[f"{name}_p95"] = float(np.percentile(known, 95))
+                out[f"{name}_max"] = float(known.max())
+        return out
+
+
 class TrainerRun:
     """One trainer working on one task under one epoch."""
 
@@ -151,32 +204,34 @@ class TrainerRun:
         self.options = options
         self.stop = StopFlag()
         config = task.rl_config
+        self.data_path = config.data_path()
         torch.set_num_threads(max(1, config.torch_threads))
         seed_everything(config.seed)
-        env = EnvAdapter(task.env_config, config.algorithm, config.action_bins,
-                         allow_modules=allowed_env_modules(options.allow_env_modules))
-        self.spec = env.spec
-        env.close()
+        self.spec = env_spec(task.env_config, allowed_env_modules(options.allow_env_modules))
+        config.check_spec(self.spec)
         self.schema: Schema = config.schema(self.spec)
-        self._check_memory_fits(config.memory.capacity * self.schema.row_nbytes)
+        self.max_message_rows = max_message_rows(task)
         self.device = config.resolve_device()
         self.parameter = config.make_parameter(self.spec, self.device)
         params_bytes = params_message_bytes(self.parameter.to_arrays())
         self.codec = options.codec(
-            board.task_name, max_bytes=max(batch_message_bytes(self.schema, MAX_MESSAGE_ROWS), params_bytes)
+            board.task_name, max_bytes=max(batch_message_bytes(self.schema, self.max_message_rows), params_bytes)
         )
         self.max_params_bytes = params_bytes
-        self.memory: Memory = config.make_memory(self.spec)
-        self.trainer = config.make_trainer(self.spec, self.parameter, self.memory)
+        self.buffer: Buffer = config.make_buffer(self.spec, task.actor_num)
+        self._check_memory_fits(self.buffer.nbytes)  # the arrays are reserved, not yet touched
+        self.trainer = config.make_trainer(self.spec, self.parameter, self.buffer)
         self.queue_params = queue_params
         self.redis_params = redis_params
         self.data_arrived = threading.Event()
         self.seen = SeenBatches()
+        self.lag = PolicyLag()
         self.counters = CounterDeltas()
         self.received_batches = 0
         self.received_transitions = 0
         self.bad_messages = 0
         self.duplicates = 0
+        self.stale_rows = 0
         self.last_bad = ""
         self._bad_reported = 0
         self._dead_letters: deque[DeadLetter] = deque(maxlen=100)
@@ -184,7 +239,7 @@ class TrainerRun:
         self._queue_log = Throttle()
         self._board_log = Throttle()
         self.env_steps_total = 0
-        self.loss: float | None = None
+        self.last_stats: dict[str, float] = {}
         self.task_started_at: float | None = None
         self.fatal: str | None = None
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
@@ -196,14 +251,21 @@ class TrainerRun:
         self._published_version = 0
         self._wake = threading.Event()
         self._lease_lost_at: float | None = None
+        # sync: which actor slots delivered segments of the current version, and since when we wait
+        self._version_lock = threading.Lock()
+        self._arrivals: dict[int, int] = {}
+        self._waiting_since: float | None = None
+        self.waiting_for: list[int] = []
+        self._last_publish = 0.0
+        self._next_publish = 0
 
     def _check_memory_fits(self, needed: int) -> None:
         limit = self.options.max_buffer_bytes or int(0.75 * machine_memory_bytes())
         if limit and needed > limit:
             raise MemoryError(
-                f"the task's replay memory needs {needed / 2**30:.2f} GiB (memory.capacity "
-                f"{self.task.rl_config.memory.capacity} x {self.schema.row_nbytes} bytes per row); this trainer "
-                f"allows {limit / 2**30:.2f} GiB (--max-buffer-bytes); lower memory.capacity"
+                f"the task's buffer needs {needed / 2**30:.2f} GiB ({self.schema.row_nbytes} bytes per row); this "
+                f"trainer allows {limit / 2**30:.2f} GiB (--max-buffer-bytes); make the buffer smaller "
+                "(e.g. memory.capacity)"
             )
 
     # ------------------------------------------------------------ restore
@@ -228,6 +290,7 @@ class TrainerRun:
         self._published_version = record.version
         self.parameter.version = record.version
         self.trainer.train_count = record.train_count
+        self.lag.published(record.version, record.train_count)
         self.trainer.on_parameters_loaded()
         logger.info("trainer at epoch %d restored the params of epoch %d version %d: train_count continues from %d",
                     self.epoch, record.epoch, record.version, record.train_count)
@@ -243,13 +306,20 @@ class TrainerRun:
                     if queue is None:
                         queue = open_queue(self.queue_params, namespace=self.redis_params.task_name,
                                            role="consumer", redis_params=self.redis_params, consumer_name=opts.uid,
-                                           max_read_bytes=self.codec.max_bytes)
-                    messages = queue.get_many(opts.ingest_max_messages, timeout=0.2)
+                                           max_read_bytes=self.codec.max_bytes, prefetch=opts.ingest_max_messages)
+                    room = self.buffer.room()
+                    count = opts.ingest_max_messages
+                    if room is not None:  # a full buffer is not read into: the queue fills, actors wait
+                        count = min(count, room // self.max_message_rows)
+                        if count < 1:
+                            self.stop.wait(0.005)
+                            continue
+                    messages = queue.get_many(count, timeout=0.2)
                     delay = 0.1
                     if not messages:
                         continue
                     counts = self._ingest(messages)
-                    queue.ack_many(messages)  # after every message is in memory (or refused)
+                    queue.ack_many(messages)  # after every message is in the buffer (or refused)
                     self.data_arrived.set()
                     self.counters.add(**counts)
                     if not queue.reports_depth:  # actors read the queue depth from these counters: write now
@@ -273,31 +343,69 @@ class TrainerRun:
                 _close_quietly(queue)
 
     def _ingest(self, messages: list[Message]) -> dict[str, float]:
-        """Decode, dedupe and add to memory; the counts for the board. Never raises for a message."""
-        received = transitions = bad = dups = 0
+        """Decode, dedupe, apply the version policy and add to the buffer; the counts for the board.
+        Never raises for a message."""
+        received = rows = bad = dups = stale = 0
         for message in messages:
             try:
                 if message.refused:
                     raise DecodeError(message.refused)
                 header, columns, priorities = self.codec.decode_batch(message.data, self.schema)
+                if header.count > self.max_message_rows:
+                    raise DecodeError(f"batch of {header.count} rows; a message of this task carries at most "
+                                      f"{self.max_message_rows}")
                 if not self.seen.is_new(header.actor_id, header.seq):
                     dups += 1
                     continue
                 if priorities is not None:
                     priorities = np.minimum(priorities, MAX_INITIAL_PRIORITY)
-                self.memory.add(columns, priorities)
+                with self._version_lock:  # the version cannot move between the check and the add
+                    columns, priorities, refused = self._accepted(columns, priorities)
+                    kept = len(columns["version"])
+                    if kept:
+                        self._add_when_room(columns, priorities)
+                        self._arrivals[header.actor_index] = self._arrivals.get(header.actor_index, 0) + kept
                 self.seen.mark(header.actor_id, header.seq)
-                received += 1
-                transitions += header.count
+                stale += refused
+                if kept:
+                    received += 1
+                    rows += kept
             except Exception as e:  # whatever one message causes stays that message's problem
                 bad += 1
                 self._note_bad(message, e)
         self.received_batches += received
-        self.received_transitions += transitions
+        self.received_transitions += rows
         self.bad_messages += bad
         self.duplicates += dups
-        return {"received_batches": received, "received_transitions": transitions, "bad_messages": bad,
-                "duplicates": dups}
+        self.stale_rows += stale
+        return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
+                "duplicates": dups, "stale_rows": stale}
+
+    def _accepted(
+        self, columns: Columns, priorities: np.ndarray | None
+    ) -> tuple[Columns, np.ndarray | None, int]:
+        """The rows the data path accepts at the current version (and how many it refused as stale);
+        the lag of the accepted ones is noted."""
+        versions = columns["version"]
+        path = self.data_path
+        if path.sync:
+            keep = versions == self.version
+        elif path.max_policy_lag is not None:
+            keep = self.version - versions <= path.max_policy_lag
+        else:
+            keep = None
+        if keep is not None and not keep.all():
+            columns = {name: column[keep] for name, column in columns.items()}
+            priorities = None if priorities is None else priorities[keep]
+            versions = columns["version"]
+        self.lag.note(versions, self.version)
+        return columns, priorities, 0 if keep is None else int((~keep).sum())
+
+    def _add_when_room(self, columns: Columns, priorities: np.ndarray | None) -> None:
+        n = len(columns["version"])
+        while (room := self.buffer.room()) is not None and room < n and not self.stop.is_set():
+            self.stop.wait(0.005)  # the trainer is taking rows out; we hold the message meanwhile
+        self.buffer.add(columns, priorities)
 
     def _note_bad(self, message: Message, error: BaseException) -> None:
         source = short(getattr(message, "source", "?"), 200)
@@ -353,13 +461,16 @@ class TrainerRun:
             "train_count": self.trainer.train_count,
             "train_per_s": round(train_per_s, 1),
             "received_per_s": round(received_per_s, 1),
-            "memory": len(self.memory),
+            "memory": len(self.buffer),
             "received_batches": self.received_batches,
             "bad_messages": self.bad_messages,
             "duplicates": self.duplicates,
+            "stale_rows": self.stale_rows,
             "params_version": self.version,
-            "loss": "" if self.loss is None else round(self.loss, 6),
+            "waiting_for": ",".join(str(i) for i in self.waiting_for),
             "device": str(self.device),
+            **{k: round(v, 6) for k, v in self.last_stats.items()},
+            **{k: round(v, 2) for k, v in self.lag.summary().items()},
         }
 
     def _heartbeat(self, stats: dict[str, Any]) -> None:
@@ -398,7 +509,7 @@ class TrainerRun:
         if self.board.reclaim_trainer(opts.uid, self.epoch, int(opts.lease_ttl * 1000)):
             away = 0.0 if self._lease_lost_at is None else time.monotonic() - self._lease_lost_at
             text = (f"trainer {opts.uid} took its lapsed lease back (epoch {self.epoch}, {away:.0f}s without the "
-                    f"board); memory ({len(self.memory)} rows) and train_count {self.trainer.train_count} kept")
+                    f"board); buffer ({len(self.buffer)} rows) and train_count {self.trainer.train_count} kept")
             logger.warning("%s", text)
             self.board.log_event(text, level="WARNING", source=opts.uid)
             return True
@@ -411,9 +522,11 @@ class TrainerRun:
 
     # ------------------------------------------------------------ publishing
     def request_publish(self) -> int:
-        """Hand the current weights to the board thread as a new version; that version."""
+        """Make the current weights the next params version and hand them to the board thread."""
         self.version += 1
         self.parameter.version = self.version
+        self.lag.published(self.version, self.trainer.train_count)
+        self._arrivals = {}
         blob = self.codec.encode_params(
             self.parameter.to_arrays(),
             {"epoch": self.epoch, "version": self.version, "train_count": self.trainer.train_count,
@@ -463,6 +576,59 @@ class TrainerRun:
         return None
 
     # ------------------------------------------------------------ the loop
+    def _sync_ready(self) -> bool:
+        """Sync: every actor's segments of this version are in, or ``sync_wait_s`` passed with at least
+        ``min_segments`` (then the log says which actors it goes on without)."""
+        path = self.data_path
+        needed = self.task.actor_num * self.task.rl_config.envs_per_actor
+        have = len(self.buffer)
+        if have >= needed:
+            self.waiting_for = []
+            return True
+        if have == 0:
+            self._waiting_since = None
+            return False
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        self.waiting_for = [i for i in range(self.task.actor_num) if i not in self._arrivals]
+        if have >= path.min_segments and now - self._waiting_since >= path.sync_wait_s:
+            logger.warning("version %d: going on with %d of %d segments after %.0fs; no segments from actor slot(s) "
+                           "%s", self.version, have, needed, now - self._waiting_since, self.waiting_for)
+            return True
+        return False
+
+    def _update(self) -> bool:
+        """One update on the main thread (False: not enough data yet); publishes as the data path says."""
+        path = self.data_path
+        if path.sync:
+            if not self._sync_ready():
+                return False
+            with self._version_lock:  # no row of the old version slips in between training and publishing
+                stats = self.trainer.train()
+                if stats is not None:
+                    self.request_publish()
+                    self._waiting_since = None
+        else:
+            stats = self.trainer.train()
+            if stats is not None and self._publish_due():
+                self.request_publish()
+        if stats is None:
+            return False
+        self.last_stats = {k: v for k, v in stats.scalars().items() if k != "gradient_steps"}
+        return True
+
+    def _publish_due(self) -> bool:
+        every = self.data_path.publish_every
+        now = time.monotonic()
+        if now - self._last_publish < self.options.min_publish_interval:
+            return False
+        if every == 0 or self.trainer.train_count >= self._next_publish:
+            self._next_publish = (self.trainer.train_count // max(1, every) + 1) * max(1, every)
+            self._last_publish = now
+            return True
+        return False
+
     def run(self) -> str:
         opts = self.options
         status = with_retry(self.board.get_status, "reading the task")
@@ -476,22 +642,18 @@ class TrainerRun:
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.trainer.train_count)
         self.request_publish()  # actors act with this trainer's weights from the start
-        next_publish = time.monotonic() + opts.publish_interval
+        self._last_publish = time.monotonic()
+        every = max(1, self.data_path.publish_every)
+        self._next_publish = (self.trainer.train_count // every + 1) * every
         end_reason: str | None = None
         try:
             while not self.stop.is_set():
                 end_reason = self._limit_reached()
                 if end_reason:
                     break
-                stats = self.trainer.train()
-                if stats is None:
+                if not self._update():
                     self.data_arrived.wait(0.05)
                     self.data_arrived.clear()
-                else:
-                    self.loss = stats.loss
-                if time.monotonic() >= next_publish:
-                    next_publish = time.monotonic() + opts.publish_interval
-                    self.request_publish()
             # final params first, then END: a client that sees END finds them
             if end_reason and not self.stop.is_set() and self.publish_and_wait():
                 with_retry(lambda: self.board.end_task("END", end_reason or ""), "ending the task")
@@ -513,7 +675,7 @@ class TrainerRun:
 
     def summary(self) -> str:
         return (f"epoch {self.epoch}, train_count {self.trainer.train_count}, received {self.received_batches} "
-                f"batches, {self.bad_messages} bad, {self.duplicates} duplicates")
+                f"batches, {self.bad_messages} bad, {self.duplicates} duplicates, {self.stale_rows} stale rows")
 
 
 def _close_quietly(queue: Any) -> None:

@@ -182,6 +182,7 @@ def open_queue(
     consumer_name: str | None = None,
     options: Mapping[str, Any] | None = None,
     max_read_bytes: int | None = None,
+    prefetch: int | None = None,
 ) -> ExperienceQueue:
     """Connect to the experience queue of task ``namespace`` as a producer or the consumer.
 
@@ -193,7 +194,11 @@ def open_queue(
     ``{"claim_min_idle_s": 30.0}``; for the other backends they override fields
     of the parameters dataclass. ``max_read_bytes`` (consumer): larger
     payloads are handed out ``refused`` instead of decoded, and not even read
-    where the backend can tell first (Redis, MQTT). Raises
+    where the backend can tell first (Redis, MQTT). ``prefetch`` (consumer):
+    how many messages a broker that pushes (RabbitMQ, MQTT) may hand this
+    consumer ahead of its acks, overriding the parameters' ``prefetch``; what
+    is pushed ahead no longer counts as queued on RabbitMQ, so a trainer keeps
+    it small to keep backpressure exact. Raises
     ``BrokerUnavailableError`` (a ``ConnectionError``) when the broker does not answer.
     """
     if role not in ("producer", "consumer"):
@@ -202,6 +207,8 @@ def open_queue(
         raise ValueError("namespace must be a non-empty task namespace (it names the queue)")
     resolved = _as_parameters(params, redis_params)
     backend = _backend_for(resolved)
+    if prefetch is not None and any(f.name == "prefetch" for f in dataclasses.fields(resolved)):
+        resolved = dataclasses.replace(resolved, prefetch=max(1, int(prefetch)))
     extra: dict[str, Any] = dict(options or {})
     if extra and not isinstance(resolved, RedisParameters):
         fields = {f.name for f in dataclasses.fields(resolved)}

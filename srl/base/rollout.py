@@ -1,0 +1,143 @@
+"""The env step loop, written once: E envs (a gymnasium vector env) driven by one worker.
+
+Owns: ``Rollout`` — building the vector env (sync by default; async, one
+process per env, where the env itself is slow) with same-step autoreset (an
+env whose episode ends is reset at once and alone: the others never notice),
+turning observations into what algorithms see, asking the worker for all E
+actions at once (batched inference), telling it what happened (the final
+observation of an ended episode, not the reset one), and counting episodes.
+It serves ``Runner.train``, ``Runner.evaluate`` and the distributed actor.
+Must never: learn, send anything, or know which algorithm runs.
+
+The loop that uses it::
+
+    rollout = Rollout(env_config, worker, num_envs=8, seed=0)
+    while running:
+        episodes = rollout.step()     # E env steps; the episodes that ended in them
+        rows = worker.take()          # finished transitions or segments, or None
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+
+from srl.base.env import EnvConfig, EnvError, EnvSpec, ObsTransform, make_spec
+
+Vectorization = Literal["sync", "async"]
+MAX_ENVS = 4096
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One finished episode."""
+
+    env_index: int
+    total_reward: float
+    length: int
+
+
+def _make_env(config: EnvConfig, allow_modules: Collection[str] | None) -> gym.Env:
+    return config.make(allow_modules=allow_modules)
+
+
+class _Spaces:
+    """What ``make_spec`` reads from an env: its two spaces."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
+        self.observation_space = observation_space
+        self.action_space = action_space
+
+
+class Rollout:
+    """``num_envs`` copies of an env stepped together by ``worker`` (see the module docstring).
+
+    ``seed`` seeds env i with ``seed + i`` at the first reset (later resets continue their own
+    random streams). The worker is told about every episode start (``reset``) and every step
+    (``observe``); its ``act`` gets the observations of all envs at once.
+    """
+
+    def __init__(
+        self,
+        env_config: EnvConfig,
+        worker: Any,
+        num_envs: int = 1,
+        seed: int | None = None,
+        vectorization: str = "sync",
+        allow_modules: Collection[str] | None = None,
+    ) -> None:
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= MAX_ENVS:
+            raise EnvError(f"num_envs must be an integer in 1..{MAX_ENVS}, got {num_envs!r}")
+        env_config.check_allowed(allow_modules)
+        fns = [functools.partial(_make_env, env_config, allow_modules) for _ in range(num_envs)]
+        if vectorization == "sync":
+            self.envs: gym.vector.VectorEnv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        elif vectorization == "async":
+            self.envs = AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, context="fork")
+        else:
+            raise EnvError(f"vectorization must be 'sync' or 'async', got {vectorization!r}")
+        try:
+            self.spec: EnvSpec = make_spec(
+                _Spaces(self.envs.single_observation_space, self.envs.single_action_space),  # type: ignore[arg-type]
+                env_config.id,
+            )
+            self.transform = ObsTransform(self.spec)
+            self.worker = worker
+            self.num_envs = num_envs
+            obs, _ = self.envs.reset(seed=seed)
+            self.obs = self.transform.batch(obs)
+        except BaseException:
+            self.envs.close()
+            raise
+        self.env_steps = 0
+        self.episodes = 0
+        self._returns = np.zeros(num_envs, dtype=np.float64)
+        self._lengths = np.zeros(num_envs, dtype=np.int64)
+        worker.reset(np.arange(num_envs), self.obs)
+
+    def step(self) -> list[Episode]:
+        """One step of every env; the episodes that ended in it."""
+        actions = self.worker.act(self.obs)
+        next_obs, reward, terminated, truncated, info = self.envs.step(actions)
+        next_obs = self.transform.batch(next_obs)
+        reward = np.asarray(reward, dtype=np.float32)
+        terminated = np.asarray(terminated, dtype=bool)
+        truncated = np.asarray(truncated, dtype=bool)
+        done = terminated | truncated
+        final = next_obs
+        if done.any():
+            # same-step autoreset: next_obs already holds the new episode's first obs for ended envs
+            final = next_obs.copy()
+            mask = info.get("_final_obs", done)
+            for i in np.flatnonzero(mask):
+                final[i] = self.transform.one(info["final_obs"][i])
+        self.worker.observe(reward, final, terminated, truncated)
+        self._returns += reward
+        self._lengths += 1
+        self.env_steps += self.num_envs
+        episodes: list[Episode] = []
+        if done.any():
+            ended = np.flatnonzero(done)
+            for i in ended:
+                episodes.append(Episode(int(i), float(self._returns[i]), int(self._lengths[i])))
+            self._returns[ended] = 0.0
+            self._lengths[ended] = 0
+            self.episodes += len(ended)
+            self.worker.reset(ended, next_obs[ended])
+        self.obs = next_obs
+        return episodes
+
+    def close(self) -> None:
+        self.envs.close()
+
+    def __enter__(self) -> Rollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
