@@ -12,6 +12,7 @@ from srl.base.rl import RLConfig
 
 ALGORITHMS: dict[str, str] = {
     "dqn": "srl.algorithms.dqn",
+    "ppo": "srl.algorithms.ppo",
 }
 
 

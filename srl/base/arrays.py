@@ -57,7 +57,8 @@ def pack_arrays(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None
         if np.asarray(array).dtype.name not in ALLOWED_DTYPES:
             raise TypeError(f"array {name!r} has dtype {np.asarray(array).dtype}; allowed: {sorted(ALLOWED_DTYPES)}")
     meta_json = json.dumps(dict(meta or {}), separators=(",", ":"), allow_nan=False)
-    contiguous = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    # ascontiguousarray turns a 0-d array into shape (1,): keep each array's own shape
+    contiguous = {name: np.ascontiguousarray(array).reshape(np.shape(array)) for name, array in arrays.items()}
     data: bytes = safetensors.numpy.save(contiguous, metadata={META_KEY: meta_json})
     return data
 

@@ -97,7 +97,7 @@ class EnvConfig:
         """
         self.check_allowed(allow_modules)
         try:
-            extra = {} if render_mode is None else {"render_mode": render_mode}
+            extra: dict[str, Any] = {} if render_mode is None else {"render_mode": render_mode}
             return gym.make(self.id, **extra, **self.kwargs)
         except gym.error.Error as e:
             known = list(gym.registry.keys())

@@ -294,6 +294,10 @@ class Trainer(ABC):
     def train(self) -> TrainStats | None:
         """One update (one or more gradient steps), or None when the buffer does not hold enough."""
 
+    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:  # noqa: B027 - optional
+        """The run's budget (env steps, gradient steps; None: not bounded), for schedules that anneal
+        over it (PPO's learning rate). Nothing by default."""
+
     def on_parameters_loaded(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """The parameter's weights were replaced (a checkpoint, or params restored from the board):
         bring any state derived from them (a target network) in line. Nothing by default."""

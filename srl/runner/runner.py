@@ -120,6 +120,8 @@ class Runner:
             self._trainer = config.make_trainer(self.spec, parameter, self._buffer)
             self._trainer.train_count = self._train_count
         trainer, buffer = self._trainer, self._buffer
+        trainer.plan(None if max_steps is None else self.env_steps + max_steps,
+                     None if max_train_count is None else trainer.train_count + max_train_count)
         data_path = config.data_path()
         worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
         rollout = Rollout(self.env_config, worker, config.envs_per_actor, config.seed, config.vectorization)

@@ -239,7 +239,7 @@ def progress_lines(
         sync = f", sync-waited {s.get('sync_wait_s')}s" if s.get("sync_wait_s") else ""
         lines.append(
             f"  actor {i} {holder}: {s.get('env_steps_per_s', 0)} steps/s ({s.get('envs', 1)} env(s)), "
-            f"{s.get('episodes', 0)} episodes, reward {s.get('reward', '-')}, params v{s.get('params_version', '?')} "
+            f"{s.get('episodes', 0)} episodes, reward {s.get('reward') or '-'}, params v{s.get('params_version', '?')} "
             f"({versions_behind} behind), stalled {s.get('backpressure_wait_s', 0)}s, "
             f"rate-limited {s.get('rate_limited_s', 0)}s{sync}{waiting}"
         )

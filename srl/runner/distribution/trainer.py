@@ -641,6 +641,7 @@ class TrainerRun:
         board_thread.start()
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.trainer.train_count)
+        self.trainer.plan(self.task.max_steps, self.task.max_train_count)
         self.request_publish()  # actors act with this trainer's weights from the start
         self._last_publish = time.monotonic()
         every = max(1, self.data_path.publish_every)

@@ -208,7 +208,7 @@ def open_queue(
     resolved = _as_parameters(params, redis_params)
     backend = _backend_for(resolved)
     if prefetch is not None and any(f.name == "prefetch" for f in dataclasses.fields(resolved)):
-        resolved = dataclasses.replace(resolved, prefetch=max(1, int(prefetch)))
+        resolved = dataclasses.replace(resolved, prefetch=max(1, int(prefetch)))  # type: ignore[arg-type]
     extra: dict[str, Any] = dict(options or {})
     if extra and not isinstance(resolved, RedisParameters):
         fields = {f.name for f in dataclasses.fields(resolved)}

@@ -1,0 +1,118 @@
+"""Sync distributed PPO across real processes: lockstep versions, stale segments, a dead actor."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import srl
+from srl.algorithms import ppo
+from srl.base.env import EnvConfig
+from srl.base.rollout import Rollout
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.codec import BatchHeader, Codec
+from srl.runner.distribution.queues import open_queue
+from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def nodes() -> list[Node]:
+    started: list[Node] = []
+    yield started
+    kill_all(started)
+
+
+def start(nodes: list[Node], role: str, redis_url: str, ns: str, tmp_path: Path, *extra: str) -> Node:
+    node = Node(role, redis_url, ns, tmp_path, *extra)
+    nodes.append(node)
+    return node
+
+
+def segments_of(config: ppo.Config, version: int) -> dict[str, np.ndarray]:
+    """Real CartPole segments, labelled with ``version``."""
+    runner = srl.Runner("CartPole-v1", config)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    with Rollout(EnvConfig("CartPole-v1"), worker, config.envs_per_actor, seed=0) as rollout:
+        while worker.pending() == 0:
+            rollout.step()
+    rows = worker.take()
+    assert rows is not None
+    rows["version"][:] = version
+    return rows
+
+
+def test_sync_ppo_trains_in_lockstep_and_refuses_stale_segments(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    config = ppo.Config(seed=0, envs_per_actor=4)
+    runner = srl.Runner("CartPole-v1", config)
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    client = ClientThread(runner, redis_params, actor_num=2, max_steps=40_000)
+    client.start()
+    board = board_for(redis_url, namespace)
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    actors = [start(nodes, "actor", redis_url, namespace, tmp_path) for _ in range(2)]
+    wait_for(lambda: (s := board.get_status()) and s.params_version >= 3, 90, "a few updates")
+    current = board.get_status().params_version  # type: ignore[union-attr]
+    codec = Codec(secret="", task=namespace)
+    with open_queue(None, namespace=namespace, role="producer", redis_params=redis_params) as queue:
+        for seq, version in enumerate((0, current - 2, current + 50)):  # too old, too old, from the future
+            rows = segments_of(config, version)
+            queue.put(codec.encode_batch(BatchHeader("injector", 0, 1, seq, version, 4, time.time()), rows, None))
+    wait_for(lambda: board.get_counters().get("stale_rows", 0) >= 12, 30, "the 12 stale segments refused")
+    client.join(180)
+    assert client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters["stale_rows"] == 12 and counters.get("bad_messages", 0) == 0
+    # lockstep: a version per update (plus the first and the final publication), each update on one
+    # segment per env of both actors (2 x 4), K = 20 epochs of one minibatch
+    updates = status.params_version - 2
+    assert runner.train_count == 20 * updates
+    assert updates * 8 <= counters["received_transitions"] <= (updates + 1) * 8
+    for actor in actors:
+        assert "sync-waited" not in actor.output()  # (said by the client, not the actor)
+    assert trainer.alive() or trainer.proc.returncode == 0
+    assert np.mean(runner.evaluate(max_episodes=5)) >= 150
+
+
+def test_a_sigkilled_actor_mid_segment_does_not_stall_the_run(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    config = ppo.Config(seed=0, envs_per_actor=2, sync_wait_s=2.0)
+    runner = srl.Runner("CartPole-v1", config)
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
+                          max_steps=12_000, progress_interval=1.0)
+    client.start()
+    board = board_for(redis_url, namespace)
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    wait_for(lambda: (s := board.get_status()) and s.params_version >= 3, 90, "a few updates")
+    victim_pid = lease_holder_pid(board, "actor:1")
+    assert victim_pid is not None
+    import os
+
+    os.kill(victim_pid, signal.SIGKILL)
+    waiting = wait_for(lambda: board.get_all_stats().get("trainer", {}).get("waiting_for") == "1" or None, 30,
+                       "the trainer to say it waits for slot 1")
+    assert waiting
+    version = board.get_status().params_version  # type: ignore[union-attr]
+    wait_for(lambda: (s := board.get_status()) and s.params_version >= version + 3, 60,
+             "updates to go on without the dead actor")
+    assert "going on with 2 of 4 segments" in trainer.output() and "slot(s) [1]" in trainer.output()
+    standby = start(nodes, "actor", redis_url, namespace, tmp_path)  # takes the freed slot
+    wait_for(lambda: lease_holder_pid(board, "actor:1") == standby.proc.pid, 30, "the standby to take slot 1")
+    client.join(180)
+    assert client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    assert board.get_counters().get("bad_messages", 0) == 0
