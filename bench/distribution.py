@@ -32,15 +32,14 @@ import numpy as np
 
 import srl
 from srl.algorithms import dqn
-from srl.base.env import EnvAdapter
+from srl.base.rollout import Rollout
 from srl.runner.distribution.board import Board
-from srl.runner.distribution.client import DEFAULT_ENV_STEPS_PER_TRAIN
 from srl.runner.distribution.codec import Codec
 from srl.runner.distribution.embedded import start_embedded_redis
 
 
-def pendulum_config() -> dqn.Config:
-    rl_config = dqn.Config(seed=0)
+def pendulum_config(env_steps_per_train: float | None = 1.0) -> dqn.Config:
+    rl_config = dqn.Config(seed=0, env_steps_per_train=env_steps_per_train)
     rl_config.hidden_block.set_mlp((64, 64))
     rl_config.memory.set_proportional_memory()
     rl_config.memory.capacity = 5000
@@ -72,25 +71,16 @@ def bare_collection(seconds: float) -> float:
     """Env steps/s of the same worker stepping the env and building transitions, sending nothing."""
     runner = srl.Runner("Pendulum-v1", pendulum_config())
     config = runner.rl_config
-    env = EnvAdapter(runner.env_config, config.algorithm, config.action_bins, seed=0)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
-    obs = env.reset()
-    worker.on_reset(obs)
     steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        action = worker.act(obs)
-        next_obs, reward, term, trunc = env.step(action)
-        worker.on_step(obs, action, reward, next_obs, term, trunc)
-        steps += 1
-        if worker.pending() >= 256:
-            cols = worker.take_transitions()
-            assert cols is not None
-            worker.initial_priorities(cols)
-        if term or trunc:
-            obs = env.reset()
-            worker.on_reset(obs)
-        else:
-            obs = next_obs
+    with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
+        while time.perf_counter() - t0 < seconds:
+            rollout.step()
+            steps += rollout.num_envs
+            if worker.pending() >= 256:
+                cols = worker.take()
+                assert cols is not None
+                worker.initial_priorities(cols)
     return steps / (time.perf_counter() - t0)
 
 
@@ -111,7 +101,7 @@ def actor_with_drain(seconds: float) -> tuple[float, float]:
     stop = threading.Event()
 
     def drain() -> None:
-        codec = Codec()
+        codec = Codec(task=params.task_name)
         with open_queue(None, namespace=params.task_name, role="consumer", redis_params=params) as queue:
             while not stop.is_set():
                 messages = queue.get_many(32, timeout=0.2)
@@ -150,14 +140,15 @@ class Evaluator(threading.Thread):
 
     def run(self) -> None:
         last_version = -1
+        codec = Codec(task=self.board.task_name)
         while not self.stop.wait(3.0):
-            got = self.board.get_params()
-            if got is None or got[1] == last_version:
+            record = self.board.get_params()
+            if record is None or record.version == last_version:
                 continue
             wall = time.monotonic() - self.started
-            _, last_version, train_count, blob = got
-            _, arrays = Codec().decode_params(blob)
-            self.runner.set_parameter_arrays(arrays, train_count)
+            last_version, train_count = record.version, record.train_count
+            _, arrays = codec.decode_params(record.blob)
+            self.runner.set_parameter_arrays(arrays, record.version, train_count)
             mean = float(np.mean(self.runner.evaluate(max_episodes=5, seed=123)))
             self.history.append((wall, train_count, mean))
             if mean >= self.target:
@@ -172,14 +163,14 @@ def distributed(seconds: float, target: float, max_wait: float, inserts: float |
     params = server.parameters.replace(task_name="bench")
     board = Board(params.connect(), "bench")
     board.client.config_resetstat()
-    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    runner = srl.Runner("Pendulum-v1", pendulum_config(inserts))
     result: dict[str, Any] = {}
     client_error: list[BaseException] = []
 
     def client() -> None:
         try:
             runner.train_distribution(params, actor_num=1, timeout=max_wait, progress_interval=10.0,
-                                      local_processes=True, env_steps_per_train=inserts)
+                                      local_processes=True)
         except BaseException as e:
             client_error.append(e)
 
@@ -226,8 +217,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="measuring window for each rate")
     parser.add_argument("--target", type=float, default=-200.0, help="evaluation mean to reach")
     parser.add_argument("--max-wait", type=float, default=120.0, help="give up on the target after this")
-    parser.add_argument("--env-steps-per-train", type=float, default=DEFAULT_ENV_STEPS_PER_TRAIN,
-                        help="the actors' rate limit (env steps per train step); 0: none")
+    parser.add_argument("--env-steps-per-train", type=float, default=1.0,
+                        help="DQN's replay ratio for the rate-limited run (env steps per train step); 0: none")
     args = parser.parse_args()
 
     print("measuring baselines (single process, idle machine) ...", flush=True)

@@ -1,54 +1,196 @@
-"""Learning speed: Pendulum-v1 DQN (hidden 64x64, proportional memory, capacity 5000), single process.
+"""Learning you can rely on: algorithm x env x mode x seeds, in one table beside published references.
 
-    python bench/learning.py [--train-count 20000] [--seeds 1]
+    python bench/learning.py                      # the standard suite (about 15 minutes on 2 cores)
+    python bench/learning.py --quick              # a smoke run: one seed, small budgets
+    python bench/learning.py --cases dqn-pendulum --modes one,dist --seeds 5
+    python bench/learning.py --cases ppo-cartpole --modes dist --actors 2 --queue amqp --csv runs.csv
+    python bench/learning.py --list               # the cases, their budgets and references
 
-Prints wall time, env steps/s, train steps/s and the evaluation mean over 10
-episodes, one row per seed. Target: evaluation mean >= -150. For scale, the
-reference framework on this kind of machine reaches -122 in 57 s at ~350 train steps/s.
+Each run trains from scratch with the user-facing defaults of its case (the config the README shows,
+or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (10 episodes). "one"
+is ``Runner.train`` in this process; "dist" is ``Runner.train_distribution`` on an embedded Redis
+with the trainer and ``--actors`` actors as local processes, experience over ``--queue``. Seeds are
+0..N-1: in one process a seed fixes the run; in a distributed run it fixes the initial weights, each
+actor's envs and exploration, but not the interleaving of processes, so two runs of one seed differ.
+
+The table gives the median, min and max evaluation over the seeds, the median wall time, env steps
+and train steps per second, the published reference for the same env and budget, and the target.
+``--csv`` writes one row per run. Run nothing else on the machine meanwhile: rates are wall-clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.util
+import logging
+import statistics
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import srl
-from srl.algorithms import dqn
+from srl.algorithms import dqn, ppo
+from srl.base.rl import RLConfig
+from srl.runner.distribution import RedisParameters
 
 
-def pendulum_config(seed: int | None) -> dqn.Config:
-    rl_config = dqn.Config(seed=seed)
-    rl_config.hidden_block.set_mlp((64, 64))
-    rl_config.memory.set_proportional_memory()
-    rl_config.memory.capacity = 5000
-    return rl_config
+def dqn_readme() -> dqn.Config:
+    """The README's seed config: Pendulum-v1 DQN, 64x64, proportional replay of 5,000."""
+    config = dqn.Config()
+    config.hidden_block.set_mlp((64, 64))
+    config.memory.set_proportional_memory()
+    config.memory.capacity = 5000
+    return config
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    env: str
+    make_config: Callable[[], RLConfig]
+    budget: str
+    """"train:N" (gradient steps) or "steps:N" (env steps)"""
+    reference: str
+    target: float
+    quick_budget: str
+    needs: str = ""
+    """a module that must be importable (Box2D for LunarLander)"""
+
+
+CASES = {case.name: case for case in [
+    Case("dqn-pendulum", "Pendulum-v1", dqn_readme, "train:20000",
+         "published: -150...-200 (SAC/TD3-class); this repo's reference framework -112...-241 one process",
+         -160.0, "train:3000"),
+    Case("dqn-cartpole", "CartPole-v1", dqn.Config, "train:30000",
+         "SB3 zoo DQN 500 @ 50k steps; CleanRL DQN ~488 @ 500k", 475.0, "train:3000"),
+    Case("dqn-acrobot", "Acrobot-v1", dqn.Config, "train:30000",
+         "SB3 zoo DQN -72 @ 100k; CleanRL DQN ~-91 @ 500k", -100.0, "train:3000"),
+    Case("ppo-cartpole", "CartPole-v1", ppo.Config, "steps:100000",
+         "SB3 zoo PPO 500 @ 100k; CleanRL PPO ~490 @ 500k", 475.0, "steps:20000"),
+    Case("ppo-pendulum", "Pendulum-v1", ppo.Config, "steps:200000",
+         "SB3 zoo PPO -172 @ 100k (with gSDE)", -250.0, "steps:20000"),
+    Case("dqn-lunarlander", "LunarLander-v3", dqn.Config, "train:200000",
+         "SB3 zoo DQN 210 @ 100k steps", 200.0, "train:5000", needs="Box2D"),
+]}
+STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
+            ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one")]
+QUEUES = {
+    "redis": lambda: None,
+    "amqp": lambda: "amqp://guest:guest@127.0.0.1:5672/",
+    "mqtt": lambda: "mqtt://127.0.0.1:1883",
+    "pubsub": lambda: "pubsub://srl-bench?emulator_host=127.0.0.1:8085",
+}
+
+
+@dataclass
+class Run:
+    case: str
+    mode: str
+    seed: int
+    evaluation: float
+    wall_s: float
+    env_steps: int
+    train_count: int
+
+
+def limits(budget: str) -> dict[str, int]:
+    kind, _, amount = budget.partition(":")
+    return {"max_train_count" if kind == "train" else "max_steps": int(amount)}
+
+
+def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str) -> Run:
+    config = case.make_config()
+    config.seed = seed
+    runner = srl.Runner(case.env, config)
+    started = time.perf_counter()
+    if mode == "one":
+        runner.train(progress_interval=None, **limits(budget))
+    else:
+        runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
+                                  **limits(budget))
+    wall = time.perf_counter() - started
+    evaluation = float(np.mean(runner.evaluate(max_episodes=10)))
+    return Run(case.name, mode, seed, evaluation, wall, runner.env_steps, runner.train_count)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-count", type=int, default=20_000)
-    parser.add_argument("--seeds", type=int, default=1, help="runs with seeds 0..N-1")
+    parser.add_argument("--cases", default="", help=f"comma-separated among {', '.join(CASES)} (default: the "
+                                                    "standard suite)")
+    parser.add_argument("--modes", default="", help="comma-separated: one, dist (default: the suite's)")
+    parser.add_argument("--seeds", type=int, default=3, help="runs with seeds 0..N-1")
+    parser.add_argument("--actors", type=int, default=2, help="actors of a distributed run")
+    parser.add_argument("--queue", default="redis", choices=sorted(QUEUES),
+                        help="experience queue of a distributed run")
+    parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
+    parser.add_argument("--csv", default=None, help="write one row per run here")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args()
+    if args.list:
+        for case in CASES.values():
+            print(f"{case.name:<16} {case.env:<15} {case.budget:<13} target {case.target:>6g}  {case.reference}")
+        return
+    logging.getLogger("srl").setLevel(logging.WARNING)
+    if args.cases:
+        names = [n.strip() for n in args.cases.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CASES]
+        if unknown:
+            parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+        modes = [m.strip() for m in (args.modes or "one").split(",")]
+        plan = [(n, m) for n in names for m in modes]
+    else:
+        plan = [(n, m) for n, m in STANDARD if not args.modes or m in args.modes.split(",")]
+    seeds = 1 if args.quick else args.seeds
+    runs: list[Run] = []
+    for name, mode in plan:
+        case = CASES[name]
+        if case.needs and importlib.util.find_spec(case.needs) is None:
+            print(f"skipping {name}: {case.needs} is not installed (pip install box2d)", flush=True)
+            continue
+        budget = case.quick_budget if args.quick else case.budget
+        for seed in range(seeds):
+            run = run_once(case, mode, seed, budget, args.actors, args.queue)
+            runs.append(run)
+            print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
+                  f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["case", "mode", "seed", "evaluation", "wall_s", "env_steps", "train_count"])
+            for r in runs:
+                writer.writerow([r.case, r.mode, r.seed, f"{r.evaluation:.2f}", f"{r.wall_s:.2f}", r.env_steps,
+                                 r.train_count])
+    print_table(runs, args)
 
-    rows = []
-    for seed in range(args.seeds):
-        runner = srl.Runner("Pendulum-v1", pendulum_config(seed))
-        t0 = time.perf_counter()
-        runner.train(max_train_count=args.train_count, progress_interval=10.0)
-        wall = time.perf_counter() - t0
-        rewards = runner.evaluate(max_episodes=10)
-        rows.append((seed, wall, runner.env_steps / wall, runner.train_count / wall, float(np.mean(rewards))))
 
-    print()
-    print(f"Pendulum-v1 DQN, {args.train_count} train steps, single process")
-    print(f"{'seed':>4} {'wall s':>8} {'env steps/s':>12} {'train/s':>8} {'eval mean':>10}")
-    for seed, wall, env_rate, train_rate, ev in rows:
-        print(f"{seed:>4} {wall:>8.1f} {env_rate:>12.0f} {train_rate:>8.0f} {ev:>10.1f}")
-    evals = [r[4] for r in rows]
-    print(f"eval mean over seeds: {np.mean(evals):.1f} (target >= -150); "
-          f"train/s vs reference 350: {np.mean([r[3] for r in rows]) / 350:.2f}x")
+def print_table(runs: list[Run], args: Any) -> None:
+    dist = f"dist = {args.actors} actors over {args.queue}"
+    print(f"\nlearning suite ({'quick, ' if args.quick else ''}evaluation: mean of 10 episodes; {dist})")
+    header = (f"{'case':<16} {'mode':<5} {'runs':>4} {'median':>8} {'min':>8} {'max':>8} {'wall s':>7} "
+              f"{'env/s':>7} {'train/s':>7} {'target':>7} {'met':>4}  reference")
+    print(header)
+    print("-" * len(header))
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.case, r.mode), []).append(r)
+    for (name, mode), group in groups.items():
+        case = CASES[name]
+        evals = [r.evaluation for r in group]
+        wall = statistics.median(r.wall_s for r in group)
+        env_rate = statistics.median(r.env_steps / r.wall_s for r in group)
+        train_rate = statistics.median(r.train_count / r.wall_s for r in group)
+        met = "yes" if statistics.median(evals) >= case.target else "no"
+        print(f"{name:<16} {mode:<5} {len(group):>4} {statistics.median(evals):>8.1f} {min(evals):>8.1f} "
+              f"{max(evals):>8.1f} {wall:>7.0f} {env_rate:>7.0f} {train_rate:>7.0f} {case.target:>7g} {met:>4}  "
+              f"{case.reference}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def ensure_logging(level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(level)
+    if logger.level == logging.NOTSET:  # a level the application chose stays
+        logger.setLevel(level)
     logger.propagate = False
 
 

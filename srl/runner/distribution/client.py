@@ -117,6 +117,7 @@ def train_distribution(
                     task["algorithm"], runner.env_config, actor_num)
         status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs)
         _load_final_params(board, runner, codec)
+        _note_totals(board, runner, procs)
         if status.status == "FAILED":
             raise TaskFailedError(f"task {resolved.task_name!r} FAILED: {status.end_reason}")
         logger.info("task %r ended: %s", resolved.task_name, status.end_reason)
@@ -135,6 +136,15 @@ def train_distribution(
         local_nodes.stop_all(procs)
         if isinstance(embedded, EmbeddedRedis):
             embedded.stop()
+
+
+def _note_totals(board: Board, runner: Runner, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Leave the run's env steps and episodes on the runner, as ``Runner.train`` does (local actors
+    flush their last counts as they stop: wait for them first)."""
+    local_nodes.stop_all(procs)
+    counters = with_retry(board.get_counters, "reading the run's counters", max_wait=10)
+    runner.env_steps += int(counters.get("env_steps", 0))
+    runner.episodes += int(counters.get("episodes", 0))
 
 
 def _load_final_params(board: Board, runner: Runner, codec: Codec) -> None:
