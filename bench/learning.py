@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
-from srl.algorithms import dqn, ppo
+from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
 from srl.runner.distribution import RedisParameters
 
@@ -49,6 +49,11 @@ def dqn_readme() -> dqn.Config:
     config.memory.set_proportional_memory()
     config.memory.capacity = 5000
     return config
+
+
+def appo() -> ppo.Config:
+    """Asynchronous PPO: ``ppo.Config(sync=False)``, everything else as it comes."""
+    return ppo.Config(sync=False)
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,16 @@ CASES = {case.name: case for case in [
          "SB3 zoo PPO 500 @ 100k; CleanRL PPO ~490 @ 500k", 475.0, "steps:20000"),
     Case("ppo-pendulum", "Pendulum-v1", ppo.Config, "steps:200000",
          "SB3 zoo PPO -172 @ 100k (with gSDE)", -250.0, "steps:20000"),
+    Case("appo-cartpole", "CartPole-v1", appo, "steps:200000",
+         "RLlib tuned APPO CartPole: 450 within 2M steps (its pass bar)", 475.0, "steps:20000"),
+    Case("impala-cartpole", "CartPole-v1", impala.Config, "steps:500000",
+         "RLlib tuned IMPALA CartPole: stops at 150 (older) / 450 (newer), within 50M", 475.0, "steps:20000"),
     Case("dqn-lunarlander", "LunarLander-v3", dqn.Config, "train:200000",
          "SB3 zoo DQN 210 @ 100k steps", 200.0, "train:5000", needs="Box2D"),
 ]}
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
-            ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one")]
+            ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
+            ("impala-cartpole", "one"), ("impala-cartpole", "dist")]
 QUEUES = {
     "redis": lambda: None,
     "amqp": lambda: "amqp://guest:guest@127.0.0.1:5672/",

@@ -14,6 +14,7 @@ import srl
 from srl.algorithms import ppo
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
+from srl.rl.actor_critic import SegmentWorker
 from srl.runner.distribution.codec import BatchHeader, Codec
 
 
@@ -43,11 +44,11 @@ def test_gae_with_lambda_one_and_no_ends_is_the_discounted_return_minus_value() 
         np.testing.assert_allclose(adv[:, t], expected, rtol=1e-5)
 
 
-def make_worker(env_id: str, **changes: Any) -> tuple[ppo.PPOWorker, ppo.Config]:
+def make_worker(env_id: str, **changes: Any) -> tuple[SegmentWorker, ppo.Config]:
     config = ppo.Config(seed=0, envs_per_actor=2, segment_length=5, **changes)
     runner = srl.Runner(env_id, config)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
-    assert isinstance(worker, ppo.PPOWorker)
+    assert isinstance(worker, SegmentWorker)
     return worker, config
 
 

@@ -13,6 +13,7 @@ from srl.base.rl import RLConfig
 ALGORITHMS: dict[str, str] = {
     "dqn": "srl.algorithms.dqn",
     "ppo": "srl.algorithms.ppo",
+    "impala": "srl.algorithms.impala",
 }
 
 

@@ -170,7 +170,7 @@ class Config(RLConfig):
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Memory:
         return self.memory.build(seed=self.seed, schema=self.schema(spec))
 
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer) -> DQNTrainer:
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> DQNTrainer:
         assert isinstance(parameter, DQNParameter) and isinstance(buffer, Memory)
         return DQNTrainer(self, parameter, buffer)
 
@@ -394,6 +394,7 @@ class DQNTrainer(Trainer):
 
     def on_parameters_loaded(self) -> None:
         self.sync_target()
+
 
     def train(self) -> DQNStats | None:
         if len(self.memory) < self.config.warmup_size:

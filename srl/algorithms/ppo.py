@@ -1,19 +1,22 @@
 """PPO: clipped surrogate, GAE(λ), K epochs over minibatches of segments (CleanRL's ppo.py, distributed).
 
-Read top to bottom: ``Config`` (every setting, documented; the data path is
-segments of ``segment_length`` steps, used once: in sync mode every actor
-collects one segment per env with the current params, the trainer trains K
-epochs over all of them and publishes the next version, actors wait for it),
-the actor-critic network (orthogonal init; a categorical policy for Discrete
-and MultiDiscrete actions, a Gaussian with a state-independent log-std for
-Box actions, clipped to the bounds for the env), ``Worker`` (acts in E envs
-with one forward pass, records log-probs and values, cuts a segment per env
-every T steps) and ``Trainer`` (GAE, advantage normalization, the clipped
-losses, lr annealing, gradient clipping, optional observation and reward
-normalization). Must never: know about Redis or queues.
+Read top to bottom: ``Config`` (every setting, documented), ``gae`` (the six
+lines), and ``Trainer`` (advantage normalization, the clipped losses, lr and
+clip annealing, gradient clipping, optional reward normalization). The network
+(orthogonal init; categorical for Discrete and MultiDiscrete actions, Gaussian
+with a state-independent log-std for Box actions, clipped to the bounds for
+the env; optional observation normalization) and the segment worker are
+shared with IMPALA in ``srl.rl.actor_critic``. Must never: know about Redis or
+queues.
 
-Truncated episodes (time limits) bootstrap: the worker adds γ·V(final obs) to
-the last reward, as SB3 does, so Pendulum's 200-step cut is not a failure.
+Two data paths. Sync (``sync=True``, the default): every actor collects one
+segment per env with the current params, the trainer trains K epochs over all
+of them and publishes the next version, actors wait for it: on-policy.
+Asynchronous PPO (``sync=False``, APPO): actors never wait; each update takes
+the segments of ``actor_num x envs_per_actor`` envs as they come, with the
+ratio taken against the behaviour policy's log-probabilities, advantages from
+the current critic, and segments more than ``max_policy_lag`` versions old
+refused (at arrival and again before training).
 
 Defaults depend on the action space the way RL zoos ship per-family presets:
 fields left at ``None`` take the Discrete or the continuous-control value
@@ -23,35 +26,34 @@ fields left at ``None`` take the Discrete or the continuous-control value
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributions import Categorical, Normal
 
-from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
+from srl.base.env import BoxActions, EnvSpec
 from srl.base.rl import (
     Buffer,
-    Columns,
     DataPath,
     Parameter,
     RLConfig,
     Trainer,
     TrainStats,
-    Worker,
     check_int,
     check_number,
-    torch_from_arrays,
-    torch_to_arrays,
 )
-from srl.base.schema import Column, Schema
+from srl.base.schema import Schema
+from srl.rl.actor_critic import (
+    ActorCriticParameter,
+    RunningMeanStd,
+    SegmentWorker,
+    check_actions,
+    segment_schema,
+)
 from srl.rl.blocks import MLPBlockConfig, make_adam
 from srl.rl.memories import SegmentBuffer
-
-VALUE_BOUND = 1e9
 
 # Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box).
 PRESETS: dict[str, tuple[Any, Any]] = {
@@ -111,8 +113,10 @@ class Config(RLConfig):
     normalize_reward: bool | None = None
     """scale rewards by the running std of the discounted return (preset: off Discrete, on Box)"""
     sync: bool = True
-    """distributed: actors collect with the current params and wait for the next version (the data
-    is on-policy); the asynchronous mode comes with the IMPALA issue"""
+    """distributed: actors collect with the current params and wait for the next version (on-policy);
+    False: asynchronous PPO, actors never wait (see the module docstring)"""
+    max_policy_lag: int = 10
+    """asynchronous PPO: segments acted with params more than this many versions old are refused"""
     sync_wait_s: float = 30.0
     """sync: seconds the trainer waits for every actor's segments before going on with what it has"""
     min_segments: int = 1
@@ -144,258 +148,40 @@ class Config(RLConfig):
             check_number("target_kl", self.target_kl, 0.0, 100.0, low_open=True)
         check_number("sync_wait_s", self.sync_wait_s, 0.0, 1e6)
         check_int("min_segments", self.min_segments, 1, 1 << 30)
+        check_int("max_policy_lag", self.max_policy_lag, 0, 1 << 30)
 
     def check_spec(self, spec: EnvSpec) -> None:
-        if isinstance(spec.actions, BoxActions) and len(spec.actions.shape) != 1:
-            raise spec.unsupported("ppo", "Box actions of one dimension (shape (n,))")
+        check_actions(spec, "ppo")
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=0, sync=self.sync,
-                        max_policy_lag=0 if self.sync else None, sync_wait_s=self.sync_wait_s,
+                        max_policy_lag=0 if self.sync else self.max_policy_lag, sync_wait_s=self.sync_wait_s,
                         min_segments=self.min_segments)
 
     def schema(self, spec: EnvSpec) -> Schema:
-        """One row per segment of T steps of one env; ``done[t]``: the episode ended at step t."""
-        config = self.resolved(spec)
-        t = int(config.segment_length or 1)
-        obs = Column("float32", (t, *spec.obs_shape), low=-VALUE_BOUND, high=VALUE_BOUND)
-        actions = spec.actions
-        if isinstance(actions, DiscreteActions):
-            action = Column("int64", (t,), low=0, high=actions.n - 1)
-        elif isinstance(actions, MultiDiscreteActions):
-            action = Column("int64", (t, len(actions.nvec)), low=0, high=max(actions.nvec) - 1)
-        else:
-            action = Column("float32", (t, *actions.shape), low=-VALUE_BOUND, high=VALUE_BOUND)
-        return Schema({
-            "obs": obs,
-            "action": action,
-            "logprob": Column("float32", (t,), low=-VALUE_BOUND, high=VALUE_BOUND),
-            "value": Column("float32", (t,), low=-VALUE_BOUND, high=VALUE_BOUND),
-            "reward": Column("float32", (t,), low=-VALUE_BOUND, high=VALUE_BOUND),
-            "done": Column("bool", (t,)),
-            "last_obs": Column("float32", spec.obs_shape, low=-VALUE_BOUND, high=VALUE_BOUND),
-            "version": Column("int64", (), low=0),
-        })
+        """One row per segment of T steps of one env (``srl.rl.actor_critic.segment_schema``)."""
+        return segment_schema(spec, int(self.resolved(spec).segment_length or 1))
 
-    def make_parameter(self, spec: EnvSpec, device: torch.device) -> PPOParameter:
-        return PPOParameter(self.resolved(spec), spec, device)
+    def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
+        return ActorCriticParameter(self.resolved(spec), spec, device)
 
     def make_worker(
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
-    ) -> PPOWorker:
-        assert isinstance(parameter, PPOParameter)
-        return PPOWorker(self.resolved(spec), parameter, self.envs_per_actor, seed)
+    ) -> SegmentWorker:
+        assert isinstance(parameter, ActorCriticParameter)
+        resolved = self.resolved(spec)
+        return SegmentWorker(parameter, int(resolved.segment_length or 1), float(resolved.gamma or 0.99),
+                             self.envs_per_actor, seed)
 
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> SegmentBuffer:
-        # one update holds a segment per env of every actor; room for a second set arriving early
-        return SegmentBuffer(2 * actor_num * self.envs_per_actor, self.schema(spec))
+        # an update is a segment per env of every actor; room for a second (sync) or three more (async:
+        # past that the trainer stops reading the queue and actors wait)
+        rounds = 2 if self.sync else 4
+        return SegmentBuffer(rounds * actor_num * self.envs_per_actor, self.schema(spec))
 
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer) -> PPOTrainer:
-        assert isinstance(parameter, PPOParameter) and isinstance(buffer, SegmentBuffer)
-        return PPOTrainer(self.resolved(spec), parameter, buffer)
-
-
-# ---------------------------------------------------------------- networks
-def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Linear:
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.constant_(layer.bias, bias)
-    return layer
-
-
-class RunningMeanStd(nn.Module):
-    """Running mean and variance (Welford over batches); buffers, so they travel with the params."""
-
-    mean: torch.Tensor
-    var: torch.Tensor
-    count: torch.Tensor
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
-        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
-
-    def update(self, x: torch.Tensor) -> None:
-        x = x.to(torch.float64).reshape(-1, *self.mean.shape)
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.var = (self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total
-        self.count = total
-
-    def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
-        return torch.clamp((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8), -clip, clip)
-
-
-class ActorCritic(nn.Module):
-    def __init__(self, config: Config, spec: EnvSpec) -> None:
-        super().__init__()
-        obs_size = spec.obs_shape[0]
-        self.normalize_obs = bool(config.normalize_obs)
-        self.obs_rms = RunningMeanStd(spec.obs_shape)
-        self.critic_body, size = config.hidden_block.build(obs_size)
-        self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
-        self.actor_body, size = config.hidden_block.build(obs_size)
-        for body in (self.critic_body, self.actor_body):
-            for layer in body.modules():
-                if isinstance(layer, nn.Linear):
-                    layer_init(layer)
-        actions = spec.actions
-        self.continuous = isinstance(actions, BoxActions)
-        if isinstance(actions, DiscreteActions):
-            self.splits: list[int] = [actions.n]
-        elif isinstance(actions, MultiDiscreteActions):
-            self.splits = list(actions.nvec)
-        else:
-            self.splits = [int(np.prod(actions.shape))]
-            self.logstd = nn.Parameter(torch.zeros(1, self.splits[0]))
-        self.actor_head = layer_init(nn.Linear(size, sum(self.splits)), std=0.01)
-
-    def prepare(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.obs_rms.normalize(obs) if self.normalize_obs else obs
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic_head(self.critic_body(self.prepare(obs))).squeeze(-1)
-
-    def distribution(self, obs: torch.Tensor) -> Normal | list[Categorical]:
-        out = self.actor_head(self.actor_body(self.prepare(obs)))
-        if self.continuous:
-            return Normal(out, self.logstd.expand_as(out).exp())
-        return [Categorical(logits=logits) for logits in torch.split(out, self.splits, dim=-1)]
-
-    def evaluate(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """log π(action|obs), entropy, V(obs)."""
-        dist = self.distribution(obs)
-        if isinstance(dist, Normal):
-            logprob, entropy = dist.log_prob(action).sum(-1), dist.entropy().sum(-1)
-        elif len(dist) == 1:
-            logprob, entropy = dist[0].log_prob(action), dist[0].entropy()
-        else:
-            logprob = torch.stack([d.log_prob(action[..., i]) for i, d in enumerate(dist)]).sum(0)
-            entropy = torch.stack([d.entropy() for d in dist]).sum(0)
-        return logprob, entropy, self.value(obs)
-
-
-class PPOParameter(Parameter):
-    """The actor-critic (with the observation statistics, when normalizing)."""
-
-    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
-        self.device = device
-        self.spec = spec
-        self.net = ActorCritic(config, spec).to(device)
-
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        return torch_to_arrays({"net": self.net})
-
-    def from_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        torch_from_arrays({"net": self.net}, arrays)
-
-
-# ---------------------------------------------------------------- worker
-class PPOWorker(Worker):
-    """Samples actions for E envs at once; every T steps each env's last T steps become a segment."""
-
-    def __init__(self, config: Config, parameter: PPOParameter, num_envs: int, seed: int | None) -> None:
-        self.config = config
-        self.parameter = parameter
-        self.num_envs = num_envs
-        self.T = int(config.segment_length or 1)
-        self.gamma = float(config.gamma or 0.99)
-        spec = parameter.spec
-        if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1)[0])
-        self.generator = torch.Generator().manual_seed(seed)
-        obs_shape, act = spec.obs_shape, spec.actions
-        act_shape = act.shape
-        act_dtype = np.float32 if isinstance(act, BoxActions) else np.int64
-        self._obs = np.zeros((self.T, num_envs, *obs_shape), np.float32)
-        self._action = np.zeros((self.T, num_envs, *act_shape), act_dtype)
-        self._logprob = np.zeros((self.T, num_envs), np.float32)
-        self._value = np.zeros((self.T, num_envs), np.float32)
-        self._reward = np.zeros((self.T, num_envs), np.float32)
-        self._done = np.zeros((self.T, num_envs), bool)
-        self._t = 0
-        self._version = 0
-        self._ready: list[Columns] = []
-        self._low = self._high = None
-        if isinstance(act, BoxActions):
-            self._low = np.where(np.isfinite(act.low), act.low, -np.inf).astype(np.float32)
-            self._high = np.where(np.isfinite(act.high), act.high, np.inf).astype(np.float32)
-
-    def _sample(self, dist: Normal | list[Categorical]) -> tuple[torch.Tensor, torch.Tensor]:
-        """An action per env and its log-probability (greedy while evaluating)."""
-        if isinstance(dist, Normal):
-            if self.training:
-                action = dist.mean + dist.stddev * torch.randn(dist.mean.shape, generator=self.generator)
-            else:
-                action = dist.mean
-            return action, dist.log_prob(action).sum(-1)
-        parts, logprob = [], torch.zeros(dist[0].logits.shape[0])
-        for d in dist:
-            if self.training:
-                a = torch.multinomial(d.probs, 1, generator=self.generator).squeeze(-1)
-            else:
-                a = d.probs.argmax(-1)
-            parts.append(a)
-            logprob = logprob + d.log_prob(a)
-        action = parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1)
-        return action, logprob
-
-    def act(self, obs: np.ndarray) -> np.ndarray:
-        net = self.parameter.net
-        with torch.inference_mode():
-            x = torch.from_numpy(obs).to(self.parameter.device)
-            action_t, logprob = self._sample(net.distribution(x))
-            value = net.value(x) if self.training else None
-        action = action_t.cpu().numpy()
-        if self.training:
-            if self._t == 0:
-                self._version = self.parameter.version
-            t = self._t
-            self._obs[t], self._action[t] = obs, action
-            self._logprob[t], self._value[t] = logprob.cpu().numpy(), value.cpu().numpy()  # type: ignore[union-attr]
-        if self._low is not None:  # the env gets the action clipped to its bounds; the row keeps the sample
-            return np.clip(action, self._low, self._high).astype(np.float32)
-        return action.astype(np.int64)
-
-    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
-        if not self.training:
-            return
-        t = self._t
-        reward = reward.astype(np.float32).copy()
-        cut = truncated & ~terminated
-        if cut.any():  # a time limit, not a failure: bootstrap from the final observation
-            with torch.inference_mode():
-                final_value = self.parameter.net.value(torch.from_numpy(next_obs[cut]).to(self.parameter.device))
-            reward[cut] += self.gamma * final_value.cpu().numpy()
-        self._reward[t], self._done[t] = reward, terminated | truncated
-        self._t += 1
-        if self._t == self.T:
-            self._t = 0
-            self._ready.append({
-                "obs": self._obs.swapaxes(0, 1).copy(),
-                "action": self._action.swapaxes(0, 1).copy(),
-                "logprob": self._logprob.T.copy(),
-                "value": self._value.T.copy(),
-                "reward": self._reward.T.copy(),
-                "done": self._done.T.copy(),
-                "last_obs": next_obs.astype(np.float32).copy(),
-                "version": np.full(self.num_envs, self._version, np.int64),
-            })
-
-    def pending(self) -> int:
-        return sum(len(rows["version"]) for rows in self._ready)
-
-    def take(self) -> Columns | None:
-        if not self._ready:
-            return None
-        ready, self._ready = self._ready, []
-        if len(ready) == 1:
-            return ready[0]
-        return {name: np.concatenate([rows[name] for rows in ready]) for name in ready[0]}
-
-    def may_load_params(self) -> bool:
-        return self._t == 0  # a segment is acted with one params version
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> PPOTrainer:
+        assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
+        return PPOTrainer(self.resolved(spec), parameter, buffer, actor_num * self.envs_per_actor)
 
 
 # ---------------------------------------------------------------- trainer
@@ -428,15 +214,20 @@ class PPOStats(TrainStats):
     explained_variance: float = 0.0
     lr: float = 0.0
     segments: int = 0
+    stale_segments: int = 0
+    """asynchronous: segments dropped at training time for being more than max_policy_lag versions old"""
 
 
 class PPOTrainer(Trainer):
-    """``train()`` takes every segment in the buffer and runs one PPO update on them."""
+    """``train()`` runs one PPO update: sync, on every segment in the buffer (the distributed trainer
+    calls it once all of this version's are in); asynchronous, on the next ``segments_per_update``."""
 
-    def __init__(self, config: Config, parameter: PPOParameter, buffer: SegmentBuffer) -> None:
+    def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer,
+                 segments_per_update: int) -> None:
         self.config = config
         self.parameter = parameter
         self.buffer = buffer
+        self.segments_per_update = segments_per_update
         self.device = parameter.device
         self.lr = float(config.lr or 1e-3)
         self.optimizer = make_adam(parameter.net.parameters(), self.lr)
@@ -453,6 +244,7 @@ class PPOTrainer(Trainer):
         self.max_steps = max_steps
         self.max_train_count = max_train_count
 
+
     def _scale_rewards(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
         """Divide by the running std of discounted returns (accumulated within each segment)."""
         gamma = float(self.config.gamma or 0.99)
@@ -467,10 +259,17 @@ class PPOTrainer(Trainer):
         return np.clip(reward / scale, -10.0, 10.0).astype(np.float32)
 
     def train(self) -> PPOStats | None:
-        segments = self.buffer.take()
+        config, net, dev = self.config, self.parameter.net, self.device
+        segments = self.buffer.take() if config.sync else self.buffer.take(self.segments_per_update)
         if segments is None:
             return None
-        config, net, dev = self.config, self.parameter.net, self.device
+        stale = 0
+        if not config.sync:  # they may have aged in the buffer: the lag bound holds at training time too
+            fresh = self.parameter.version - segments["version"] <= config.max_policy_lag
+            stale = int((~fresh).sum())
+            if not fresh.any():
+                return PPOStats(loss=float("nan"), gradient_steps=0, stale_segments=stale)
+            segments = {name: column[fresh] for name, column in segments.items()}
         n, horizon = segments["reward"].shape
         self.steps_seen += n * horizon
         frac = 1.0
@@ -484,15 +283,19 @@ class PPOTrainer(Trainer):
         reward = segments["reward"]
         if config.normalize_reward:
             reward = self._scale_rewards(reward, segments["done"])
+        values = segments["value"]
         with torch.no_grad():
             last_value = net.value(torch.from_numpy(segments["last_obs"]).to(dev)).cpu().numpy()
-        advantages, returns = gae(reward, segments["value"], segments["done"], last_value,
+            if not config.sync:  # acted with older params: the current critic's values, not the actor's
+                flat = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
+                values = net.value(flat).cpu().numpy().reshape(n, horizon).astype(np.float32)
+        advantages, returns = gae(reward, values, segments["done"], last_value,
                                   float(config.gamma or 0.99), float(config.gae_lambda or 0.95))
 
         obs = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
         action = torch.from_numpy(segments["action"].reshape(n * horizon, *segments["action"].shape[2:])).to(dev)
         old_logprob = torch.from_numpy(segments["logprob"].reshape(-1)).to(dev)
-        old_value = torch.from_numpy(segments["value"].reshape(-1)).to(dev)
+        old_value = torch.from_numpy(values.reshape(-1)).to(dev)
         adv = torch.from_numpy(advantages.reshape(-1)).to(dev)
         ret = torch.from_numpy(returns.reshape(-1)).to(dev)
 
@@ -534,10 +337,10 @@ class PPOTrainer(Trainer):
             net.obs_rms.update(obs)
         self.train_count += steps
         variance = float(np.var(returns))
-        explained = float("nan") if variance == 0 else 1.0 - float(np.var(returns - segments["value"])) / variance
+        explained = float("nan") if variance == 0 else 1.0 - float(np.var(returns - values)) / variance
         return PPOStats(
             loss=float((pg_loss + config.vf_coef * v_loss).item()), gradient_steps=steps,
             policy_loss=float(pg_loss.item()), value_loss=float(v_loss.item()), entropy=float(entropy_loss.item()),
             approx_kl=float(kl.item()), clip_fraction=float(np.mean(clip_fractions)) if clip_fractions else 0.0,
-            explained_variance=explained, lr=lr, segments=n,
+            explained_variance=explained, lr=lr, segments=n, stale_segments=stale,
         )

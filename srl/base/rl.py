@@ -164,7 +164,8 @@ class RLConfig(ABC):
         """Where the trainer keeps rows (allocated from ``schema(spec)``), for ``actor_num`` actors."""
 
     @abstractmethod
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer) -> Trainer: ...
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> Trainer:
+        """The learner, for rows from ``actor_num`` actors."""
 
 
 class Parameter(ABC):

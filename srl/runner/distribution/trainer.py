@@ -220,7 +220,7 @@ class TrainerRun:
         self.max_params_bytes = params_bytes
         self.buffer: Buffer = config.make_buffer(self.spec, task.actor_num)
         self._check_memory_fits(self.buffer.nbytes)  # the arrays are reserved, not yet touched
-        self.trainer = config.make_trainer(self.spec, self.parameter, self.buffer)
+        self.trainer = config.make_trainer(self.spec, self.parameter, self.buffer, task.actor_num)
         self.queue_params = queue_params
         self.redis_params = redis_params
         self.data_arrived = threading.Event()

@@ -1,0 +1,236 @@
+"""IMPALA: actors never wait; the learner corrects for their lag with V-trace (Espeholt et al. 2018).
+
+Read top to bottom: ``Config`` (every setting, documented; the data path is
+segments of ``segment_length`` steps with the behaviour policy's
+log-probabilities, each consumed once from a bounded FIFO, params published
+every ``publish_every`` train steps, no version waited for), ``vtrace`` (the
+paper's recursion, six lines), and ``Trainer`` (one gradient step per batch of
+segments: V-trace targets with the current network, the policy-gradient term
+with the clipped ρ_s advantage, the value loss and the entropy bonus). The
+policy network and the actors' segment worker are the ones PPO uses
+(``srl.rl.actor_critic``). Must never: know about Redis or queues.
+
+Every row carries the params version it was acted with; the trainer reports
+how far behind (in versions and in train steps) what it learns from is, and
+``max_policy_lag`` refuses what is older (off by default: V-trace corrects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from srl.base.env import EnvSpec
+from srl.base.rl import (
+    Buffer,
+    DataPath,
+    Parameter,
+    RLConfig,
+    Trainer,
+    TrainStats,
+    check_int,
+    check_number,
+)
+from srl.base.schema import Schema
+from srl.rl.actor_critic import ActorCriticParameter, SegmentWorker, check_actions, segment_schema
+from srl.rl.blocks import MLPBlockConfig, make_adam
+from srl.rl.memories import SegmentBuffer
+
+
+@dataclass
+class Config(RLConfig):
+    """IMPALA settings."""
+
+    algorithm: ClassVar[str] = "impala"
+
+    envs_per_actor: int = 8
+    """envs each actor steps at once (one segment per env per T steps)"""
+    hidden_block: MLPBlockConfig = field(default_factory=lambda: MLPBlockConfig((64, 64), "tanh"))
+    """the layers of the policy and of the value network"""
+    normalize_obs: bool | None = False
+    """normalize observations by running statistics (updated by the learner, published with the params)"""
+    segment_length: int = 16
+    """T: steps per segment (the unroll length)"""
+    batch_segments: int = 8
+    """segments per gradient step (each segment is used once: smaller batches, more steps per env step)"""
+    buffer_segments: int = 64
+    """the learner's FIFO: when it is full the learner stops reading the queue and actors wait"""
+    lr: float = 1e-3
+    """Adam learning rate"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over the run's max_steps (else max_train_count), as the paper"""
+    gamma: float = 0.99
+    """discount factor"""
+    vtrace_lambda: float = 1.0
+    """λ of the V-trace targets (1: the paper's)"""
+    rho_bar: float = 1.0
+    """ρ̄: clip of the importance weights in the value targets and the policy gradient"""
+    c_bar: float = 1.0
+    """c̄: clip of the trace-cutting coefficients"""
+    baseline_cost: float = 0.5
+    """value loss weight"""
+    entropy_cost: float = 0.01
+    """entropy bonus weight"""
+    max_grad_norm: float = 40.0
+    """gradient norm clip"""
+    publish_every: int = 4
+    """train steps between params publications"""
+    max_policy_lag: int | None = None
+    """refuse segments acted with params more than this many versions old (None: accept any; V-trace
+    corrects the off-policy part)"""
+
+    def validate(self) -> None:
+        super().validate()
+        self.hidden_block.validate()
+        check_int("segment_length", self.segment_length, 1, 1 << 16)
+        check_int("batch_segments", self.batch_segments, 1, 1 << 16)
+        check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
+        check_int("publish_every", self.publish_every, 1, 1 << 30)
+        check_number("lr", self.lr, 0.0, 1.0, low_open=True)
+        check_number("gamma", self.gamma, 0.0, 1.0, low_open=True)
+        for name in ("vtrace_lambda", "rho_bar", "c_bar"):
+            check_number(name, getattr(self, name), 0.0, 100.0)
+        check_number("baseline_cost", self.baseline_cost, 0.0, 1e3)
+        check_number("entropy_cost", self.entropy_cost, 0.0, 1e3)
+        check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
+        if self.max_policy_lag is not None:
+            check_int("max_policy_lag", self.max_policy_lag, 0, 1 << 30)
+        if self.buffer_segments < self.batch_segments:
+            raise ValueError(f"buffer_segments ({self.buffer_segments}) must hold a batch ({self.batch_segments})")
+
+    def check_spec(self, spec: EnvSpec) -> None:
+        check_actions(spec, "impala")
+
+    def data_path(self) -> DataPath:
+        return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag)
+
+    def schema(self, spec: EnvSpec) -> Schema:
+        return segment_schema(spec, self.segment_length)
+
+    def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
+        return ActorCriticParameter(self, spec, device)
+
+    def make_worker(
+        self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
+    ) -> SegmentWorker:
+        assert isinstance(parameter, ActorCriticParameter)
+        return SegmentWorker(parameter, self.segment_length, self.gamma, self.envs_per_actor, seed)
+
+    def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> SegmentBuffer:
+        # room for a batch plus every actor's next message, so no actor's segments wait on another's
+        capacity = max(self.buffer_segments, self.batch_segments + actor_num * self.envs_per_actor)
+        return SegmentBuffer(capacity, self.schema(spec))
+
+    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> IMPALATrainer:
+        assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
+        return IMPALATrainer(self, parameter, buffer)
+
+
+def vtrace(
+    log_rhos: torch.Tensor, discounts: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor,
+    bootstrap_value: torch.Tensor, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace targets ``vs`` and policy-gradient advantages for ``(N, T)`` tensors.
+
+    v_s = V(x_s) + Σ_t γ^(t-s) (Π_{i<t} c_i) δ_t V, δ_t V = ρ_t (r_t + γ V(x_{t+1}) - V(x_t)),
+    ρ_t = min(ρ̄, π/μ), c_i = λ min(c̄, π/μ); computed backwards: v_s - V(x_s) = δ_s + γ_s c_s (v_{s+1} - V(x_{s+1})).
+    The advantage is ρ_s (r_s + γ v_{s+1} - V(x_s)). ``discounts`` is γ (1 - done).
+    """
+    rhos = log_rhos.exp()
+    clipped_rhos = rhos.clamp(max=rho_bar)
+    cs = lam * rhos.clamp(max=c_bar)
+    next_values = torch.cat([values[:, 1:], bootstrap_value[:, None]], dim=1)
+    deltas = clipped_rhos * (rewards + discounts * next_values - values)
+    acc = torch.zeros_like(bootstrap_value)
+    vs_minus_v = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        acc = deltas[:, t] + discounts[:, t] * cs[:, t] * acc
+        vs_minus_v[:, t] = acc
+    vs = vs_minus_v + values
+    next_vs = torch.cat([vs[:, 1:], bootstrap_value[:, None]], dim=1)
+    advantages = clipped_rhos * (rewards + discounts * next_vs - values)
+    return vs, advantages
+
+
+@dataclass
+class IMPALAStats(TrainStats):
+    """One gradient step on a batch of segments."""
+
+    policy_loss: float = 0.0
+    value_loss: float = 0.0
+    entropy: float = 0.0
+    rho_mean: float = 0.0
+    """mean importance weight π/μ before clipping (1: on-policy)"""
+    rho_clipped: float = 0.0
+    """fraction of importance weights clipped at ρ̄"""
+    lr: float = 0.0
+
+
+class IMPALATrainer(Trainer):
+    """``train()`` takes ``batch_segments`` segments (None until that many arrived) and makes one step."""
+
+    def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer) -> None:
+        self.config = config
+        self.parameter = parameter
+        self.buffer = buffer
+        self.device = parameter.device
+        self.optimizer = make_adam(parameter.net.parameters(), config.lr)
+        self.train_count = 0
+        self.steps_seen = 0
+        self.max_steps: int | None = None
+        self.max_train_count: int | None = None
+
+    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
+        self.max_steps, self.max_train_count = max_steps, max_train_count
+
+
+    def train(self) -> IMPALAStats | None:
+        segments = self.buffer.take(self.config.batch_segments)
+        if segments is None:
+            return None
+        config, net, dev = self.config, self.parameter.net, self.device
+        n, horizon = segments["reward"].shape
+        self.steps_seen += n * horizon
+        frac = 1.0
+        if config.anneal_lr and self.max_steps:
+            frac = 1.0 - self.steps_seen / self.max_steps
+        elif config.anneal_lr and self.max_train_count:
+            frac = 1.0 - self.train_count / self.max_train_count
+        lr = config.lr * max(frac, 0.02)
+        self.optimizer.param_groups[0]["lr"] = lr
+        obs = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
+        action = torch.from_numpy(segments["action"].reshape(n * horizon, *segments["action"].shape[2:])).to(dev)
+        logprob, entropy, value = net.evaluate(obs, action)
+        logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
+        behaviour = torch.from_numpy(segments["logprob"]).to(dev)
+        rewards = torch.from_numpy(segments["reward"]).to(dev)
+        discounts = config.gamma * (1.0 - torch.from_numpy(segments["done"]).to(dev).float())
+        with torch.no_grad():
+            bootstrap = net.value(torch.from_numpy(segments["last_obs"]).to(dev))
+            log_rhos = logprob.detach() - behaviour
+            vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap,
+                                    config.rho_bar, config.c_bar, config.vtrace_lambda)
+        policy_loss = -(logprob * advantages).mean()
+        value_loss = 0.5 * ((vs - value) ** 2).mean()
+        entropy_mean = entropy.mean()
+        loss = policy_loss + config.baseline_cost * value_loss - config.entropy_cost * entropy_mean
+        steps = 0
+        if torch.isfinite(loss):  # one diverged batch must not poison the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(net.parameters(), config.max_grad_norm)
+            self.optimizer.step()
+            steps = 1
+        if self.parameter.net.normalize_obs:
+            net.obs_rms.update(obs)
+        self.train_count += steps
+        rhos = log_rhos.exp()
+        return IMPALAStats(
+            loss=float(loss.item()), gradient_steps=steps, policy_loss=float(policy_loss.item()),
+            value_loss=float(value_loss.item()), entropy=float(entropy_mean.item()),
+            rho_mean=float(rhos.mean().item()), rho_clipped=float((rhos > config.rho_bar).float().mean().item()),
+            lr=lr,
+        )

@@ -1,0 +1,275 @@
+"""The policy network and the segment worker that PPO, asynchronous PPO and IMPALA share.
+
+Owns: ``ActorCritic`` (separate policy and value MLPs with orthogonal init; a
+categorical policy for Discrete and MultiDiscrete actions, a Gaussian with a
+state-independent log-std for Box actions; optional observation normalization
+whose statistics are buffers, so they travel with the params),
+``ActorCriticParameter``, ``SegmentWorker`` (samples actions for E envs with
+one forward pass, records behaviour log-probabilities and values, cuts one
+segment per env every T steps, all acted with one params version) and
+``segment_schema``. The algorithms keep their learners (the maths) in their
+own files. Must never: know about Redis or queues, or learn.
+
+A segment row: ``obs`` (T, *obs), ``action`` (T, ...), ``logprob`` (the
+behaviour policy's), ``value`` (the behaviour critic's), ``reward``, ``done``
+(the episode ended at that step), ``last_obs`` (the observation after the last
+step, to bootstrap from) and ``version``. A time limit is not a failure: the
+worker adds γ·V(final obs) to the last reward of a truncated episode (as SB3
+does) and marks it done.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
+from srl.base.rl import Columns, Parameter, Worker, torch_from_arrays, torch_to_arrays
+from srl.base.schema import Column, Schema
+from srl.rl.blocks import MLPBlockConfig
+
+VALUE_BOUND = 1e9
+"""observations, rewards and raw actions beyond this are refused as rows"""
+
+
+class ActorCriticSettings(Protocol):
+    """What the shared pieces read from an algorithm's config."""
+
+    hidden_block: MLPBlockConfig
+    normalize_obs: bool | None
+
+
+def segment_schema(spec: EnvSpec, horizon: int) -> Schema:
+    """Columns of a segment of ``horizon`` steps of one env (see the module docstring)."""
+    obs = Column("float32", (horizon, *spec.obs_shape), low=-VALUE_BOUND, high=VALUE_BOUND)
+    actions = spec.actions
+    if isinstance(actions, DiscreteActions):
+        action = Column("int64", (horizon,), low=0, high=actions.n - 1)
+    elif isinstance(actions, MultiDiscreteActions):
+        action = Column("int64", (horizon, len(actions.nvec)), low=0, high=max(actions.nvec) - 1)
+    else:
+        action = Column("float32", (horizon, *actions.shape), low=-VALUE_BOUND, high=VALUE_BOUND)
+    return Schema({
+        "obs": obs,
+        "action": action,
+        "logprob": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
+        "value": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
+        "reward": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
+        "done": Column("bool", (horizon,)),
+        "last_obs": Column("float32", spec.obs_shape, low=-VALUE_BOUND, high=VALUE_BOUND),
+        "version": Column("int64", (), low=0),
+    })
+
+
+def check_actions(spec: EnvSpec, algorithm: str) -> None:
+    """The action spaces the shared policy takes."""
+    if isinstance(spec.actions, BoxActions) and len(spec.actions.shape) != 1:
+        raise spec.unsupported(algorithm, "Box actions of one dimension (shape (n,))")
+
+
+def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Linear:
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+class RunningMeanStd(nn.Module):
+    """Running mean and variance (Welford over batches); buffers, so they travel with the params."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.to(torch.float64).reshape(-1, *self.mean.shape)
+        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total
+        self.count = total
+
+    def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
+        return torch.clamp((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8), -clip, clip)
+
+
+class ActorCritic(nn.Module):
+    """Separate policy and value MLPs (CleanRL's ``Agent``)."""
+
+    def __init__(self, config: ActorCriticSettings, spec: EnvSpec) -> None:
+        super().__init__()
+        obs_size = spec.obs_shape[0]
+        self.normalize_obs = bool(config.normalize_obs)
+        self.obs_rms = RunningMeanStd(spec.obs_shape)
+        self.critic_body, size = config.hidden_block.build(obs_size)
+        self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
+        self.actor_body, size = config.hidden_block.build(obs_size)
+        for body in (self.critic_body, self.actor_body):
+            for layer in body.modules():
+                if isinstance(layer, nn.Linear):
+                    layer_init(layer)
+        actions = spec.actions
+        self.continuous = isinstance(actions, BoxActions)
+        if isinstance(actions, DiscreteActions):
+            self.splits: list[int] = [actions.n]
+        elif isinstance(actions, MultiDiscreteActions):
+            self.splits = list(actions.nvec)
+        else:
+            self.splits = [int(np.prod(actions.shape))]
+            self.logstd = nn.Parameter(torch.zeros(1, self.splits[0]))
+        self.actor_head = layer_init(nn.Linear(size, sum(self.splits)), std=0.01)
+
+    def prepare(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.obs_rms.normalize(obs) if self.normalize_obs else obs
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic_head(self.critic_body(self.prepare(obs))).squeeze(-1)
+
+    def distribution(self, obs: torch.Tensor) -> Normal | list[Categorical]:
+        out = self.actor_head(self.actor_body(self.prepare(obs)))
+        if self.continuous:
+            return Normal(out, self.logstd.expand_as(out).exp())
+        return [Categorical(logits=logits) for logits in torch.split(out, self.splits, dim=-1)]
+
+    def evaluate(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """log π(action|obs), entropy, V(obs)."""
+        dist = self.distribution(obs)
+        if isinstance(dist, Normal):
+            logprob, entropy = dist.log_prob(action).sum(-1), dist.entropy().sum(-1)
+        elif len(dist) == 1:
+            logprob, entropy = dist[0].log_prob(action), dist[0].entropy()
+        else:
+            logprob = torch.stack([d.log_prob(action[..., i]) for i, d in enumerate(dist)]).sum(0)
+            entropy = torch.stack([d.entropy() for d in dist]).sum(0)
+        return logprob, entropy, self.value(obs)
+
+
+class ActorCriticParameter(Parameter):
+    """The actor-critic (with the observation statistics, when normalizing)."""
+
+    def __init__(self, config: ActorCriticSettings, spec: EnvSpec, device: torch.device) -> None:
+        self.device = device
+        self.spec = spec
+        self.net = ActorCritic(config, spec).to(device)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return torch_to_arrays({"net": self.net})
+
+    def from_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        torch_from_arrays({"net": self.net}, arrays)
+
+
+class SegmentWorker(Worker):
+    """Samples actions for E envs at once; every T steps each env's last T steps become a segment."""
+
+    def __init__(self, parameter: ActorCriticParameter, horizon: int, gamma: float, num_envs: int,
+                 seed: int | None) -> None:
+        self.parameter = parameter
+        self.num_envs = num_envs
+        self.T = horizon
+        self.gamma = gamma
+        if seed is None:
+            seed = int(np.random.SeedSequence().generate_state(1)[0])
+        self.generator = torch.Generator().manual_seed(seed)
+        spec = parameter.spec
+        act = spec.actions
+        act_dtype = np.float32 if isinstance(act, BoxActions) else np.int64
+        self._obs = np.zeros((self.T, num_envs, *spec.obs_shape), np.float32)
+        self._action = np.zeros((self.T, num_envs, *act.shape), act_dtype)
+        self._logprob = np.zeros((self.T, num_envs), np.float32)
+        self._value = np.zeros((self.T, num_envs), np.float32)
+        self._reward = np.zeros((self.T, num_envs), np.float32)
+        self._done = np.zeros((self.T, num_envs), bool)
+        self._t = 0
+        self._version = 0
+        self._ready: list[Columns] = []
+        self._low: np.ndarray | None = None
+        self._high: np.ndarray | None = None
+        if isinstance(act, BoxActions):
+            self._low = np.where(np.isfinite(act.low), act.low, -np.inf).astype(np.float32)
+            self._high = np.where(np.isfinite(act.high), act.high, np.inf).astype(np.float32)
+
+    def _sample(self, dist: Normal | list[Categorical]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An action per env and its log-probability (greedy while evaluating)."""
+        if isinstance(dist, Normal):
+            if self.training:
+                action = dist.mean + dist.stddev * torch.randn(dist.mean.shape, generator=self.generator)
+            else:
+                action = dist.mean
+            return action, dist.log_prob(action).sum(-1)
+        parts, logprob = [], torch.zeros(dist[0].logits.shape[0])
+        for d in dist:
+            if self.training:
+                a = torch.multinomial(d.probs, 1, generator=self.generator).squeeze(-1)
+            else:
+                a = d.probs.argmax(-1)
+            parts.append(a)
+            logprob = logprob + d.log_prob(a)
+        action = parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1)
+        return action, logprob
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        net = self.parameter.net
+        with torch.inference_mode():
+            x = torch.from_numpy(obs).to(self.parameter.device)
+            action_t, logprob = self._sample(net.distribution(x))
+            value = net.value(x) if self.training else None
+        action = action_t.cpu().numpy()
+        if self.training and value is not None:
+            if self._t == 0:
+                self._version = self.parameter.version
+            t = self._t
+            self._obs[t], self._action[t] = obs, action
+            self._logprob[t], self._value[t] = logprob.cpu().numpy(), value.cpu().numpy()
+        if self._low is not None and self._high is not None:  # the env gets it clipped; the row keeps the sample
+            return np.clip(action, self._low, self._high).astype(np.float32)
+        return action.astype(np.int64)
+
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        if not self.training:
+            return
+        t = self._t
+        reward = reward.astype(np.float32).copy()
+        cut = truncated & ~terminated
+        if cut.any():  # a time limit, not a failure: bootstrap from the final observation
+            with torch.inference_mode():
+                final_value = self.parameter.net.value(torch.from_numpy(next_obs[cut]).to(self.parameter.device))
+            reward[cut] += self.gamma * final_value.cpu().numpy()
+        self._reward[t], self._done[t] = reward, terminated | truncated
+        self._t += 1
+        if self._t == self.T:
+            self._t = 0
+            self._ready.append({
+                "obs": self._obs.swapaxes(0, 1).copy(),
+                "action": self._action.swapaxes(0, 1).copy(),
+                "logprob": self._logprob.T.copy(),
+                "value": self._value.T.copy(),
+                "reward": self._reward.T.copy(),
+                "done": self._done.T.copy(),
+                "last_obs": next_obs.astype(np.float32).copy(),
+                "version": np.full(self.num_envs, self._version, np.int64),
+            })
+
+    def pending(self) -> int:
+        return sum(len(rows["version"]) for rows in self._ready)
+
+    def take(self) -> Columns | None:
+        if not self._ready:
+            return None
+        ready, self._ready = self._ready, []
+        if len(ready) == 1:
+            return ready[0]
+        return {name: np.concatenate([rows[name] for rows in ready]) for name in ready[0]}
+
+    def may_load_params(self) -> bool:
+        return self._t == 0  # a segment is acted with one params version

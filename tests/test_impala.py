@@ -1,0 +1,76 @@
+"""IMPALA's V-trace against the paper's recursion by hand, and learning in one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import srl
+from srl.algorithms import impala, ppo
+
+
+def test_vtrace_matches_the_recursion_computed_by_hand() -> None:
+    gamma, lam, rho_bar, c_bar = 0.9, 1.0, 1.0, 1.0
+    rhos = np.array([2.0, 0.5, 1.0])  # behaviour took the first action less often than the target would
+    rewards = np.array([1.0, 0.0, 2.0])
+    values = np.array([0.5, 1.0, 0.2])
+    bootstrap = 3.0
+    discounts = np.array([gamma, gamma, 0.0])  # the episode ends at step 2
+    vs, adv = impala.vtrace(
+        *(torch.from_numpy(np.array([x])) for x in (np.log(rhos), discounts, rewards, values, bootstrap)),
+        rho_bar, c_bar, lam,
+    )
+    rho = np.minimum(rho_bar, rhos)
+    c = lam * np.minimum(c_bar, rhos)
+    next_v = np.array([values[1], values[2], bootstrap])
+    delta = rho * (rewards + discounts * next_v - values)
+    # v_s - V(x_s) = δ_s + γ_s c_s (v_{s+1} - V(x_{s+1})), backwards from the end
+    d2 = delta[2]
+    d1 = delta[1] + discounts[1] * c[1] * d2
+    d0 = delta[0] + discounts[0] * c[0] * d1
+    expected_vs = values + np.array([d0, d1, d2])
+    np.testing.assert_allclose(vs.numpy()[0], expected_vs, rtol=1e-6)
+    next_vs = np.array([expected_vs[1], expected_vs[2], bootstrap])
+    np.testing.assert_allclose(adv.numpy()[0], rho * (rewards + discounts * next_vs - values), rtol=1e-6)
+
+
+def test_vtrace_on_policy_is_the_lambda_return() -> None:
+    """All ratios 1: V-trace's targets are the λ-returns (TD(λ) with the same critic)."""
+    rng = np.random.default_rng(0)
+    n, horizon, gamma, lam = 2, 6, 0.95, 0.8
+    rewards, values = rng.normal(size=(n, horizon)), rng.normal(size=(n, horizon))
+    done = np.zeros((n, horizon), bool)
+    done[0, 3] = True
+    discounts = gamma * (1.0 - done)
+    bootstrap = rng.normal(size=n)
+    vs, _ = impala.vtrace(torch.zeros(n, horizon, dtype=torch.float64), torch.tensor(discounts),
+                          torch.tensor(rewards), torch.tensor(values), torch.tensor(bootstrap), lam=lam)
+    # the λ-return G_t = r_t + γ_t ((1 - λ) V(x_{t+1}) + λ G_{t+1}), G_T = V(x_T)
+    expected = np.zeros((n, horizon))
+    next_g, next_v = bootstrap.copy(), bootstrap.copy()
+    for t in reversed(range(horizon)):
+        expected[:, t] = rewards[:, t] + discounts[:, t] * ((1 - lam) * next_v + lam * next_g)
+        next_g, next_v = expected[:, t], values[:, t]
+    np.testing.assert_allclose(vs.numpy(), expected, rtol=1e-6)
+    # and it agrees with PPO's GAE returns, the same quantity written the other way round
+    _, gae_returns = ppo.gae(rewards.astype(np.float32), values.astype(np.float32), done,
+                             bootstrap.astype(np.float32), gamma, lam)
+    np.testing.assert_allclose(vs.numpy(), gae_returns, rtol=1e-4, atol=1e-5)
+
+
+def test_impala_takes_batches_from_its_fifo_once() -> None:
+    config = impala.Config(seed=0, envs_per_actor=4, batch_segments=8, segment_length=5, publish_every=1)
+    runner = srl.Runner("CartPole-v1", config)
+    runner.train(max_steps=4 * 5 * 2 * 3, progress_interval=None)  # 24 segments: 3 batches of 8
+    assert runner.train_count == 3
+    assert runner.parameter.version == 3  # one process counts a version per publication it would make...
+    trainer = runner._trainer
+    assert trainer is not None and len(trainer.buffer) == 0  # ...and every segment was used once
+
+
+@pytest.mark.slow
+def test_impala_learns_cartpole_in_a_small_budget() -> None:
+    runner = srl.Runner("CartPole-v1", impala.Config(seed=0))
+    runner.train(max_steps=100_000, progress_interval=None)
+    assert np.mean(runner.evaluate(max_episodes=10)) >= 195
