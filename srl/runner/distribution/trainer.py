@@ -26,7 +26,7 @@ The loop::
 
 Every row carries the params version it was acted with: the trainer refuses
 rows its data path does not accept (sync: another version; ``max_policy_lag``:
-too old), counts them as stale, and reports the lag of what it accepts in
+too old; any: a version not yet published), counts them as stale, and reports the lag of what it accepts in
 versions and in train steps (p50/p95/max).
 
 After a board outage longer than the lease TTL the lease has lapsed: the
@@ -285,6 +285,8 @@ class TrainerRun:
         except (DecodeError, ValueError) as e:
             logger.error("params on the board (epoch %d, version %d) cannot be restored: %s; starting fresh",
                          record.epoch, record.version, short(e))
+            # fresh weights, but the version numbering goes on: actors only ever move forward
+            self.version = self._published_version = self.parameter.version = record.version
             return
         self.version = record.version
         self._published_version = record.version
@@ -391,9 +393,9 @@ class TrainerRun:
         if path.sync:
             keep = versions == self.version
         elif path.max_policy_lag is not None:
-            keep = self.version - versions <= path.max_policy_lag
-        else:
-            keep = None
+            keep = (versions <= self.version) & (self.version - versions <= path.max_policy_lag)
+        else:  # any age, but never a version not yet published (a forged or confused sender)
+            keep = versions <= self.version
         if keep is not None and not keep.all():
             columns = {name: column[keep] for name, column in columns.items()}
             priorities = None if priorities is None else priorities[keep]

@@ -1,0 +1,182 @@
+"""Actors flat out against one learner: does the learner keep up, or does backpressure hold the actors?
+
+    python bench/throughput.py                          # impala, appo, ppo (sync), dqn; 2 actors over Redis
+    python bench/throughput.py --algorithms impala --queue amqp --seconds 30
+
+Each algorithm runs CartPole-v1 with ``--actors`` actor processes and one trainer process on an
+embedded Redis (experience over ``--queue``) for ``--seconds`` after the first update, sampling the
+board every second. DQN runs with ``env_steps_per_train=None`` (no rate limit: Ape-X flat out).
+
+Columns: env steps/s the actors produced and the learner consumed (rows received x steps per row),
+batches in flight at the start and the end of the window (a backlog that grows is the learner
+falling behind; the queue's capacity bounds it), the share of the actors' time spent waiting on a
+full queue (backpressure) or on the next version (sync PPO), the policy lag the trainer saw
+(versions behind, p50/p95/max), one actor's env steps/s while it is not waiting divided by the same
+worker stepping its envs in this process and sending nothing ("bare", measured after the run on
+an idle machine), and the verdict:
+
+  keeps up          in flight stays low and the actors hardly wait
+  backpressure      the queue is full and the actors wait: the learner sets the pace
+  sync              the actors wait for each version by design (sync PPO)
+  falling behind    in flight grows through the window (should not happen: the queue is bounded)
+
+On two cores the actors and the trainer share the CPUs: the numbers say what this machine does,
+ratios between algorithms say more than absolute rates. Run nothing else meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import srl
+from srl.algorithms import dqn, impala, ppo
+from srl.base.rl import RLConfig
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.embedded import start_embedded_redis
+
+QUEUES = {
+    "redis": None,
+    "amqp": "amqp://guest:guest@127.0.0.1:5672/",
+    "mqtt": "mqtt://127.0.0.1:1883",
+}
+
+
+def configs() -> dict[str, tuple[RLConfig, int]]:
+    """Each algorithm's config and the env steps one row carries."""
+    impala_config = impala.Config()
+    appo = ppo.Config(sync=False)
+    sync = ppo.Config()
+    flat_dqn = dqn.Config(env_steps_per_train=None)
+    return {
+        "impala": (impala_config, impala_config.segment_length),
+        "appo": (appo, 32),  # the Discrete preset's segment length
+        "ppo": (sync, 32),
+        "dqn": (flat_dqn, 1),
+    }
+
+
+def bare_rate(config: RLConfig, seconds: float = 5.0) -> float:
+    """Env steps/s of the same worker stepping its vector env in this process, sending nothing."""
+    from srl.base.env import EnvConfig
+    from srl.base.rollout import Rollout
+
+    runner = srl.Runner("CartPole-v1", config)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    steps = 0
+    with Rollout(EnvConfig("CartPole-v1"), worker, config.envs_per_actor, 0, config.vectorization) as rollout:
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            rollout.step()
+            steps += rollout.num_envs
+            if worker.pending():
+                worker.take()
+        return steps / (time.perf_counter() - started)
+
+
+def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue: str | None,
+            seconds: float) -> dict[str, Any]:
+    server = start_embedded_redis()
+    task = f"throughput-{name}"
+    params = server.parameters.replace(task_name=task)
+    board = Board(params.connect(), task)
+    runner = srl.Runner("CartPole-v1", config)
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            runner.train_distribution(params, queue, actor_num=actors, timeout=seconds + 120,
+                                      progress_interval=None, local_processes=True)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    samples: list[dict[str, Any]] = []
+    window_start: float | None = None
+    while thread.is_alive():
+        time.sleep(1.0)
+        stats, counters = board.get_all_stats(), board.get_counters()
+        trainer = stats.get("trainer", {})
+        if window_start is None and int(trainer.get("train_count", 0) or 0) > 0:
+            window_start = time.monotonic()
+        if window_start is None:
+            continue
+        waits = [float(s.get("backpressure_wait_s", 0) or 0) + float(s.get("sync_wait_s", 0) or 0)
+                 for k, s in stats.items() if k.startswith("actor:")]
+        samples.append({"t": time.monotonic(), "env": counters.get("env_steps", 0),
+                        "rows": counters.get("received_transitions", 0),
+                        "in_flight": max(0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0)),
+                        "wait": sum(waits), "sync": sum(float(s.get("sync_wait_s", 0) or 0)
+                                                        for k, s in stats.items() if k.startswith("actor:")),
+                        "lag": (trainer.get("lag_p50"), trainer.get("lag_p95"), trainer.get("lag_max"))})
+        if time.monotonic() - window_start >= seconds:
+            board.end_task("END", "bench window over")
+    thread.join()
+    server.stop()
+    if errors:
+        raise errors[0]
+    if len(samples) < 3:
+        raise RuntimeError(f"{name}: the run ended before a measuring window ({len(samples)} samples)")
+    first, last = samples[1], samples[-1]  # the first second after the first update is warm-up
+    dt = last["t"] - first["t"]
+    produced = (last["env"] - first["env"]) / dt
+    consumed = (last["rows"] - first["rows"]) * steps_per_row / dt
+    wait_share = (last["wait"] - first["wait"]) / (dt * actors)
+    sync_share = (last["sync"] - first["sync"]) / (dt * actors)
+    head = statistics.mean(s["in_flight"] for s in samples[1:4])
+    tail = statistics.mean(s["in_flight"] for s in samples[-3:])
+    capacity = 8
+    if sync_share > 0.2:
+        verdict = "sync"
+    elif tail > head + 2 and tail >= capacity - 1 and wait_share < 0.05:
+        verdict = "falling behind"
+    elif wait_share > 0.1 or tail >= capacity - 1:
+        verdict = "backpressure"
+    else:
+        verdict = "keeps up"
+    busy = produced / actors / max(1e-9, 1.0 - wait_share)  # one actor's rate while it is not waiting
+    return {"name": name, "produced": produced, "consumed": consumed, "head": head, "tail": tail,
+            "wait": wait_share, "lag": last["lag"], "verdict": verdict, "busy": busy,
+            "bare": bare_rate(config)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithms", default="impala,appo,ppo,dqn")
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--queue", default="redis", choices=sorted(QUEUES))
+    parser.add_argument("--seconds", type=float, default=20.0, help="measuring window after the first update")
+    args = parser.parse_args()
+    import logging
+
+    logging.getLogger("srl").setLevel(logging.WARNING)
+    table = configs()
+    results = []
+    for name in [n.strip() for n in args.algorithms.split(",") if n.strip()]:
+        if name not in table:
+            parser.error(f"unknown algorithm {name!r}; known: {', '.join(table)}")
+        config, steps_per_row = table[name]
+        results.append(measure(name, config, steps_per_row, args.actors, QUEUES[args.queue], args.seconds))
+        print(f"{name}: done", flush=True)
+    print(f"\n{args.actors} actors flat out, CartPole-v1, queue {args.queue}, {args.seconds:g}s window")
+    header = (f"{'algorithm':<9} {'produced/s':>10} {'consumed/s':>10} {'consumed÷produced':>17} "
+              f"{'in flight':>10} {'actors waiting':>14} {'lag p50/p95/max':>16} {'actor busy÷bare':>15}  verdict")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        lag = "/".join("?" if v is None else f"{v:g}" for v in r["lag"])
+        print(f"{r['name']:<9} {r['produced']:>10.0f} {r['consumed']:>10.0f} {r['consumed'] / r['produced']:>17.2f} "
+              f"{r['head']:>4.1f} → {r['tail']:<3.1f} {r['wait']:>14.0%} {lag:>16} {r['busy'] / r['bare']:>15.2f}  "
+              f"{r['verdict']}")
+
+
+if __name__ == "__main__":
+    main()
