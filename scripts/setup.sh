@@ -17,3 +17,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q -c constraints.txt -e ".[dev]"
   echo "$want" > "$stamp"
 fi
+# The dashboard's browser test drives Debian's chromium (playwright comes with the dev extra;
+# no `playwright install` download). Best effort: a machine without apt-get or root skips it.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
+    >/dev/null 2>&1 || echo "setup: chromium not installed (the dashboard browser test will skip)" >&2
+fi

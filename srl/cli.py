@@ -1,4 +1,5 @@
-"""The ``srl`` command: ``srl actor``, ``srl trainer``, ``srl status``, ``srl stop``.
+"""The ``srl`` command: ``srl actor``, ``srl trainer``, ``srl status``, ``srl stop``, ``srl dashboard``,
+``srl plot``.
 
 Owns: turning command lines into the same parameter dataclasses the Python API
 takes. Options are derived from those dataclasses (name, type, default, and
@@ -21,6 +22,7 @@ import types
 import typing
 from typing import Any, get_type_hints
 
+from srl.dashboard import DashboardOptions
 from srl.runner.distribution.actor import ActorOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.trainer import TrainerOptions
@@ -136,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = sub.add_parser("stop", help="end a task (reason: cancelled)")
     add_dataclass_options(stop, RedisParameters, "board (Redis)")
+
+    dashboard = sub.add_parser("dashboard", help="serve a live web page of every task on the board "
+                                                 "(rates, stalls, lag, reward curve, events, a stop button)")
+    add_dataclass_options(dashboard, RedisParameters, "board (Redis)")
+    add_dataclass_options(dashboard, DashboardOptions, "dashboard (web page)")
+
+    plot = sub.add_parser("plot", help="write reward.png, loss.png and throughput.png of a run next to its "
+                                       "history.csv (log_dir of Runner.train / train_distribution)")
+    plot.add_argument("log_dir", help="the run's log_dir")
     return parser
 
 
@@ -166,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     from srl.runner.progress import ensure_logging
 
     ensure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    if args.command == "plot":
+        from srl.runner.plot import plot
+
+        for path in plot(args.log_dir):
+            print(path)
+        return 0
     redis_params = _redis_params(args)
     if args.command == "actor":
         from srl.runner.distribution.actor import actor_run_forever
@@ -179,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
 
         options = build_dataclass(TrainerOptions, args)
         trainer_run_forever(redis_params, args.queue_url, run_once=args.run_once, options=options)
+        return 0
+    if args.command == "dashboard":
+        from srl.dashboard import serve
+
+        serve(redis_params, build_dataclass(DashboardOptions, args))
         return 0
     from srl.runner.distribution.board import Board
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -378,6 +379,8 @@ class DQNStats(TrainStats):
 class DQNTrainer(Trainer):
     """One gradient step per ``train()``: sample, Huber loss weighted by importance, priority update."""
 
+    optimizer: torch.optim.Optimizer
+
     def __init__(self, config: Config, parameter: DQNParameter, memory: Memory) -> None:
         self.config = config
         self.parameter = parameter
@@ -395,6 +398,11 @@ class DQNTrainer(Trainer):
     def on_parameters_loaded(self) -> None:
         self.sync_target()
 
+    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return torch_to_arrays({"target": self.target}), {}
+
+    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        torch_from_arrays({"target": self.target}, dict(arrays))
 
     def train(self) -> DQNStats | None:
         if len(self.memory) < self.config.warmup_size:

@@ -17,9 +17,11 @@ how far behind (in versions and in train steps) what it learns from is, and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -172,6 +174,8 @@ class IMPALAStats(TrainStats):
 class IMPALATrainer(Trainer):
     """``train()`` takes ``batch_segments`` segments (None until that many arrived) and makes one step."""
 
+    optimizer: torch.optim.Optimizer
+
     def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer) -> None:
         self.config = config
         self.parameter = parameter
@@ -186,6 +190,13 @@ class IMPALATrainer(Trainer):
     def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
         self.max_steps, self.max_train_count = max_steps, max_train_count
 
+    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return {}, {"steps_seen": self.steps_seen}
+
+    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        steps = meta.get("steps_seen", 0)
+        check_int("steps_seen", steps, 0, 2**62)
+        self.steps_seen = int(steps)
 
     def train(self) -> IMPALAStats | None:
         segments = self.buffer.take(self.config.batch_segments)

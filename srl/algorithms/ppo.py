@@ -26,6 +26,7 @@ fields left at ``None`` take the Discrete or the continuous-control value
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -43,6 +44,8 @@ from srl.base.rl import (
     TrainStats,
     check_int,
     check_number,
+    torch_from_arrays,
+    torch_to_arrays,
 )
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
@@ -222,6 +225,8 @@ class PPOTrainer(Trainer):
     """``train()`` runs one PPO update: sync, on every segment in the buffer (the distributed trainer
     calls it once all of this version's are in); asynchronous, on the next ``segments_per_update``."""
 
+    optimizer: torch.optim.Optimizer
+
     def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer,
                  segments_per_update: int) -> None:
         self.config = config
@@ -244,6 +249,14 @@ class PPOTrainer(Trainer):
         self.max_steps = max_steps
         self.max_train_count = max_train_count
 
+    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return torch_to_arrays({"return_rms": self.return_rms}), {"steps_seen": self.steps_seen}
+
+    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        torch_from_arrays({"return_rms": self.return_rms}, dict(arrays))
+        steps = meta.get("steps_seen", 0)
+        check_int("steps_seen", steps, 0, 2**62)
+        self.steps_seen = int(steps)
 
     def _scale_rewards(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
         """Divide by the running std of discounted returns (accumulated within each segment)."""

@@ -31,8 +31,9 @@ import dataclasses
 import math
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -286,10 +287,60 @@ class TrainStats:
         return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+def optimizer_to_arrays(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """An optimizer's state as arrays (``optimizer/<param>/<name>``) and its hyper-parameters as JSON."""
+    state = optimizer.state_dict()
+    arrays: dict[str, np.ndarray] = {}
+    for index, entries in state["state"].items():
+        for name, value in entries.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            arrays[f"optimizer/{int(index)}/{name}"] = tensor.detach().to("cpu").numpy().copy()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}
+              for group in state["param_groups"]]
+    return arrays, {"param_groups": groups}
+
+
+def optimizer_from_arrays(
+    optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]
+) -> None:
+    """Load what ``optimizer_to_arrays`` wrote; ValueError naming what does not fit this optimizer."""
+    current = optimizer.state_dict()
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(current["param_groups"]):
+        raise ValueError("the optimizer state has another number of parameter groups than this optimizer")
+    shapes: dict[int, tuple[int, ...]] = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for group, saved in zip(current["param_groups"], groups, strict=True):
+        if not isinstance(saved, dict) or saved.get("params") != group["params"]:
+            raise ValueError("the optimizer state was made for another network (its parameter lists differ)")
+        for index in group["params"]:
+            shapes[index] = tuple(params[index].shape)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in arrays.items():
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] != "optimizer" or not parts[1].isdigit() or int(parts[1]) not in shapes:
+            raise ValueError(f"unexpected optimizer entry {key!r}")
+        index, name = int(parts[1]), parts[2]
+        if value.ndim and tuple(value.shape) != shapes[index]:
+            raise ValueError(f"optimizer entry {key!r} has shape {tuple(value.shape)}, the parameter is "
+                             f"{shapes[index]}")
+        state.setdefault(index, {})[name] = torch.as_tensor(np.array(value))
+    loaded_groups = []
+    for group, saved in zip(current["param_groups"], groups, strict=True):
+        merged = dict(group)
+        for k, v in saved.items():
+            if k in group and k != "params":
+                merged[k] = tuple(v) if isinstance(group[k], tuple) else v
+        loaded_groups.append(merged)
+    optimizer.load_state_dict({"state": state, "param_groups": loaded_groups})
+
+
 class Trainer(ABC):
     """Learns from a buffer and updates the parameter; ``train_count`` counts gradient steps."""
 
     train_count: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+    """the optimizer whose state a checkpoint keeps (None: nothing to keep)"""
 
     @abstractmethod
     def train(self) -> TrainStats | None:
@@ -298,6 +349,35 @@ class Trainer(ABC):
     def plan(self, max_steps: int | None, max_train_count: int | None) -> None:  # noqa: B027 - optional
         """The run's budget (env steps, gradient steps; None: not bounded), for schedules that anneal
         over it (PPO's learning rate). Nothing by default."""
+
+    def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """What a checkpoint keeps beyond the weights: the optimizer's state, ``train_count`` and what
+        ``extra_state`` adds, as arrays and JSON (no pickle)."""
+        arrays, meta = self.extra_state()
+        meta = {"train_count": self.train_count, **meta}
+        if self.optimizer is not None:
+            opt_arrays, opt_meta = optimizer_to_arrays(self.optimizer)
+            arrays.update(opt_arrays)
+            meta["optimizer"] = opt_meta
+        return arrays, meta
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what ``state_arrays`` wrote (after the weights are loaded); ValueError if it does not fit."""
+        opt = {k: v for k, v in arrays.items() if k.startswith("optimizer/")}
+        if self.optimizer is not None and isinstance(meta.get("optimizer"), dict):
+            optimizer_from_arrays(self.optimizer, opt, meta["optimizer"])
+        count = meta.get("train_count", self.train_count)
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 2**62:
+            raise ValueError(f"train_count {count!r} in the trainer state is not a count")
+        self.train_count = count
+        self.load_extra_state({k: v for k, v in arrays.items() if not k.startswith("optimizer/")}, meta)
+
+    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """An algorithm's own training state (a target network, running statistics, schedule counters)."""
+        return {}, {}
+
+    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:  # noqa: B027
+        """Restore ``extra_state``. Nothing by default."""
 
     def on_parameters_loaded(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """The parameter's weights were replaced (a checkpoint, or params restored from the board):

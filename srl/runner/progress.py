@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from collections import deque
+from typing import Any
 
 logger = logging.getLogger("srl")
 
@@ -51,7 +52,8 @@ class TrainProgress:
     """Rates and a line every ``interval`` seconds for ``Runner.train``."""
 
     def __init__(
-        self, interval: float | None, max_train_count: int | None, max_steps: int | None, timeout: float | None
+        self, interval: float | None, max_train_count: int | None, max_steps: int | None, timeout: float | None,
+        bar: bool | None = None,
     ) -> None:
         self.interval = interval
         self.max_train_count = max_train_count
@@ -63,12 +65,41 @@ class TrainProgress:
         self._last_train = 0
         self.rewards: deque[float] = deque(maxlen=10)
         self.loss: float | None = None
+        self.stats: dict[str, float] = {}
+        """the latest update's statistics (loss and the algorithm's own)"""
+        self.eval: float | None = None
+        self._bar: Any = None
+        if interval is not None and (bar or (bar is None and sys.stderr.isatty())):
+            self._bar = _make_bar(max_train_count, max_steps)
+            if self._bar is not None:
+                self.interval = min(interval, 0.5)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def due(self, now: float) -> bool:
         return self.interval is not None and now - self._last_time >= self.interval
+
+    def report(self, steps: int, train_count: int, episodes: int, now: float | None = None) -> None:
+        """Move the bar, or log a progress line."""
+        if self._bar is None:
+            logger.info("%s", self.line(steps, train_count, episodes, now))
+            return
+        self._bar.n = train_count if self.max_train_count else steps
+        reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
+        postfix = {"env": steps, "train": train_count, "episodes": episodes,
+                   "reward": "-" if reward is None else f"{reward:.1f}",
+                   "loss": "-" if self.loss is None else f"{self.loss:.3g}"}
+        if self.eval is not None:
+            postfix["eval"] = f"{self.eval:.1f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.refresh()
+        self._last_time = time.perf_counter() if now is None else now
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def line(self, steps: int, train_count: int, episodes: int, now: float | None = None) -> str:
         now = time.perf_counter() if now is None else now
@@ -87,8 +118,19 @@ class TrainProgress:
         reward = f"{sum(self.rewards) / len(self.rewards):.1f} (last {len(self.rewards)})" if self.rewards else "-"
         loss = f"{self.loss:.4g}" if self.loss is not None else "-"
         total = f"/{self.max_train_count}" if self.max_train_count else ""
+        evaluation = "" if self.eval is None else f" | eval {self.eval:.1f}"
         return (
             f"{format_seconds(elapsed)} elapsed, ETA {format_seconds(left)} | train {train_count}{total} "
             f"{train_rate:.0f}/s | env {steps} steps {steps_rate:.0f}/s, {episodes} episodes | "
-            f"reward {reward} | loss {loss}"
+            f"reward {reward} | loss {loss}{evaluation}"
         )
+
+
+def _make_bar(max_train_count: int | None, max_steps: int | None) -> Any:
+    """A tqdm bar over train steps (else env steps), or None without tqdm."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    total = max_train_count or max_steps
+    return tqdm(total=total, unit=" train" if max_train_count else " steps", dynamic_ncols=True, leave=True)

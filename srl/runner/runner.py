@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from srl.base.env import EnvConfig, EnvSpec, env_spec
 from srl.base.rl import Buffer, DataPath, Parameter, RLConfig, Trainer, TrainStats
 from srl.base.rollout import Rollout
 from srl.runner.progress import TrainProgress, ensure_logging
+from srl.runner.run_log import RunLog, prune_checkpoints
 
 if TYPE_CHECKING:
     from srl.runner.distribution.redis_parameters import RedisParameters
@@ -33,7 +35,80 @@ logger = logging.getLogger("srl.runner")
 FLUSH_TRANSITIONS = 32
 """transitions a one-process worker gathers before they go into the buffer"""
 CHECKPOINT_FORMAT = "srl-checkpoint"
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
+"""3: counters and the trainer's state (arrays under ``trainer/``); 2 (weights only) still loads"""
+TRAINER_PREFIX = "trainer/"
+
+
+def build_checkpoint(
+    parameter: Parameter, trainer: Trainer | None, task_config: dict[str, Any], train_count: int, env_steps: int,
+    episodes: int, trainer_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """What a checkpoint holds: the weights, the trainer's state under ``trainer/`` (from ``trainer``, else
+    ``trainer_state``), and the meta (format, counters, the algorithm, its settings and the env)."""
+    arrays = dict(parameter.to_arrays())
+    meta: dict[str, Any] = {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_VERSION,
+        "train_count": train_count,
+        "version": parameter.version,
+        "env_steps": env_steps,
+        "episodes": episodes,
+        "saved_at": time.time(),
+        **task_config,
+    }
+    state = trainer.state_arrays() if trainer is not None else trainer_state
+    if state is not None:
+        arrays.update({TRAINER_PREFIX + k: v for k, v in state[0].items()})
+        meta["trainer_state"] = state[1]
+    return arrays, meta
+
+
+def split_checkpoint(
+    meta: dict[str, Any], arrays: dict[str, np.ndarray], algorithm: str, source: str = "checkpoint"
+) -> tuple[dict[str, np.ndarray], tuple[dict[str, np.ndarray], dict[str, Any]] | None]:
+    """The weights and the trainer state (None if it holds none) of a checkpoint of ``algorithm``;
+    ValueError saying what is wrong otherwise."""
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{source} is not an srl checkpoint (format {str(meta.get('format'))[:40]!r})")
+    if meta.get("algorithm") != algorithm:
+        raise ValueError(f"{source} holds {str(meta.get('algorithm'))[:40]!r} weights; this task is {algorithm!r}")
+    for name in ("version", "train_count", "env_steps", "episodes"):
+        _count(meta, name)
+    weights = {k: v for k, v in arrays.items() if not k.startswith(TRAINER_PREFIX)}
+    state = meta.get("trainer_state")
+    if not isinstance(state, dict):
+        return weights, None
+    return weights, ({k[len(TRAINER_PREFIX):]: v for k, v in arrays.items() if k.startswith(TRAINER_PREFIX)}, state)
+
+
+def reward_summary(rewards: list[float], prefix: str) -> dict[str, float | None]:
+    """``{prefix}_mean/_min/_max`` of episode rewards (None each when there are none)."""
+    if not rewards:
+        return {f"{prefix}_mean": None, f"{prefix}_min": None, f"{prefix}_max": None}
+    return {f"{prefix}_mean": round(float(np.mean(rewards)), 4), f"{prefix}_min": round(float(min(rewards)), 4),
+            f"{prefix}_max": round(float(max(rewards)), 4)}
+
+
+def _count(meta: dict[str, Any], name: str) -> int:
+    value = meta.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        raise ValueError(f"checkpoint field {name!r} is {str(value)[:40]}, not a count")
+    return value
+
+
+class _Rates:
+    """Env steps and train steps per second since the previous call."""
+
+    def __init__(self, env_steps: int, train_count: int) -> None:
+        self.last = (time.perf_counter(), env_steps, train_count)
+
+    def update(self, env_steps: int, train_count: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        then, steps, count = self.last
+        self.last = (now, env_steps, train_count)
+        dt = max(now - then, 1e-9)
+        return (env_steps - steps) / dt, (train_count - count) / dt
 
 
 def seed_everything(seed: int | None) -> None:
@@ -62,6 +137,7 @@ class Runner:
         self.env_steps = 0
         self.episodes = 0
         self._train_count = 0  # loaded with weights, before a trainer exists
+        self._pending_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None  # for the next trainer
 
     # ---------------------------------------------------------------- pieces
     @property
@@ -101,6 +177,14 @@ class Runner:
         max_steps: int | None = None,
         timeout: float | None = None,
         progress_interval: float | None = 5.0,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        eval_interval: float | None = None,
+        eval_every: int | None = None,
+        eval_episodes: int = 5,
+        checkpoint_interval: float | None = 600.0,
+        keep_checkpoints: int = 5,
+        progress_bar: bool | None = None,
     ) -> None:
         """Train in this process until one limit is reached (at least one is required).
 
@@ -108,9 +192,19 @@ class Runner:
         ``timeout``: seconds. The same worker, buffer and trainer a distributed run uses, on the
         same data path: rows go into the buffer, and off-policy algorithms train
         ``1 / env_steps_per_train`` steps per env step.
+
+        ``log_dir``: keep ``history.csv`` (a row per ``progress_interval``, 5 s if that is None),
+        ``eval.csv``, TensorBoard events and ``checkpoints/`` (every ``checkpoint_interval`` seconds
+        and at the end, the newest ``keep_checkpoints``; weights, optimizer state and counters) there;
+        a directory that already holds a run's files is continued. ``eval_interval`` (seconds) /
+        ``eval_every`` (train steps): evaluate ``eval_episodes`` episodes that often (into eval.csv,
+        the history and the progress). ``progress_bar``: a tqdm bar instead of progress lines
+        (default: when stderr is a terminal and tqdm is installed).
         """
         if max_train_count is None and max_steps is None and timeout is None:
             raise ValueError("train() needs a limit: max_train_count=, max_steps= or timeout=")
+        if eval_episodes < 1:
+            raise ValueError(f"eval_episodes must be >= 1, got {eval_episodes}")
         ensure_logging()
         config = self.rl_config
         parameter = self.parameter
@@ -119,13 +213,24 @@ class Runner:
         if self._trainer is None:
             self._trainer = config.make_trainer(self.spec, parameter, self._buffer)
             self._trainer.train_count = self._train_count
+            if self._pending_state is not None:
+                self._trainer.load_state_arrays(*self._pending_state)
+                self._pending_state = None
         trainer, buffer = self._trainer, self._buffer
+        run_log = RunLog(log_dir) if log_dir is not None else None
+        log_every = progress_interval or 5.0
+        next_log = time.perf_counter() + log_every
+        next_checkpoint = None if checkpoint_interval is None else time.perf_counter() + checkpoint_interval
+        next_eval_time = None if eval_interval is None else time.perf_counter() + eval_interval
+        next_eval_count = None if eval_every is None else trainer.train_count + eval_every
+        last_eval: float | None = None
+        rates = _Rates(self.env_steps, trainer.train_count)
         trainer.plan(None if max_steps is None else self.env_steps + max_steps,
                      None if max_train_count is None else trainer.train_count + max_train_count)
         data_path = config.data_path()
         worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
         rollout = Rollout(self.env_config, worker, config.envs_per_actor, config.seed, config.vectorization)
-        progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout)
+        progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout, bar=progress_bar)
         start_train, start_steps = trainer.train_count, self.env_steps
         deadline = None if timeout is None else time.perf_counter() + timeout
         # transitions are handed over in small batches (a buffer add and a priority pass per row would
@@ -161,12 +266,30 @@ class Runner:
                         self._record(stats, progress, data_path)
                 now = time.perf_counter()
                 if progress.due(now):
-                    logger.info(progress.line(self.env_steps - start_steps, trainer.train_count - start_train,
-                                              self.episodes, now))
+                    progress.report(self.env_steps - start_steps, trainer.train_count - start_train,
+                                    self.episodes, now)
+                if (next_eval_time is not None and now >= next_eval_time) or (
+                        next_eval_count is not None and trainer.train_count >= next_eval_count):
+                    last_eval = self._evaluate_during_training(eval_episodes, run_log, progress)
+                    now = time.perf_counter()
+                    next_eval_time = None if eval_interval is None else now + eval_interval
+                    next_eval_count = None if eval_every is None else trainer.train_count + eval_every
+                if run_log is not None and now >= next_log:
+                    next_log = now + log_every
+                    run_log.add_history(self._history_row(progress, rates, last_eval))
+                if run_log is not None and next_checkpoint is not None and now >= next_checkpoint:
+                    next_checkpoint = now + (checkpoint_interval or 0.0)
+                    self._checkpoint(run_log, keep_checkpoints)
                 if deadline is not None and now >= deadline:
                     break
         finally:
             rollout.close()
+            progress.close()
+            if run_log is not None:
+                run_log.add_history(self._history_row(progress, rates, last_eval))
+                if checkpoint_interval is not None:
+                    self._checkpoint(run_log, keep_checkpoints)
+                run_log.close()
         elapsed = progress.elapsed()
         logger.info(
             "train done: %d train steps, %d env steps in %.1fs (%.0f train/s, %.0f env steps/s)",
@@ -175,11 +298,38 @@ class Runner:
             (self.env_steps - start_steps) / max(elapsed, 1e-9),
         )
 
+    def _evaluate_during_training(self, episodes: int, run_log: RunLog | None, progress: TrainProgress) -> float:
+        rewards = self.evaluate(max_episodes=episodes)
+        row = {"train_count": self.train_count, "env_steps": self.env_steps, "version": self.parameter.version,
+               **reward_summary(rewards, "eval")}
+        if run_log is not None:
+            run_log.add_eval(row)
+        progress.eval = float(np.mean(rewards))
+        logger.info("evaluation at train %d, env steps %d: %.1f (min %.1f, max %.1f over %d episodes)",
+                    self.train_count, self.env_steps, np.mean(rewards), min(rewards), max(rewards), len(rewards))
+        return float(np.mean(rewards))
+
+    def _history_row(self, progress: TrainProgress, rates: _Rates, last_eval: float | None) -> dict[str, Any]:
+        env_rate, train_rate = rates.update(self.env_steps, self.train_count)
+        return {
+            "train_count": self.train_count, "env_steps": self.env_steps, "episodes": self.episodes,
+            **reward_summary(list(progress.rewards), "reward"), "eval_mean": last_eval,
+            "env_steps_per_s": round(env_rate, 2), "train_per_s": round(train_rate, 2),
+            "version": self.parameter.version,
+            **{k: v for k, v in progress.stats.items() if k not in ("gradient_steps",)},
+        }
+
+    def _checkpoint(self, run_log: RunLog, keep: int) -> None:
+        path = run_log.checkpoint_path(self.train_count)
+        self.save(path)
+        prune_checkpoints(path.parent, keep)
+
     def _record(self, stats: TrainStats | None, progress: TrainProgress, data_path: DataPath) -> None:
         """Note an update; the params version moves as a distributed trainer's publications would."""
         if stats is None:
             return
         progress.loss = stats.loss
+        progress.stats = stats.scalars()
         parameter, trainer = self.parameter, self._trainer
         assert trainer is not None
         if data_path.publish_every == 0:
@@ -214,26 +364,29 @@ class Runner:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write weights and settings as a ``.safetensors`` file (no pickle; the meta says what it is)."""
-        meta = {
-            "format": CHECKPOINT_FORMAT,
-            "format_version": CHECKPOINT_VERSION,
-            "train_count": self.train_count,
-            "version": self.parameter.version,
-            **self.task_config(),
-        }
-        save_arrays(path, self.parameter.to_arrays(), meta)
+        """Write weights, settings, counters and (once trained here) the trainer's state (optimizer,
+        target network, running statistics) as one ``.safetensors`` file: no pickle, the meta says what
+        it is. ``load`` / ``from_checkpoint`` read it back; training then goes on where it stopped."""
+        arrays, meta = build_checkpoint(self.parameter, self._trainer, self.task_config(), self.train_count,
+                                        self.env_steps, self.episodes, self._pending_state)
+        save_arrays(path, arrays, meta)
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Load weights saved by :meth:`save` (or the final params of a distributed run)."""
+        """Load a checkpoint written by :meth:`save` (or by a distributed trainer): the weights, the
+        counters, and the trainer's state for the next ``train`` when the file holds it."""
         meta, arrays = load_arrays(path)
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not an srl checkpoint (format {meta.get('format')!r})")
-        if meta.get("algorithm") != self.rl_config.algorithm:
-            raise ValueError(
-                f"{path} holds {meta.get('algorithm')!r} weights; this runner is {self.rl_config.algorithm!r}"
-            )
-        self.set_parameter_arrays(arrays, int(meta.get("version", 0)), int(meta.get("train_count", 0)))
+        self.load_checkpoint(meta, arrays, str(path))
+
+    def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = "checkpoint") -> None:
+        """Apply a checkpoint's ``(meta, arrays)`` (see :meth:`load`)."""
+        weights, state = split_checkpoint(meta, arrays, self.rl_config.algorithm, source)
+        self.set_parameter_arrays(weights, _count(meta, "version"), _count(meta, "train_count"))
+        self.env_steps, self.episodes = _count(meta, "env_steps"), _count(meta, "episodes")
+        if state is not None:
+            if self._trainer is not None:
+                self._trainer.load_state_arrays(*state)
+            else:
+                self._pending_state = state
 
     def set_parameter_arrays(self, arrays: dict[str, np.ndarray], version: int, train_count: int) -> None:
         """Replace the weights (``version``: the params version they are; ``train_count``: updates made)."""
@@ -252,6 +405,12 @@ class Runner:
         runner = cls(EnvConfig.from_dict(meta.get("env", {})), rl_config)
         runner.load(path)
         return runner
+
+    def plot(self, log_dir: str | os.PathLike[str]) -> list[Path]:
+        """PNGs of the run kept in ``log_dir`` (see ``srl.runner.plot``; needs ``srl[plot]``)."""
+        from srl.runner.plot import plot
+
+        return plot(log_dir)
 
     # ---------------------------------------------------------------- distributed
     def train_distribution(

@@ -218,6 +218,8 @@ class ActorRun:
             "rate_limited_s": round(self.throttled_s, 3),
             "sync_wait_s": round(self.sync_wait_s, 3),
             "reward": round(float(np.mean(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
+            "reward_min": round(float(np.min(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
+            "reward_max": round(float(np.max(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
             **{k: round(v, 5) for k, v in self.worker.stats().items()},
         }
 

@@ -65,6 +65,10 @@ EVENT_TEXT_LIMIT = 500
 """characters of an event's text kept (the rest is cut): the log is capped by size too"""
 DEADLETTER_CAP = 100
 """notes of refused messages kept per task"""
+HISTORY_CAP = 5000
+"""history rows (one per progress interval: scalars for curves) kept per task"""
+HISTORY_ROW_BYTES = 16 * 1024
+"""larger history rows are refused when written and skipped when read"""
 DEFAULT_STATS_TTL_MS = 60_000
 """how long a role's stats outlive its last write"""
 MAX_ACTORS = 100_000
@@ -93,6 +97,19 @@ def task_key_prefix(task_name: str) -> str:
             f"task name {task_name!r} is not allowed: use 1-128 characters among letters, digits, '_', '.', '-'"
         )
     return f"srl:{{{task_name}}}:"
+
+
+def list_tasks(client: redis.Redis, limit: int = 1000) -> list[str]:
+    """Names of the tasks on this Redis (at most ``limit``, sorted), found by their task records."""
+    names: set[str] = set()
+    for key in client.scan_iter(match="srl:{*}:task", count=_SCAN_COUNT):
+        text = _str(key)
+        name = text[len("srl:{"):-len("}:task")]
+        if _TASK_NAME.fullmatch(name):
+            names.add(name)
+        if len(names) >= limit:
+            break
+    return sorted(names)
 
 
 class BoardError(RuntimeError):
@@ -500,6 +517,8 @@ class Board:
         self._roles_key = self.prefix + "roles"
         self._events_key = self.prefix + "events"
         self._deadletters_key = self.prefix + "deadletters"
+        self._history_key = self.prefix + "history"
+        self._resume_key = self.prefix + "resume"
         # register_script: EVALSHA, and SCRIPT LOAD + retry on NOSCRIPT (a restarted or flushed Redis).
         self._renew = client.register_script(_RENEW_LUA)
         self._release = client.register_script(_RELEASE_LUA)
@@ -537,7 +556,8 @@ class Board:
     def task_keys(self) -> list[str]:
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
         keys = {self._task_key, self._epoch_key, self._params_key, self._counters_key, self._roles_key,
-                self._events_key, self._deadletters_key, self.lease_key("trainer")}
+                self._events_key, self._deadletters_key, self._history_key, self._resume_key,
+                self.lease_key("trainer")}
         try:
             actor_num = _int(self.client.hget(self._task_key, "actor_num") or 0, "actor_num", 0, MAX_ACTORS)
         except BoardDataError:
@@ -830,6 +850,27 @@ class Board:
             raise BoardDataError(f"params blob is {len(blob)} bytes, over the {max_bytes} this network needs")
         return ParamsRecord(_int(epoch, "epoch"), _int(version, "version"), _int(train_count, "train_count"), blob)
 
+    def set_resume(self, blob: bytes | None) -> None:
+        """The checkpoint a new task starts from (a PARAMS message with the trainer's state), or none."""
+        if blob is None:
+            self.client.delete(self._resume_key)
+        else:
+            self.client.set(self._resume_key, blob)
+
+    def get_resume(self, max_bytes: int) -> bytes | None:
+        """The checkpoint to start from, if the client gave one; a larger one is a BoardDataError (its
+        length is read first, so a huge forged value is never fetched)."""
+        size = int(self.client.strlen(self._resume_key))
+        if size == 0:
+            return None
+        if size > max_bytes:
+            raise BoardDataError(f"the checkpoint to resume from is {size} bytes, over the {max_bytes} this "
+                                 "network and its optimizer state need")
+        blob = self.client.get(self._resume_key)
+        if not isinstance(blob, bytes) or len(blob) > max_bytes:
+            return None
+        return blob
+
     # -------------------------------------------------------------- counters
 
     def incr_counters(self, role_id: str, **deltas: int | float) -> None:
@@ -926,6 +967,32 @@ class Board:
             self._push_capped(keys=[self._deadletters_key, self._task_key], args=[entry, DEADLETTER_CAP],
                               client=pipe)
         pipe.execute()
+
+    def push_history(self, row: Mapping[str, float | int | str | None]) -> None:
+        """Append one row of scalars (a progress interval: counters, rates, rewards, losses) to the
+        task's capped history; what dashboards draw curves from. Dropped if the task does not exist."""
+        raw = json.dumps({str(k)[:128]: v for k, v in row.items()}, separators=(",", ":"), allow_nan=False,
+                         default=str)
+        if len(raw) > HISTORY_ROW_BYTES:
+            raise ValueError(f"a history row is {len(raw)} bytes; at most {HISTORY_ROW_BYTES}")
+        self._push_capped(keys=[self._history_key, self._task_key], args=[raw, HISTORY_CAP])
+
+    def get_history(self, n: int = HISTORY_CAP) -> list[dict[str, float | int | str | None]]:
+        """The latest ``n`` history rows, oldest first; only finite numbers, short strings and nulls are
+        kept of each (anything else read from the board is dropped)."""
+        rows = []
+        for raw in reversed(self.client.lrange(self._history_key, 0, max(0, min(n, HISTORY_CAP) - 1))):
+            item = _json_object(raw, HISTORY_ROW_BYTES)
+            if item is None:
+                continue
+            row: dict[str, float | int | str | None] = {}
+            for key, value in item.items():
+                if value is None or (isinstance(value, str) and len(value) <= 200):
+                    row[key] = value
+                elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    row[key] = value
+            rows.append(row)
+        return rows
 
     def get_dead_letters(self, n: int = DEADLETTER_CAP) -> list[DeadLetter]:
         """The latest ``n`` refused-message notes, oldest first."""

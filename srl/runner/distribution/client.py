@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import subprocess
+import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from srl.runner.distribution import local_nodes
 from srl.runner.distribution.board import Board, TaskStatus
-from srl.runner.distribution.codec import Codec, params_message_bytes
+from srl.runner.distribution.codec import Codec, params_message_bytes, short
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import with_retry
 from srl.runner.progress import ensure_logging, eta, format_seconds
+from srl.runner.run_log import CHECKPOINT_DIR, RunLog, latest_checkpoint
+from srl.runner.runner import reward_summary
 
 if TYPE_CHECKING:
     from srl.runner.runner import Runner
@@ -59,6 +67,13 @@ def train_distribution(
     actor_options: dict[str, Any] | None = None,
     trainer_options: dict[str, Any] | None = None,
     delete_task: bool = False,
+    log_dir: str | os.PathLike[str] | None = None,
+    eval_interval: float | None = None,
+    eval_every: int | None = None,
+    eval_episodes: int = 5,
+    checkpoint_interval: float = 600.0,
+    keep_checkpoints: int = 5,
+    resume_from: str | os.PathLike[str] | None = None,
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
 
@@ -77,6 +92,15 @@ def train_distribution(
         actor_options, trainer_options: ActorOptions / TrainerOptions fields for local processes.
         delete_task: remove every key of the task at the end (default: keep, so ``srl status``
             shows how it ended; a new task of the same name replaces an ended one).
+        log_dir: keep ``history.csv`` (a row per progress interval: counters, rewards, losses, rates,
+            lag, stalls), ``eval.csv``, TensorBoard events and ``final.safetensors`` there; a local
+            trainer also writes ``checkpoints/<task>/`` every ``checkpoint_interval`` seconds (the
+            newest ``keep_checkpoints``); a remote one does with ``--checkpoint-dir``.
+        eval_interval, eval_every: evaluate the latest params every so many seconds / train steps,
+            here in the client (the trainer is not slowed), ``eval_episodes`` episodes each time.
+        resume_from: a checkpoint file (or a log_dir holding checkpoints: the newest) to start from:
+            weights, optimizer state, train_count and env steps go on; ``max_train_count`` and
+            ``max_steps`` count from there.
 
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
     here as local processes and stopped at the end. Ctrl-C ends the task as "cancelled"
@@ -90,8 +114,21 @@ def train_distribution(
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
     from srl.runner.distribution.embedded import EmbeddedRedis
 
+    if eval_episodes < 1:
+        raise ValueError(f"eval_episodes must be >= 1, got {eval_episodes}")
+    resume = _read_resume(runner, resume_from) if resume_from is not None else None
+    if resume is not None:  # the budget counts from where the checkpoint got to
+        max_train_count = None if max_train_count is None else runner.train_count + max_train_count
+        max_steps = None if max_steps is None else runner.env_steps + max_steps
+    run_log = RunLog(log_dir) if log_dir is not None else None
+    trainer_options = dict(trainer_options or {})
+    if log_dir is not None:
+        trainer_options.setdefault("checkpoint_dir", str(Path(log_dir) / CHECKPOINT_DIR))
+        trainer_options.setdefault("checkpoint_interval", checkpoint_interval)
+        trainer_options.setdefault("keep_checkpoints", keep_checkpoints)
     resolved, embedded = redis_params.resolve()
     procs: list[subprocess.Popen[bytes]] = []
+    evaluator: Evaluator | None = None
     try:
         board = Board(resolved.connect(), resolved.task_name)
         task = {
@@ -106,6 +143,9 @@ def train_distribution(
         codec = Codec(secret=secret, task=resolved.task_name)
         config_json = json.dumps(task, separators=(",", ":"))
         board.create_task(config_json, overwrite=overwrite, signature=codec.config_signature(config_json))
+        if resume is not None:
+            board.set_resume(_resume_blob(codec, runner, *resume))
+            board.incr_counters("client", env_steps=runner.env_steps, episodes=runner.episodes)
         start_local = embedded is not None if local_processes is None else local_processes
         if start_local:
             procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
@@ -115,9 +155,22 @@ def train_distribution(
                         source="client")
         logger.info("task %r submitted to %s: %s on %s, %d actor(s)", resolved.task_name, resolved.describe(),
                     task["algorithm"], runner.env_config, actor_num)
-        status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs)
+        if eval_interval is not None or eval_every is not None:
+            evaluator = Evaluator(runner, board, codec, eval_interval, eval_every, eval_episodes, run_log)
+            evaluator.start()
+        status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs, run_log,
+                        evaluator)
+        if evaluator is not None:
+            evaluator.stop()
         _load_final_params(board, runner, codec)
+        if resume is not None:  # the board's counters went on from the checkpoint's
+            runner.env_steps = runner.episodes = 0
         _note_totals(board, runner, procs)
+        _record_history(board, run_log, evaluator)  # where it ended
+        if run_log is not None:
+            if evaluator is not None:
+                evaluator.evaluate_now(final=True)
+            runner.save(run_log.dir / "final.safetensors")
         if status.status == "FAILED":
             raise TaskFailedError(f"task {resolved.task_name!r} FAILED: {status.end_reason}")
         logger.info("task %r ended: %s", resolved.task_name, status.end_reason)
@@ -133,6 +186,10 @@ def train_distribution(
         finally:
             raise
     finally:
+        if evaluator is not None:
+            evaluator.stop()
+        if run_log is not None:
+            run_log.close()
         local_nodes.stop_all(procs)
         if isinstance(embedded, EmbeddedRedis):
             embedded.stop()
@@ -158,6 +215,148 @@ def _load_final_params(board: Board, runner: Runner, codec: Codec) -> None:
                 record.train_count)
 
 
+def _read_resume(runner: Runner, path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The checkpoint to resume from (a file, or the newest under a log_dir), applied to ``runner``."""
+    from srl.base.arrays import load_arrays
+
+    source = Path(path)
+    if source.is_dir():
+        found = latest_checkpoint(source)
+        if found is None:
+            raise FileNotFoundError(f"resume_from={str(path)!r}: no checkpoints/*/ckpt-*.safetensors in that "
+                                    "directory; give a checkpoint file or a log_dir a run wrote")
+        source = found
+    if not source.exists():
+        raise FileNotFoundError(f"resume_from={str(path)!r}: no such file")
+    meta, arrays = load_arrays(source)
+    runner.load_checkpoint(meta, arrays, str(source))
+    logger.info("resuming from %s: train_count %d, env steps %d", source, runner.train_count, runner.env_steps)
+    return meta, arrays
+
+
+def _resume_blob(codec: Codec, runner: Runner, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
+    bound = 8 * params_message_bytes(runner.parameter.to_arrays()) + (1 << 20)  # the trainer's bound too
+    envelope = {"epoch": 0, "version": runner.parameter.version, "train_count": runner.train_count,
+                "checkpoint": meta}
+    return codec.with_max_bytes(bound).encode_params(arrays, envelope)
+
+
+class Evaluator:
+    """Evaluates the latest params on the board in a thread of the client (the trainer is not slowed):
+    every ``interval`` seconds and/or every ``every`` train steps; rows into eval.csv and the board."""
+
+    def __init__(self, runner: Runner, board: Board, codec: Codec, interval: float | None, every: int | None,
+                 episodes: int, run_log: RunLog | None) -> None:
+        from srl.runner.runner import Runner
+
+        self.copy = Runner(runner.env_config, runner.rl_config)  # its own weights, env and worker
+        self.board = board
+        self.codec = codec
+        self.interval = interval
+        self.every = every
+        self.episodes = episodes
+        self.run_log = run_log
+        self.latest: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="srl-evaluator", daemon=True)
+        self._lock = threading.Lock()
+        self._evaluated_version = -1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        next_time = time.monotonic() + (self.interval or 0.0)
+        next_count = self.every or 0
+        while not self._stop.wait(0.5):
+            try:
+                due = self.interval is not None and time.monotonic() >= next_time
+                if self.every is not None:
+                    trainer = self.board.get_all_stats().get("trainer", {})
+                    count = trainer.get("train_count")
+                    due = due or (isinstance(count, int) and count >= next_count)
+                if not due:
+                    continue
+                row = self.evaluate_now()
+                next_time = time.monotonic() + (self.interval or 0.0)
+                if self.every is not None and row is not None:
+                    next_count = (int(row["train_count"]) // self.every + 1) * self.every
+            except Exception as e:  # an evaluation must never stop the run it watches
+                logger.warning("evaluation failed: %s", short(e))
+                next_time = time.monotonic() + (self.interval or 5.0)
+
+    def evaluate_now(self, final: bool = False) -> dict[str, Any] | None:
+        """Evaluate the latest params (None when there are none yet, or they were evaluated already)."""
+        with self._lock:
+            record = self.board.get_params(params_message_bytes(self.copy.parameter.to_arrays()))
+            if record is None or record.version == self._evaluated_version:
+                return None
+            _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
+            self.copy.set_parameter_arrays(arrays, record.version, record.train_count)
+            rewards = self.copy.evaluate(max_episodes=self.episodes)
+            self._evaluated_version = record.version
+            env_steps = int(self.board.get_counters().get("env_steps", 0))
+            row: dict[str, Any] = {"train_count": record.train_count, "env_steps": env_steps,
+                                   "version": record.version, **reward_summary(rewards, "eval")}
+            if final:
+                row["final"] = 1
+            self.latest = row
+            if self.run_log is not None:
+                self.run_log.add_eval(row)
+            self.board.put_stats("evaluator", {**row, "updated_at": time.time()})
+            logger.info("evaluation of params v%d (train %d, env steps %d): %.1f (min %.1f, max %.1f, %d episodes)",
+                        record.version, record.train_count, env_steps, row["eval_mean"], row["eval_min"],
+                        row["eval_max"], len(rewards))
+            return row
+
+
+def history_row(board: Board, evaluator: Evaluator | None) -> dict[str, Any]:
+    """One row of the run's history, from the board: counters, the trainer's stats (loss, the
+    algorithm's own, rates, lag), each actor's rate, stalls and rewards, the latest evaluation."""
+    stats = board.get_all_stats()
+    counters = board.get_counters()
+    trainer = stats.get("trainer", {})
+    head = board.get_params_head()  # (epoch, version, train_count) of the latest params: newer than stats
+    row: dict[str, Any] = {
+        "train_count": max(int(_num(trainer.get("train_count")) or 0), head[2] if head else 0),
+        "env_steps": int(counters.get("env_steps", 0)),
+        "episodes": int(counters.get("episodes", 0)),
+    }
+    actors = {k: v for k, v in sorted(stats.items()) if k.startswith("actor:")}
+    means = [r for r in (_num(a.get("reward")) for a in actors.values()) if r is not None]
+    row.update(reward_summary(means, "reward"))  # the actors' last 10 episodes: mean of their means...
+    lows = [r for r in (_num(a.get("reward_min")) for a in actors.values()) if r is not None]
+    highs = [r for r in (_num(a.get("reward_max")) for a in actors.values()) if r is not None]
+    if lows and highs:  # ...and the extremes over all of them
+        row["reward_min"], row["reward_max"] = min(lows), max(highs)
+    row["eval_mean"] = evaluator.latest.get("eval_mean") if evaluator is not None else None
+    row["env_steps_per_s"] = round(sum(_num(a.get("env_steps_per_s")) or 0.0 for a in actors.values()), 2)
+    row["queue_in_flight"] = max(0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0))
+    for name in ("sent_batches", "received_batches", "bad_messages", "stale_rows", "duplicates"):
+        row[name] = counters.get(name, 0)
+    skip = {"uid", "epoch", "train_count", "device", "waiting_for", "updated_at", "bad_messages", "duplicates",
+            "stale_rows", "received_batches"}
+    row.update({k: v for k, v in trainer.items() if k not in skip and _num(v) is not None})
+    for name, actor in actors.items():
+        index = name.split(":", 1)[1]
+        for key in ("env_steps_per_s", "backpressure_wait_s", "rate_limited_s", "sync_wait_s", "params_lag"):
+            value = _num(actor.get(key))
+            if value is not None:
+                row[f"actor{index}_{key}"] = value
+    return row
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _watch(
     board: Board,
     runner: Runner,
@@ -166,9 +365,13 @@ def _watch(
     max_steps: int | None,
     timeout: float | None,
     procs: list[subprocess.Popen[bytes]],
+    run_log: RunLog | None = None,
+    evaluator: Evaluator | None = None,
 ) -> TaskStatus:
     start = time.monotonic()
     next_line = start + (progress_interval or 0)
+    log_every = progress_interval or 5.0
+    next_row = start + log_every
     while True:
         status = with_retry(board.get_status, "watching the task")
         if status is None:
@@ -187,7 +390,19 @@ def _watch(
             next_line = now + progress_interval
             for line in progress_lines(board, status, now - start, max_train_count, max_steps, timeout):
                 logger.info("%s", line)
+        if now >= next_row:  # the history: on the board for dashboards, in log_dir when there is one
+            next_row = now + log_every
+            _record_history(board, run_log, evaluator)
         time.sleep(0.2)
+
+
+def _record_history(board: Board, run_log: RunLog | None, evaluator: Evaluator | None) -> None:
+    row = with_retry(lambda: history_row(board, evaluator), "reading the run's stats")
+    row = run_log.add_history(row) if run_log is not None else {"time": round(time.time(), 3), **row}
+    try:
+        board.push_history(row)
+    except ValueError as e:  # a row too large for the board (thousands of actors): the file has it all
+        logger.debug("history row not put on the board: %s", e)
 
 
 def progress_lines(
@@ -217,6 +432,8 @@ def progress_lines(
         f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
         f" | batches sent {sent:.0f} received {received:.0f} (in flight ~{max(0.0, sent - received):.0f})"
         f" | bad {counters.get('bad_messages', 0):.0f}" + (f" | stale rows refused {stale:.0f}" if stale else "")
+        + (f" | eval {_g(evaluation.get('eval_mean'))} at train {_g(evaluation.get('train_count'))}"
+           if (evaluation := stats.get("evaluator")) else "")
     ]
     holder, _ = board.lease_holder("trainer")
     latest_version = int(trainer.get("params_version", 0) or 0)

@@ -43,11 +43,14 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from srl.base.arrays import save_arrays
+from srl.base.config import config_to_dict
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
@@ -62,9 +65,10 @@ from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overr
 from srl.runner.distribution.queues import Message, QueueError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
-from srl.runner.distribution.task import StopFlag, TaskSpec, max_message_rows
+from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
-from srl.runner.runner import seed_everything
+from srl.runner.run_log import prune_checkpoints
+from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint
 
 logger = logging.getLogger("srl.trainer")
 
@@ -88,6 +92,13 @@ class TrainerOptions(NodeOptions):
     max_buffer_bytes: int = 0
     """largest buffer (replay memory) this trainer allocates for a task (0: 75% of this machine's
     memory); a task asking for more ends FAILED with the reason"""
+    checkpoint_dir: str = ""
+    """write checkpoints (weights, optimizer state, counters; safetensors) of each task under
+    CHECKPOINT_DIR/TASK_NAME/ every checkpoint_interval seconds and when the task ends ('': none)"""
+    checkpoint_interval: float = 600.0
+    """seconds between periodic checkpoints"""
+    keep_checkpoints: int = 5
+    """periodic checkpoints kept per task (the newest)"""
 
 
 def machine_memory_bytes() -> int:
@@ -258,6 +269,7 @@ class TrainerRun:
         self.waiting_for: list[int] = []
         self._last_publish = 0.0
         self._next_publish = 0
+        self.resumed = self._resume()
 
     def _check_memory_fits(self, needed: int) -> None:
         limit = self.options.max_buffer_bytes or int(0.75 * machine_memory_bytes())
@@ -277,7 +289,8 @@ class TrainerRun:
             logger.error("params on the board cannot be read (%s); starting from fresh weights", short(e))
             return
         if record is None:
-            logger.info("no params on the board: starting from fresh weights")
+            if not self.resumed:
+                logger.info("no params on the board: starting from fresh weights")
             return
         try:
             _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
@@ -296,6 +309,62 @@ class TrainerRun:
         self.trainer.on_parameters_loaded()
         logger.info("trainer at epoch %d restored the params of epoch %d version %d: train_count continues from %d",
                     self.epoch, record.epoch, record.version, record.train_count)
+
+    def _resume(self) -> bool:
+        """A new task (no params yet): start from the checkpoint the client put on the board, if any.
+        Treated as hostile: bounded, signed when a secret is set, every array checked against this
+        network and optimizer; one that does not fit is a TaskConfigError (the task ends FAILED)."""
+        if with_retry(self.board.get_params_version, "reading the params version") is not None:
+            return False  # a takeover: restore() continues from the board's params
+        bound = 8 * self.max_params_bytes + (1 << 20)  # weights, a target net, two optimizer moments, meta
+        try:
+            blob = with_retry(lambda: self.board.get_resume(bound), "reading the checkpoint to resume from")
+        except BoardError as e:
+            raise TaskConfigError(f"the checkpoint to resume from cannot be used: {short(e)}") from None
+        if blob is None:
+            return False
+        try:
+            meta, arrays = self.codec.with_max_bytes(bound).decode_params(blob)
+            checkpoint = meta.get("checkpoint")
+            if not isinstance(checkpoint, dict):
+                raise DecodeError("the resume message carries no checkpoint meta")
+            weights, state = split_checkpoint(checkpoint, arrays, self.task.rl_config.algorithm, "the resume blob")
+            self.parameter.from_arrays(weights)
+            self.trainer.on_parameters_loaded()
+            if state is not None:
+                self.trainer.load_state_arrays(*state)
+        except (DecodeError, ValueError, KeyError, TypeError) as e:
+            raise TaskConfigError(f"the checkpoint to resume from does not fit this task: {short(e)}") from None
+        self.trainer.train_count = int(checkpoint["train_count"])
+        self.version = self._published_version = self.parameter.version = int(checkpoint["version"])
+        self.lag.published(self.version, self.trainer.train_count)
+        logger.info("resumed from a checkpoint: version %d, train_count %d, env steps %d%s", self.version,
+                    self.trainer.train_count, checkpoint["env_steps"],
+                    "" if state is not None else " (weights only: the optimizer starts fresh)")
+        return True
+
+    # ------------------------------------------------------------ checkpoints
+    def checkpoint(self) -> Path | None:
+        """Write a checkpoint under ``checkpoint_dir/<task>/`` (None when no directory is set)."""
+        opts = self.options
+        if not opts.checkpoint_dir:
+            return None
+        task = self.task
+        task_config = {"algorithm": task.rl_config.algorithm, "rl_config": config_to_dict(task.rl_config),
+                       "env": task.env_config.to_dict()}
+        arrays, meta = build_checkpoint(self.parameter, self.trainer, task_config, self.trainer.train_count,
+                                        self.env_steps_total, 0)
+        directory = Path(opts.checkpoint_dir) / self.board.task_name
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"ckpt-{self.trainer.train_count:010d}.safetensors"
+            save_arrays(path, arrays, meta)
+            prune_checkpoints(directory, opts.keep_checkpoints)
+        except OSError as e:  # a full disk must not stop training
+            logger.error("could not write a checkpoint in %s: %s", directory, e)
+            return None
+        logger.info("checkpoint %s (train_count %d)", path, self.trainer.train_count)
+        return path
 
     # ------------------------------------------------------------ ingest thread
     def _ingest_loop(self) -> None:
@@ -649,6 +718,7 @@ class TrainerRun:
         every = max(1, self.data_path.publish_every)
         self._next_publish = (self.trainer.train_count // every + 1) * every
         end_reason: str | None = None
+        next_checkpoint = time.monotonic() + opts.checkpoint_interval
         try:
             while not self.stop.is_set():
                 end_reason = self._limit_reached()
@@ -657,6 +727,10 @@ class TrainerRun:
                 if not self._update():
                     self.data_arrived.wait(0.05)
                     self.data_arrived.clear()
+                if opts.checkpoint_dir and time.monotonic() >= next_checkpoint:
+                    self.checkpoint()
+                    next_checkpoint = time.monotonic() + opts.checkpoint_interval
+            self.checkpoint()  # whatever ended the task, keep where it got to
             # final params first, then END: a client that sees END finds them
             if end_reason and not self.stop.is_set() and self.publish_and_wait():
                 with_retry(lambda: self.board.end_task("END", end_reason or ""), "ending the task")

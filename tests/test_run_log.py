@@ -1,0 +1,164 @@
+"""What a run leaves behind: history, evaluations, TensorBoard events, checkpoints, resume (one process and
+distributed), and a forged checkpoint on the board."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import srl
+from srl.algorithms import impala, ppo
+from srl.base.arrays import load_arrays, save_arrays
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from srl.runner.run_log import CsvLog, latest_checkpoint
+from tests.nodes import Node, board_for, kill_all, tiny_config, wait_for
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_log_widens_its_header_when_a_column_appears(tmp_path: Path) -> None:
+    log = CsvLog(tmp_path / "h.csv")
+    log.append({"a": 1})
+    log.append({"a": 2, "b": 3.5})
+    assert rows(tmp_path / "h.csv") == [{"a": "1", "b": ""}, {"a": "2", "b": "3.5"}]
+    again = CsvLog(tmp_path / "h.csv")  # a resumed run goes on in the same file
+    again.append({"b": 4})
+    assert [r["b"] for r in rows(tmp_path / "h.csv")] == ["", "3.5", "4"]
+    assert again.last("a") == 2.0
+
+
+def test_one_process_run_leaves_history_evals_tensorboard_and_checkpoints(tmp_path: Path) -> None:
+    runner = srl.Runner("CartPole-v1", ppo.Config(seed=0, envs_per_actor=4, segment_length=16))
+    runner.train(max_steps=4 * 16 * 12, progress_interval=0.01, log_dir=tmp_path, eval_every=4, eval_episodes=2,
+                 checkpoint_interval=0.01, keep_checkpoints=2)
+    history = rows(tmp_path / "history.csv")
+    assert len(history) >= 2
+    last = history[-1]
+    assert int(last["train_count"]) == runner.train_count and int(last["env_steps"]) == runner.env_steps
+    for column in ("reward_mean", "loss", "policy_loss", "approx_kl", "env_steps_per_s", "train_per_s", "wall_s"):
+        assert column in last, column
+    evals = rows(tmp_path / "eval.csv")
+    assert len(evals) >= 2 and all(float(r["eval_mean"]) > 0 for r in evals)
+    assert [int(r["train_count"]) for r in evals] == sorted(int(r["train_count"]) for r in evals)
+    checkpoints = sorted((tmp_path / "checkpoints").glob("ckpt-*.safetensors"))
+    assert len(checkpoints) == 2  # the newest two kept
+    assert latest_checkpoint(tmp_path) == checkpoints[-1]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and "rollout/reward_mean" in tags and "eval/eval_mean" in tags
+    assert [e.step for e in events.Scalars("eval/eval_mean")] == [int(r["env_steps"]) for r in evals]
+
+
+@pytest.mark.parametrize("make_config", [
+    lambda: tiny_config(warmup_size=64),
+    lambda: ppo.Config(seed=0, envs_per_actor=2, segment_length=16, normalize_reward=True),
+    lambda: impala.Config(seed=0, envs_per_actor=2, segment_length=8, batch_segments=2),
+], ids=["dqn", "ppo", "impala"])
+def test_checkpoint_restores_weights_optimizer_and_counters(tmp_path: Path, make_config) -> None:  # type: ignore[no-untyped-def]
+    runner = srl.Runner("CartPole-v1", make_config())
+    runner.train(max_steps=400, progress_interval=None)
+    assert runner._trainer is not None and runner.train_count > 0
+    path = tmp_path / "ckpt.safetensors"
+    runner.save(path)
+
+    again = srl.Runner.from_checkpoint(path)
+    assert (again.train_count, again.env_steps, again.episodes) == (runner.train_count, runner.env_steps,
+                                                                    runner.episodes)
+    again.train(max_steps=1, progress_interval=None)  # builds the trainer, which takes the saved state
+    saved, loaded = runner._trainer.state_arrays(), again._trainer.state_arrays()  # type: ignore[union-attr]
+    assert saved[0].keys() == loaded[0].keys() and any(k.startswith("optimizer/") for k in saved[0])
+    for key, value in saved[0].items():
+        np.testing.assert_array_equal(value, loaded[0][key], err_msg=key)
+    assert saved[1]["optimizer"]["param_groups"][0]["lr"] == loaded[1]["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_a_checkpoint_for_another_network_is_refused_with_the_reason(tmp_path: Path) -> None:
+    runner = srl.Runner("CartPole-v1", tiny_config(warmup_size=64))
+    runner.train(max_steps=200, progress_interval=None)
+    path = tmp_path / "ckpt.safetensors"
+    runner.save(path)
+    meta, arrays = load_arrays(path)
+    key = next(k for k in arrays if k.startswith("trainer/optimizer/"))
+    arrays[key] = np.zeros((3, 3), np.float32)
+    save_arrays(tmp_path / "bad.safetensors", arrays, meta)
+    other = srl.Runner.from_checkpoint(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="optimizer entry"):
+        other.train(max_steps=1, progress_interval=None)
+    with pytest.raises(ValueError, match="holds 'dqn' weights; this task is 'ppo'"):
+        srl.Runner("CartPole-v1", ppo.Config()).load(path)
+
+
+@pytest.mark.slow
+def test_distributed_run_logs_evaluates_checkpoints_and_resumes(redis_url: str, namespace: str,
+                                                                tmp_path: Path) -> None:
+    params = RedisParameters(url=redis_url, task_name=namespace)
+    runner = srl.Runner("CartPole-v1", tiny_config(warmup_size=100))
+    fast = {"heartbeat_interval": 0.2}
+    runner.train_distribution(params, actor_num=1, max_train_count=1000, progress_interval=0.3, local_processes=True,
+                              log_dir=tmp_path, eval_every=300, eval_episodes=2, checkpoint_interval=0.5,
+                              overwrite=True, trainer_options=fast, actor_options=fast)
+    history = rows(tmp_path / "history.csv")
+    assert history and int(history[-1]["train_count"]) > 0
+    assert {"reward_mean", "loss", "train_per_s", "actor0_env_steps_per_s", "queue_in_flight"} <= history[-1].keys()
+    evals = rows(tmp_path / "eval.csv")
+    assert len(evals) >= 2 and evals[-1].get("final") == "1"
+    assert int(evals[-1]["train_count"]) == 1000
+    board = board_for(redis_url, namespace)
+    on_board = board.get_history()
+    assert on_board and on_board[-1]["train_count"] == int(history[-1]["train_count"])
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint is not None and checkpoint.parent == tmp_path / "checkpoints" / namespace
+    meta, arrays = load_arrays(checkpoint)
+    assert meta["train_count"] == 1000 and any(k.startswith("trainer/optimizer/") for k in arrays)
+    assert (tmp_path / "final.safetensors").exists()
+
+    resumed = srl.Runner("CartPole-v1", tiny_config(warmup_size=100))
+    resumed.train_distribution(params, actor_num=1, max_train_count=200, progress_interval=None,
+                               local_processes=True, log_dir=tmp_path, resume_from=tmp_path, overwrite=True)
+    assert resumed.train_count == 1200  # the budget counts from the checkpoint
+    more = rows(tmp_path / "history.csv")
+    assert len(more) > len(history) and float(more[-1]["wall_s"]) > float(history[-1]["wall_s"])
+    assert any(e.text.startswith("trainer") for e in board.get_events(50))
+
+
+@pytest.mark.slow
+def test_a_forged_checkpoint_on_the_board_fails_the_task_not_the_trainer(redis_url: str, namespace: str,
+                                                                        tmp_path: Path) -> None:
+    board = board_for(redis_url, namespace)
+    config = srl.Runner("CartPole-v1", tiny_config()).task_config()
+    board.create_task({**config, "actor_num": 1, "max_train_count": 10})
+    board.set_resume(b"SRL1" + b"\x00" * 64)  # what anyone with write access to Redis could put there
+    board.set_active()
+    node = Node("trainer", redis_url, namespace, tmp_path)
+    try:
+        status = wait_for(lambda: (s := board.get_status()) and s.status == TaskState.FAILED and s, 30, "FAILED")
+        assert "checkpoint to resume from does not fit this task" in status.end_reason
+        assert node.alive()  # it waits for the next task
+    finally:
+        kill_all([node])
+
+
+def test_srl_plot_writes_pngs_of_a_run_and_says_what_is_missing(tmp_path: Path) -> None:
+    from srl.cli import main
+
+    runner = srl.Runner("CartPole-v1", ppo.Config(seed=0, envs_per_actor=2, segment_length=16))
+    runner.train(max_steps=2 * 16 * 6, progress_interval=0.01, log_dir=tmp_path / "run", eval_every=2,
+                 eval_episodes=1, checkpoint_interval=None)
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    for name in ("reward.png", "loss.png", "throughput.png"):
+        data = (tmp_path / "run" / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
+    assert runner.plot(tmp_path / "run")[0] == tmp_path / "run" / "reward.png"
+    with pytest.raises(FileNotFoundError, match=r"history\.csv is missing or empty"):
+        main(["plot", str(tmp_path / "nothing")])
