@@ -23,7 +23,7 @@ from srl.runner.distribution import RedisParameters
 CONFIGS: dict[str, tuple[RLConfig, int]] = {
     "ppo": (ppo.Config(), 100_000),
     "appo": (ppo.Config(sync=False), 200_000),
-    "impala": (impala.Config(), 500_000),
+    "impala": (impala.Config(), 300_000),
 }
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -60,8 +60,8 @@ class Config(RLConfig):
     """segments per gradient step (each segment is used once: smaller batches, more steps per env step)"""
     buffer_segments: int = 64
     """the learner's FIFO: when it is full the learner stops reading the queue and actors wait"""
-    lr: float = 1e-3
-    """Adam learning rate"""
+    lr: float = 2e-3
+    """Adam learning rate (annealed: see anneal_lr)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run's max_steps (else max_train_count), as the paper"""
     gamma: float = 0.99
