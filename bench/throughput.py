@@ -8,7 +8,8 @@ embedded Redis (experience over ``--queue``) for ``--seconds`` after the first u
 board every second. DQN runs with ``env_steps_per_train=None`` (no rate limit: Ape-X flat out).
 
 Columns: env steps/s the actors produced and the learner consumed (rows received x steps per row),
-batches in flight at the start and the end of the window (a backlog that grows is the learner
+batches in the queue (its depth, as the actors' backpressure reads it) at the start and the end of
+the window (a backlog that grows is the learner
 falling behind; the queue's capacity bounds it), the share of the actors' time spent waiting on a
 full queue (backpressure) or on the next version (sync PPO), the policy lag the trainer saw
 (versions behind, p50/p95/max), one actor's env steps/s while it is not waiting divided by the same
@@ -41,6 +42,7 @@ from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.queues import open_queue
 
 QUEUES = {
     "redis": None,
@@ -99,6 +101,7 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
 
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
+    probe = None  # a producer handle on the task's queue: its depth() is what the actors' backpressure reads
     samples: list[dict[str, Any]] = []
     window_start: float | None = None
     while thread.is_alive():
@@ -107,19 +110,24 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
         trainer = stats.get("trainer", {})
         if window_start is None and int(trainer.get("train_count", 0) or 0) > 0:
             window_start = time.monotonic()
-        if window_start is None:
+            probe = open_queue(queue, namespace=task, role="producer", redis_params=params)
+        if window_start is None or probe is None:
             continue
+        depth = probe.depth()
         waits = [float(s.get("backpressure_wait_s", 0) or 0) + float(s.get("sync_wait_s", 0) or 0)
                  for k, s in stats.items() if k.startswith("actor:")]
         samples.append({"t": time.monotonic(), "env": counters.get("env_steps", 0),
                         "rows": counters.get("received_transitions", 0),
-                        "in_flight": max(0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0)),
+                        "in_flight": depth if depth is not None else max(
+                            0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0)),
                         "wait": sum(waits), "sync": sum(float(s.get("sync_wait_s", 0) or 0)
                                                         for k, s in stats.items() if k.startswith("actor:")),
                         "lag": (trainer.get("lag_p50"), trainer.get("lag_p95"), trainer.get("lag_max"))})
         if time.monotonic() - window_start >= seconds:
             board.end_task("END", "bench window over")
     thread.join()
+    if probe is not None:
+        probe.close()
     server.stop()
     if errors:
         raise errors[0]

@@ -19,6 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_distributed_run_ends_with_an_evaluation(broker: Broker, redis_url: str, namespace: str) -> None:  # noqa: F811
+    # what an earlier task of this name left on the broker (its trainer gone): the new task starts without it
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    with open_queue(broker.url, namespace=namespace, role="consumer", redis_params=redis_params):
+        pass  # the queue, subscription or persistent session exists, as after a run
+    with open_queue(broker.url, namespace=namespace, role="producer", redis_params=redis_params) as leftover:
+        leftover.put_many([b"left over by an earlier task"] * 3)
     runner = srl.Runner("Pendulum-v1", tiny_config())
     runner.train_distribution(
         RedisParameters(url=redis_url, task_name=namespace), broker.url, actor_num=2, max_train_count=300,

@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -143,6 +143,7 @@ def train_distribution(
         codec = Codec(secret=secret, task=resolved.task_name)
         config_json = json.dumps(task, separators=(",", ":"))
         board.create_task(config_json, overwrite=overwrite, signature=codec.config_signature(config_json))
+        _clear_leftover_experience(queue_params, resolved)
         if resume is not None:
             board.set_resume(_resume_blob(codec, runner, *resume))
             board.incr_counters("client", env_steps=runner.env_steps, episodes=runner.episodes)
@@ -193,6 +194,29 @@ def train_distribution(
         local_nodes.stop_all(procs)
         if isinstance(embedded, EmbeddedRedis):
             embedded.stop()
+
+
+def _clear_leftover_experience(queue_params: Any, redis_params: RedisParameters) -> None:
+    """A new task starts with an empty queue. A Redis stream left without its task record, a RabbitMQ
+    queue, a Pub/Sub topic or an MQTT session outlives its task, and batches actors sent after an
+    earlier task of this name ended would otherwise reach the new trainer (accepted when the schema
+    matches: same columns, and without a secret nothing tells the tasks apart)."""
+    from srl.runner.distribution.queues import open_queue, queue_scheme
+
+    scheme = queue_scheme(queue_params)
+    # MQTT queues for the trainer's persistent session: ending that session (as its consumer) drops them
+    role: Literal["producer", "consumer"] = "consumer" if scheme == "mqtt" else "producer"
+    try:
+        with open_queue(queue_params, namespace=redis_params.task_name, role=role,
+                        redis_params=redis_params) as queue:
+            depth = queue.depth()
+            queue.destroy()
+    except Exception as e:
+        logger.warning("could not empty the task's %s queue before starting (%s): batches an earlier task of this "
+                       "name left there may reach the trainer", scheme, short(e))
+        return
+    if depth:
+        logger.info("removed %d batch(es) an earlier task of this name left in the %s queue", depth, scheme)
 
 
 def _note_totals(board: Board, runner: Runner, procs: list[subprocess.Popen[bytes]]) -> None:
