@@ -5,8 +5,8 @@
 Starts a real trainer process (``srl trainer``) on a fresh task, sends each message of the hardening
 table to the task's queue on its own, and records whether the trainer survived, how the message was
 counted and noted (the dead-letter reason), and how much its peak RSS (VmHWM) grew. Then an actor
-joins and the run must reach its train count on good batches. For comparison, the issue that asked for
-this measured, before the hardening: 282 lease re-claims in 5 minutes after one 601-byte message, 895
+joins and the run must reach its train count on good batches. For comparison, before the hardening
+the same messages caused: 282 lease re-claims in 5 minutes after one 601-byte message, 895
 MiB peak RSS for 16.5 KB of overlapping arrays, 401 MiB for a 14.7 KB header, a 16 MiB error text.
 """
 

@@ -128,6 +128,19 @@ def test_claim_actor_slot_fills_in_order(task: Board) -> None:
     assert board.claim_actor_slot("a4", 3, 10_000) == 1
 
 
+def test_claims_on_a_large_task_fill_every_slot_once_and_a_holder_takes_its_own_back(task: Board) -> None:
+    from srl.runner.distribution.board import SMALL_TASK_SLOTS
+
+    board, n = task, SMALL_TASK_SLOTS * 3
+    slots = [board.claim_actor_slot(f"big{i}", n, 10_000) for i in range(n)]
+    assert sorted(slots) == list(range(n))  # from random starts, but each slot exactly once
+    assert board.claim_actor_slot("one-too-many", n, 10_000) is None
+    holder = slots.index(7)
+    assert board.claim_actor_slot(f"big{holder}", n, 10_000, prefer=7) == 7  # taking its own slot back
+    assert board.release_lease("actor:7", f"big{holder}")
+    assert board.claim_actor_slot("newcomer", n, 10_000, prefer=3) == 7  # 3 is taken: the free one
+
+
 def test_fencing_refuses_older_epoch_and_non_holder(board: Board) -> None:
     board.create_task(CONFIG, actor_num=1)
     old = board.claim_trainer("old", 10_000)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import sys
 import time
@@ -73,6 +74,8 @@ DEFAULT_STATS_TTL_MS = 60_000
 """how long a role's stats outlive its last write"""
 MAX_ACTORS = 100_000
 """most actor slots a task may have"""
+SMALL_TASK_SLOTS = 64
+"""up to this many slots an actor takes the lowest free one; beyond, the first free one from a random start"""
 MAX_CONFIG_BYTES = 1 << 20
 """largest task config JSON read from the board"""
 MAX_STATS_BYTES = 64 * 1024
@@ -281,20 +284,29 @@ return 0
 # A slot this uid already holds is kept; else the preferred slot if free; else the lowest free one.
 _CLAIM_SLOT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-for i = 2, #KEYS do
-  local key = KEYS[i]
+local n = #KEYS - 1
+local prefer = tonumber(ARGV[3])
+if prefer >= 0 and prefer < n then
+  local key = KEYS[prefer + 2]
   if redis.call('GET', key) == ARGV[1] then
     redis.call('PEXPIRE', key, ARGV[2])
-    return i - 2
+    return prefer
+  end
+  if redis.call('SET', key, ARGV[1], 'NX', 'PX', ARGV[2]) then return prefer end
+end
+if ARGV[5] == '1' then
+  for i = 2, #KEYS do
+    if redis.call('GET', KEYS[i]) == ARGV[1] then
+      redis.call('PEXPIRE', KEYS[i], ARGV[2])
+      return i - 2
+    end
   end
 end
-local prefer = tonumber(ARGV[3])
-if prefer >= 0 and prefer + 2 <= #KEYS then
-  if redis.call('SET', KEYS[prefer + 2], ARGV[1], 'NX', 'PX', ARGV[2]) then return prefer end
-end
-for i = 2, #KEYS do
-  if redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return i - 2
+local start = tonumber(ARGV[4])
+for j = 0, n - 1 do
+  local i = (start + j) % n
+  if redis.call('SET', KEYS[i + 2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return i
   end
 end
 return -1
@@ -758,12 +770,18 @@ class Board:
         return _text(holder, 256), int(ttl)
 
     def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int, prefer: int | None = None) -> int | None:
-        """An actor slot now leased to ``owner_uid``: the one it holds, else ``prefer`` if free, else the
-        lowest free one; None if all are taken."""
+        """An actor slot now leased to ``owner_uid``: ``prefer`` if it holds it or it is free (an actor taking
+        its slot back passes it); else, up to ``SMALL_TASK_SLOTS`` slots, the one it holds or the lowest
+        free one (stable numbers on a laptop); beyond, the first free one from a random start, so a
+        thousand actors starting at once do not each walk every slot (a fresh uid holds none, and one
+        taking its slot back passes ``prefer``). None if all are taken."""
         if not 1 <= actor_num <= MAX_ACTORS:
             raise ValueError(f"actor_num must be in 1..{MAX_ACTORS}, found {actor_num}")
         keys = [self._task_key, *(self.lease_key(f"actor:{i}") for i in range(actor_num))]
-        args: list[str | int] = [owner_uid, _ttl(ttl_ms), -1 if prefer is None else int(prefer)]
+        small = actor_num <= SMALL_TASK_SLOTS
+        start = 0 if small else random.randrange(actor_num)
+        args: list[str | int] = [owner_uid, _ttl(ttl_ms), -1 if prefer is None else int(prefer), start,
+                                 1 if small else 0]
         slot = int(self._claim_slot(keys=keys, args=args))
         return None if slot < 0 else slot
 
