@@ -24,20 +24,29 @@ with atheris.instrument_imports():
 
     import srl
     from srl.algorithms import dqn
-    from srl.base.env import EnvSpec
+    from srl.base.env import EnvConfig
+    from srl.base.rollout import Rollout
     from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError
     from srl.runner.distribution.task import TaskConfigError, TaskTrustError, build_task
 
-SCHEMA = dqn.Config().schema(EnvSpec("Pendulum-v1", (3,), 5))
+SPEC = srl.Runner("Pendulum-v1", dqn.Config()).spec
+SCHEMA = dqn.Config().schema(SPEC)
 UNSIGNED = Codec(secret="", task="fuzz", max_bytes=1 << 20)
 SIGNED = Codec(secret="k", task="fuzz", max_bytes=1 << 20)
 NO_MODULES: frozenset[str] = frozenset()
 
 
 def seeds() -> list[bytes]:
-    columns = {"obs": np.zeros((4, 3), np.float32), "action": np.arange(4, dtype=np.int64),
-               "reward": np.ones(4, np.float32), "next_obs": np.zeros((4, 3), np.float32),
-               "discount": np.full(4, 0.99, np.float32)}
+    """Real rows of the algorithm's own worker (so the fuzzer starts from what passes validation)."""
+    config = dqn.Config()
+    runner = srl.Runner("Pendulum-v1", config)
+    worker = config.make_worker(SPEC, runner.parameter, 0, 1, 0)
+    with Rollout(EnvConfig("Pendulum-v1"), worker, 1, seed=0) as rollout:
+        while worker.pending() < 4:
+            rollout.step()
+    taken = worker.take()
+    assert taken is not None
+    columns = {name: column[:4] for name, column in taken.items()}
     header = BatchHeader("actor-1", 0, 1, 7, 3, 4, time.time())
     compressed = Codec(secret="", task="fuzz", compress=True)
     config = srl.Runner("Pendulum-v1", dqn.Config()).task_config()
