@@ -122,7 +122,8 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
                             0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0)),
                         "wait": sum(waits), "sync": sum(float(s.get("sync_wait_s", 0) or 0)
                                                         for k, s in stats.items() if k.startswith("actor:")),
-                        "lag": (trainer.get("lag_p50"), trainer.get("lag_p95"), trainer.get("lag_max"))})
+                        "lag": (trainer.get("lag_p50"), trainer.get("lag_p95"), trainer.get("lag_max")),
+                        "train": float(trainer.get("train_per_s", 0) or 0)})
         if time.monotonic() - window_start >= seconds:
             board.end_task("END", "bench window over")
     thread.join()
@@ -153,6 +154,7 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
     busy = produced / actors / max(1e-9, 1.0 - wait_share)  # one actor's rate while it is not waiting
     return {"name": name, "produced": produced, "consumed": consumed, "head": head, "tail": tail,
             "wait": wait_share, "lag": last["lag"], "verdict": verdict, "busy": busy,
+            "train": statistics.median(x["train"] for x in samples[1:]),
             "bare": bare_rate(config)}
 
 
@@ -176,13 +178,15 @@ def main() -> None:
         print(f"{name}: done", flush=True)
     print(f"\n{args.actors} actors flat out, CartPole-v1, queue {args.queue}, {args.seconds:g}s window")
     header = (f"{'algorithm':<9} {'produced/s':>10} {'consumed/s':>10} {'consumed÷produced':>17} "
-              f"{'in flight':>10} {'actors waiting':>14} {'lag p50/p95/max':>16} {'actor busy÷bare':>15}  verdict")
+              f"{'in flight':>10} {'actors waiting':>14} {'lag p50/p95/max':>16} "
+              f"{'actor busy÷bare':>15} {'train/s':>7}  verdict")
     print(header)
     print("-" * len(header))
     for r in results:
         lag = "/".join("?" if v is None else f"{v:g}" for v in r["lag"])
         print(f"{r['name']:<9} {r['produced']:>10.0f} {r['consumed']:>10.0f} {r['consumed'] / r['produced']:>17.2f} "
-              f"{r['head']:>4.1f} → {r['tail']:<3.1f} {r['wait']:>14.0%} {lag:>16} {r['busy'] / r['bare']:>15.2f}  "
+              f"{r['head']:>4.1f} → {r['tail']:<3.1f} {r['wait']:>14.0%} {lag:>16} "
+              f"{r['busy'] / r['bare']:>15.2f} {r['train']:>7.0f}  "
               f"{r['verdict']}")
 
 
