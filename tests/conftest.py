@@ -13,6 +13,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
+
+from srl.runner.distribution.board import Board
+from tests.nodes import Node, kill_all
 
 
 def broker_unavailable(what: str, host: str, port: int) -> None:
@@ -48,3 +52,26 @@ def redis_url() -> Iterator[str]:
     except redis.RedisError:
         broker_unavailable("Redis", host, port)
     yield url
+
+
+@pytest.fixture()
+def nodes() -> Iterator[list[Node]]:
+    """Real ``srl`` processes a test starts (``tests.nodes.start``); all stopped at the end."""
+    started: list[Node] = []
+    yield started
+    kill_all(started)
+
+
+@pytest.fixture()
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def board(client: redis.Redis, namespace: str) -> Iterator[Board]:
+    """The board of a fresh task namespace, deleted at the end."""
+    b = Board(client, namespace)
+    yield b
+    b.delete_task()

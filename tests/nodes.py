@@ -103,6 +103,14 @@ class ClientThread(threading.Thread):
             self.error = e
 
 
+def start(nodes: list[Node], role: str, redis_url: str, ns: str, tmp_path: Path, *extra: str,
+          env: dict[str, str] | None = None) -> Node:
+    """Start an ``srl`` node and add it to ``nodes`` (the ``nodes`` fixture stops them all)."""
+    node = Node(role, redis_url, ns, tmp_path, *extra, env=env)
+    nodes.append(node)
+    return node
+
+
 def board_for(redis_url: str, task_name: str) -> Board:
     return Board(RedisParameters(url=redis_url, task_name=task_name).connect(), task_name)
 

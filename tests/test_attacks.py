@@ -31,25 +31,13 @@ from srl.runner.distribution.codec import (
     Codec,
 )
 from srl.runner.distribution.queues import open_queue
-from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, tiny_config, wait_for
+from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, start, tiny_config, wait_for
 
 pytestmark = pytest.mark.slow
 
 MiB = 2**20
 
 
-@pytest.fixture()
-def nodes() -> list[Node]:
-    started: list[Node] = []
-    yield started
-    kill_all(started)
-
-
-def start(nodes: list[Node], role: str, redis_url: str, ns: str, tmp_path: Path, *extra: str,
-          env: dict[str, str] | None = None) -> Node:
-    node = Node(role, redis_url, ns, tmp_path, *extra, env=env)
-    nodes.append(node)
-    return node
 
 
 def peak_rss_mib(pid: int) -> float:

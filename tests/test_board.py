@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -27,18 +26,6 @@ from srl.runner.distribution.board import (
 CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
 
 
-@pytest.fixture()
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture()
-def board(client: redis.Redis, namespace: str) -> Iterator[Board]:
-    b = Board(client, namespace)
-    yield b
-    b.delete_task()
 
 
 def wait_until(condition: object, timeout_s: float = 5.0) -> None:

@@ -33,18 +33,6 @@ SCREENSHOT = Path(__file__).parent / "artifacts" / "dashboard.png"
 PAGE = "X-SRL-Dashboard"
 
 
-@pytest.fixture()
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture()
-def board(client: redis.Redis, namespace: str) -> Iterator[Board]:
-    b = Board(client, namespace)
-    yield b
-    b.delete_task()
 
 
 @pytest.fixture()

@@ -23,6 +23,7 @@ from tests.nodes import (
     kill_all,
     lease_holder_pid,
     sigkill,
+    start,
     tiny_config,
     wait_for,
 )
@@ -30,18 +31,6 @@ from tests.nodes import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture()
-def nodes() -> list[Node]:
-    started: list[Node] = []
-    yield started
-    kill_all(started)
-
-
-def start(nodes: list[Node], role: str, redis_url: str, ns: str, tmp_path: Path, *extra: str,
-          env: dict[str, str] | None = None) -> Node:
-    node = Node(role, redis_url, ns, tmp_path, *extra, env=env)
-    nodes.append(node)
-    return node
 
 
 # --------------------------------------------------------------------------- the user's three snippets

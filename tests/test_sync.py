@@ -17,22 +17,11 @@ from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.codec import BatchHeader, Codec
 from srl.runner.distribution.queues import open_queue
-from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, wait_for
+from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, start, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture()
-def nodes() -> list[Node]:
-    started: list[Node] = []
-    yield started
-    kill_all(started)
-
-
-def start(nodes: list[Node], role: str, redis_url: str, ns: str, tmp_path: Path, *extra: str) -> Node:
-    node = Node(role, redis_url, ns, tmp_path, *extra)
-    nodes.append(node)
-    return node
 
 
 def segments_of(config: ppo.Config, version: int) -> dict[str, np.ndarray]:

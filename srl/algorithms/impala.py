@@ -37,7 +37,7 @@ from srl.base.rl import (
     check_number,
 )
 from srl.base.schema import Schema
-from srl.rl.actor_critic import ActorCriticParameter, SegmentWorker, check_actions, segment_schema
+from srl.rl.actor_critic import ActorCriticParameter, LinearAnneal, SegmentWorker, check_actions, segment_schema
 from srl.rl.blocks import MLPBlockConfig, make_adam
 from srl.rl.memories import SegmentBuffer
 
@@ -183,20 +183,16 @@ class IMPALATrainer(Trainer):
         self.device = parameter.device
         self.optimizer = make_adam(parameter.net.parameters(), config.lr)
         self.train_count = 0
-        self.steps_seen = 0
-        self.max_steps: int | None = None
-        self.max_train_count: int | None = None
+        self.anneal = LinearAnneal()
 
     def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
-        self.max_steps, self.max_train_count = max_steps, max_train_count
+        self.anneal.plan(max_steps, max_train_count)
 
     def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return {}, {"steps_seen": self.steps_seen}
+        return {}, self.anneal.state()
 
     def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-        steps = meta.get("steps_seen", 0)
-        check_int("steps_seen", steps, 0, 2**62)
-        self.steps_seen = int(steps)
+        self.anneal.load_state(meta)
 
     def train(self) -> IMPALAStats | None:
         segments = self.buffer.take(self.config.batch_segments)
@@ -204,13 +200,8 @@ class IMPALATrainer(Trainer):
             return None
         config, net, dev = self.config, self.parameter.net, self.device
         n, horizon = segments["reward"].shape
-        self.steps_seen += n * horizon
-        frac = 1.0
-        if config.anneal_lr and self.max_steps:
-            frac = 1.0 - self.steps_seen / self.max_steps
-        elif config.anneal_lr and self.max_train_count:
-            frac = 1.0 - self.train_count / self.max_train_count
-        lr = config.lr * max(frac, 0.02)
+        frac = self.anneal.advance(n * horizon, self.train_count)
+        lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         obs = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
         action = torch.from_numpy(segments["action"].reshape(n * horizon, *segments["action"].shape[2:])).to(dev)

@@ -50,6 +50,7 @@ from srl.base.rl import (
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
     ActorCriticParameter,
+    LinearAnneal,
     RunningMeanStd,
     SegmentWorker,
     check_actions,
@@ -239,24 +240,19 @@ class PPOTrainer(Trainer):
         self.optimizer.param_groups[0]["eps"] = 1e-5
         self.return_rms = RunningMeanStd(())
         self.train_count = 0
-        self.steps_seen = 0
-        self.max_steps: int | None = None
-        self.max_train_count: int | None = None
+        self.anneal = LinearAnneal()
 
     def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
         """The run's budget: the learning rate and the clip range anneal to 0 over ``max_steps`` env steps
         (else over ``max_train_count`` gradient steps)."""
-        self.max_steps = max_steps
-        self.max_train_count = max_train_count
+        self.anneal.plan(max_steps, max_train_count)
 
     def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return torch_to_arrays({"return_rms": self.return_rms}), {"steps_seen": self.steps_seen}
+        return torch_to_arrays({"return_rms": self.return_rms}), self.anneal.state()
 
     def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         torch_from_arrays({"return_rms": self.return_rms}, dict(arrays))
-        steps = meta.get("steps_seen", 0)
-        check_int("steps_seen", steps, 0, 2**62)
-        self.steps_seen = int(steps)
+        self.anneal.load_state(meta)
 
     def _scale_rewards(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
         """Divide by the running std of discounted returns (accumulated within each segment)."""
@@ -284,13 +280,10 @@ class PPOTrainer(Trainer):
                 return PPOStats(loss=float("nan"), gradient_steps=0, stale_segments=stale)
             segments = {name: column[fresh] for name, column in segments.items()}
         n, horizon = segments["reward"].shape
-        self.steps_seen += n * horizon
-        frac = 1.0
-        if config.anneal_lr and self.max_steps:
-            frac = max(0.0, 1.0 - self.steps_seen / self.max_steps)
-        elif config.anneal_lr and self.max_train_count:
-            frac = max(0.0, 1.0 - self.train_count / self.max_train_count)
-        lr, clip = self.lr * max(frac, 0.02), config.clip_coef * max(frac, 0.02)
+        frac = self.anneal.advance(n * horizon, self.train_count)
+        if not config.anneal_lr:
+            frac = 1.0
+        lr, clip = self.lr * frac, config.clip_coef * frac
         self.optimizer.param_groups[0]["lr"] = lr
 
         reward = segments["reward"]

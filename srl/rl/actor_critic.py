@@ -21,7 +21,8 @@ does) and marks it done.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributions import Categorical, Normal
 
 from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
-from srl.base.rl import Columns, Parameter, Worker, torch_from_arrays, torch_to_arrays
+from srl.base.rl import Columns, Parameter, Worker, check_int, torch_from_arrays, torch_to_arrays
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig
 
@@ -101,6 +102,38 @@ class RunningMeanStd(nn.Module):
 
     def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
         return torch.clamp((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8), -clip, clip)
+
+
+class LinearAnneal:
+    """A linear decay over the run's budget: 1 at the start, ``floor`` at the end of ``max_steps`` env steps
+    (counted as the trainer consumes them), else of ``max_train_count`` gradient steps; 1 throughout when
+    neither is known. ``steps_seen`` travels in checkpoints, so a resumed run goes on where it was."""
+
+    def __init__(self, floor: float = 0.02) -> None:
+        self.floor = floor
+        self.steps_seen = 0
+        self.max_steps: int | None = None
+        self.max_train_count: int | None = None
+
+    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
+        self.max_steps, self.max_train_count = max_steps, max_train_count
+
+    def advance(self, env_steps: int, train_count: int) -> float:
+        """Count ``env_steps`` more consumed; the fraction now."""
+        self.steps_seen += env_steps
+        if self.max_steps:
+            return max(1.0 - self.steps_seen / self.max_steps, self.floor)
+        if self.max_train_count:
+            return max(1.0 - train_count / self.max_train_count, self.floor)
+        return 1.0
+
+    def state(self) -> dict[str, Any]:
+        return {"steps_seen": self.steps_seen}
+
+    def load_state(self, meta: Mapping[str, Any]) -> None:
+        steps = meta.get("steps_seen", 0)
+        check_int("steps_seen", steps, 0, 2**62)
+        self.steps_seen = int(steps)
 
 
 class ActorCritic(nn.Module):

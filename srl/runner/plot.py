@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
+from typing import Any
 
 from srl.runner.run_log import EVAL_FILE, HISTORY_FILE
 
@@ -68,28 +69,26 @@ def plot(log_dir: str | os.PathLike[str]) -> list[Path]:
     fig.suptitle(f"{root.name}: reward")
     written.append(_save(fig, root / "reward.png"))
 
-    losses = [c for c in LOSS_COLUMNS if c in history]
-    if losses:
-        fig, axes = plt.subplots(len(losses), 1, figsize=(8, 2.2 * len(losses)), sharex=True, squeeze=False)
-        for axis, name in zip(axes[:, 0], losses, strict=True):
-            axis.plot(history["train_count"], history[name])
-            axis.set_ylabel(name)
-            axis.grid(alpha=0.3)
-        axes[-1, 0].set_xlabel("train steps")
-        fig.suptitle(f"{root.name}: losses")
-        written.append(_save(fig, root / "loss.png"))
-
-    rates = [c for c in RATE_COLUMNS if c in history]
-    if rates:
-        fig, axes = plt.subplots(len(rates), 1, figsize=(8, 2.2 * len(rates)), sharex=True, squeeze=False)
-        for axis, name in zip(axes[:, 0], rates, strict=True):
-            axis.plot(history["wall_s"], history[name])
-            axis.set_ylabel(name)
-            axis.grid(alpha=0.3)
-        axes[-1, 0].set_xlabel("wall time (s)")
-        fig.suptitle(f"{root.name}: throughput")
-        written.append(_save(fig, root / "throughput.png"))
+    for columns, x_name, x_label, title, file in (
+            (LOSS_COLUMNS, "train_count", "train steps", "losses", "loss.png"),
+            (RATE_COLUMNS, "wall_s", "wall time (s)", "throughput", "throughput.png")):
+        names = [c for c in columns if c in history]
+        if names:
+            written.append(_stacked(plt, history, names, x_name, x_label, f"{root.name}: {title}", root / file))
     return written
+
+
+def _stacked(plt: Any, history: dict[str, list[float]], names: list[str], x_name: str, x_label: str,
+             title: str, path: Path) -> Path:
+    """One panel per column, against a shared x axis."""
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.2 * len(names)), sharex=True, squeeze=False)
+    for axis, name in zip(axes[:, 0], names, strict=True):
+        axis.plot(history[x_name], history[name])
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(x_label)
+    fig.suptitle(title)
+    return _save(fig, path)
 
 
 def _save(fig: object, path: Path) -> Path:

@@ -21,6 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from srl.base.arrays import save_arrays
+
 logger = logging.getLogger("srl.runner")
 
 HISTORY_FILE = "history.csv"
@@ -134,10 +138,6 @@ class RunLog:
             self._writer.add_scalar(tag, number, step, walltime=float(row.get("time") or time.time()))
         self._writer.flush()
 
-    def checkpoint_path(self, train_count: int) -> Path:
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        return self.checkpoint_dir / f"ckpt-{train_count:010d}.safetensors"
-
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -153,7 +153,13 @@ def latest_checkpoint(log_dir: str | os.PathLike[str]) -> Path | None:
     return max(found, key=lambda p: (p.name, p.stat().st_mtime)) if found else None
 
 
-def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Keep the newest ``keep`` periodic checkpoints (``final.safetensors`` is never removed)."""
+def write_checkpoint(directory: Path, train_count: int, arrays: Mapping[str, np.ndarray],
+                     meta: Mapping[str, Any], keep: int) -> Path:
+    """``directory/ckpt-<train_count>.safetensors``; only the newest ``keep`` periodic checkpoints stay
+    (``final.safetensors`` is never removed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ckpt-{train_count:010d}.safetensors"
+    save_arrays(path, dict(arrays), dict(meta))
     for old in sorted(directory.glob("ckpt-*.safetensors"))[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
+    return path

@@ -25,7 +25,7 @@ from srl.base.env import EnvConfig, EnvSpec, env_spec
 from srl.base.rl import Buffer, DataPath, Parameter, RLConfig, Trainer, TrainStats
 from srl.base.rollout import Rollout
 from srl.runner.progress import TrainProgress, ensure_logging
-from srl.runner.run_log import RunLog, prune_checkpoints
+from srl.runner.run_log import RunLog, write_checkpoint
 
 if TYPE_CHECKING:
     from srl.runner.distribution.redis_parameters import RedisParameters
@@ -38,6 +38,11 @@ CHECKPOINT_FORMAT = "srl-checkpoint"
 CHECKPOINT_VERSION = 3
 """3: counters and the trainer's state (arrays under ``trainer/``); 2 (weights only) still loads"""
 TRAINER_PREFIX = "trainer/"
+
+
+def task_config(rl_config: RLConfig, env_config: EnvConfig) -> dict[str, Any]:
+    """The algorithm, its settings and the env as plain data (a task's config, a checkpoint's meta)."""
+    return {"algorithm": rl_config.algorithm, "rl_config": config_to_dict(rl_config), "env": env_config.to_dict()}
 
 
 def build_checkpoint(
@@ -164,11 +169,7 @@ class Runner:
 
     def task_config(self) -> dict[str, Any]:
         """The algorithm, its settings and the env as plain data (what a distributed task carries)."""
-        return {
-            "algorithm": self.rl_config.algorithm,
-            "rl_config": config_to_dict(self.rl_config),
-            "env": self.env_config.to_dict(),
-        }
+        return task_config(self.rl_config, self.env_config)
 
     # ---------------------------------------------------------------- train
     def train(
@@ -320,9 +321,7 @@ class Runner:
         }
 
     def _checkpoint(self, run_log: RunLog, keep: int) -> None:
-        path = run_log.checkpoint_path(self.train_count)
-        self.save(path)
-        prune_checkpoints(path.parent, keep)
+        write_checkpoint(run_log.checkpoint_dir, self.train_count, *self._checkpoint_contents(), keep)
 
     def _record(self, stats: TrainStats | None, progress: TrainProgress, data_path: DataPath) -> None:
         """Note an update; the params version moves as a distributed trainer's publications would."""
@@ -367,9 +366,11 @@ class Runner:
         """Write weights, settings, counters and (once trained here) the trainer's state (optimizer,
         target network, running statistics) as one ``.safetensors`` file: no pickle, the meta says what
         it is. ``load`` / ``from_checkpoint`` read it back; training then goes on where it stopped."""
-        arrays, meta = build_checkpoint(self.parameter, self._trainer, self.task_config(), self.train_count,
-                                        self.env_steps, self.episodes, self._pending_state)
-        save_arrays(path, arrays, meta)
+        save_arrays(path, *self._checkpoint_contents())
+
+    def _checkpoint_contents(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return build_checkpoint(self.parameter, self._trainer, self.task_config(), self.train_count, self.env_steps,
+                                self.episodes, self._pending_state)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Load a checkpoint written by :meth:`save` (or by a distributed trainer): the weights, the

@@ -49,8 +49,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from srl.base.arrays import save_arrays
-from srl.base.config import config_to_dict
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
@@ -67,8 +65,8 @@ from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
 from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
-from srl.runner.run_log import prune_checkpoints
-from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint
+from srl.runner.run_log import write_checkpoint
+from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint, task_config
 
 logger = logging.getLogger("srl.trainer")
 
@@ -350,16 +348,11 @@ class TrainerRun:
         if not opts.checkpoint_dir:
             return None
         task = self.task
-        task_config = {"algorithm": task.rl_config.algorithm, "rl_config": config_to_dict(task.rl_config),
-                       "env": task.env_config.to_dict()}
-        arrays, meta = build_checkpoint(self.parameter, self.trainer, task_config, self.trainer.train_count,
-                                        self.env_steps_total, 0)
+        arrays, meta = build_checkpoint(self.parameter, self.trainer, task_config(task.rl_config, task.env_config),
+                                        self.trainer.train_count, self.env_steps_total, 0)
         directory = Path(opts.checkpoint_dir) / self.board.task_name
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"ckpt-{self.trainer.train_count:010d}.safetensors"
-            save_arrays(path, arrays, meta)
-            prune_checkpoints(directory, opts.keep_checkpoints)
+            path = write_checkpoint(directory, self.trainer.train_count, arrays, meta, opts.keep_checkpoints)
         except OSError as e:  # a full disk must not stop training
             logger.error("could not write a checkpoint in %s: %s", directory, e)
             return None
