@@ -212,6 +212,23 @@ def test_overwrite_replaces_an_active_task_and_its_leases(board: Board) -> None:
     assert not board.heartbeat("actor:0", "a", 10_000, "actor:0")
 
 
+def test_a_node_failing_an_old_config_does_not_end_the_task_that_replaced_it(
+    board: Board, client: redis.Redis
+) -> None:
+    board.create_task(CONFIG, actor_num=1)
+    old, _ = board.get_task_config_raw()
+    newer = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 64}})
+    board.create_task(newer, actor_num=1, overwrite=True)  # while a node was still building the old one
+    assert not board.end_task(TaskState.FAILED, "cannot build", config=old)
+    status = board.get_status()
+    assert status is not None and status.status is TaskState.INIT
+    assert board.end_task(TaskState.FAILED, "cannot build", config=board.get_task_config_raw()[0])
+    # a config that is not UTF-8 cannot be named exactly: reading it is a data error, not a guess
+    client.hset(board.prefix + "task", "config", b'{"algorithm": "\xff"}')
+    with pytest.raises(BoardDataError, match="UTF-8"):
+        board.get_task_config_raw()
+
+
 def test_other_board_format_is_a_clear_error(board: Board, client: redis.Redis) -> None:
     board.create_task(CONFIG, actor_num=1)
     client.hset(board.prefix + "task", "format", str(BOARD_FORMAT_VERSION + 1))

@@ -416,6 +416,9 @@ return 0
 # KEYS: task. ARGV: status, reason.
 _END_TASK_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'config') ~= ARGV[3] then
+  return 0
+end
 if status == 'INIT' or status == 'ACTIVE' then
   local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'end_reason', ARGV[2],
@@ -725,7 +728,12 @@ class Board:
         self._check_format(raw_format)
         if len(raw_config) > MAX_CONFIG_BYTES:
             raise BoardDataError(f"task {self.task_name!r} config is {len(raw_config)} bytes, over {MAX_CONFIG_BYTES}")
-        return _str(raw_config), _text(raw_sig, 256) or ""
+        try:  # strict: the text must name the stored bytes exactly (end_task(config=...) compares them)
+            config_text = raw_config.decode("utf-8") if isinstance(raw_config, bytes) else raw_config
+        except UnicodeDecodeError as e:
+            raise BoardDataError(f"task {self.task_name!r} config is not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
+        return config_text, _text(raw_sig, 256) or ""
 
     def get_task_config(self) -> dict[str, Any]:
         """The task's config (JSON object), unverified: for display. Nodes verify the signature first."""
@@ -739,12 +747,15 @@ class Board:
         """INIT -> ACTIVE (the trainer started it), at the server's time; False if it was not INIT."""
         return bool(self._set_active(keys=[self._task_key]))
 
-    def end_task(self, status: TaskState | str, reason: str) -> bool:
-        """Mark the task END or FAILED with ``reason``; False if it had already ended (first one wins)."""
+    def end_task(self, status: TaskState | str, reason: str, *, config: str = "") -> bool:
+        """Mark the task END or FAILED with ``reason``; False if it had already ended (first one wins).
+
+        ``config``: end it only while the task's config is this text (a node failing the config it
+        read never ends a newer task that replaced it meanwhile)."""
         state = TaskState(status)
         if not state.finished:
             raise ValueError(f"end_task takes END or FAILED, found {state.value}")
-        return bool(self._end(keys=[self._task_key], args=[state.value, _text(reason, 2000) or ""]))
+        return bool(self._end(keys=[self._task_key], args=[state.value, _text(reason, 2000) or "", config]))
 
     # ---------------------------------------------------------------- leases
 

@@ -183,9 +183,11 @@ def serve(
     refused = ""  # the config last refused (one event for it, not one per poll)
     uid = options.uid
 
-    def fail(reason: str) -> None:
+    def fail(reason: str, config_json: str) -> None:
         logger.error("%s", reason)
-        with_retry(lambda: board.end_task("FAILED", reason), "ending the task FAILED")
+        # only the task whose config this was: a client may have replaced it meanwhile
+        if not with_retry(lambda: board.end_task("FAILED", reason, config=config_json), "ending the task FAILED"):
+            return
         with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
             board.log_event(f"task FAILED: {reason}", level="ERROR", source=uid)
 
@@ -216,7 +218,7 @@ def serve(
             time.sleep(options.task_poll_interval)
             continue
         except TaskConfigError as e:  # unknown algorithm, bad field: no node could run it
-            fail(f"{role} {uid} cannot build the task: {e}")
+            fail(f"{role} {uid} cannot build the task: {e}", config_json)
             if options.run_once:
                 return
             continue
@@ -238,7 +240,7 @@ def serve(
             with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
                 board.release_lease(lease_name(claimed), uid)
             logger.debug("building the run failed", exc_info=True)
-            fail(f"{role} {uid} cannot build the task: {type(e).__name__}: {short(e, 400)}")
+            fail(f"{role} {uid} cannot build the task: {type(e).__name__}: {short(e, 400)}", config_json)
             if options.run_once:
                 return
             continue
@@ -251,7 +253,7 @@ def serve(
         except Exception as e:  # a bug: say so loudly, end the task, stop this process
             logger.exception("%s %s crashed", role, uid)
             message = f"{role} {uid} crashed: {type(e).__name__}: {short(e, 400)}"
-            fail(message)
+            fail(message, config_json)
             raise NodeCrashedError(message) from e
         logger.info("%s %s stopped: %s (%s)", role, uid, reason, run.summary())
         with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
