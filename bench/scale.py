@@ -69,16 +69,16 @@ def task_config() -> tuple[dqn.Config, dict[str, Any]]:
     return config, srl.Runner("CartPole-v1", config).task_config()
 
 
-def template_rows(config: dqn.Config) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    """Real CartPole rows from the algorithm's own worker (what the codec and the trainer check)."""
+def template_rows(config: dqn.Config, count: int = ROWS_PER_BATCH) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """``count`` real CartPole rows from the algorithm's own worker (what the codec and the trainer check)."""
     runner = srl.Runner("CartPole-v1", config)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
     with Rollout(EnvConfig("CartPole-v1"), worker, config.envs_per_actor, seed=0) as rollout:
-        while worker.pending() < ROWS_PER_BATCH:
+        while worker.pending() < count:
             rollout.step()
     rows = worker.take()
     assert rows is not None
-    rows = {k: v[:ROWS_PER_BATCH] for k, v in rows.items()}
+    rows = {k: v[:count] for k, v in rows.items()}
     return rows, worker.initial_priorities(rows)
 
 

@@ -1,8 +1,22 @@
-"""The trainer's ingest bookkeeping, in bounded memory: which batches it has seen."""
+"""The trainer's ingest: which batches it has seen (in bounded memory), and one read of many batches."""
 
 from __future__ import annotations
 
-from srl.runner.distribution.trainer import SeenBatches
+import json
+import time
+
+import numpy as np
+
+import srl
+from srl.base.env import EnvConfig
+from srl.base.rollout import Rollout
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.codec import BatchHeader
+from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.task import build_task
+from srl.runner.distribution.trainer import SeenBatches, TrainerOptions, TrainerRun
+from tests.nodes import tiny_config
 
 
 def test_replays_are_refused_within_and_beyond_the_window() -> None:
@@ -37,3 +51,49 @@ def test_actors_are_forgotten_least_recently_heard_first() -> None:
     assert len(seen) == 3
     assert seen.is_new("b", 0)  # forgotten
     assert not seen.is_new("a", 1) and not seen.is_new("c", 0) and not seen.is_new("d", 0)
+
+
+def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, namespace: str) -> None:
+    """The trainer validates and adds a read's good batches as one block; a bad, a duplicate and a
+    batch without priorities in the same read are each handled alone, and nothing good is lost."""
+    config = tiny_config()
+    runner = srl.Runner("Pendulum-v1", config)
+    params = RedisParameters(url=redis_url, task_name=namespace)
+    board = Board(params.connect(), namespace)
+    board.create_task(json.dumps({**runner.task_config(), "actor_num": 2, "queue": {"scheme": "redis"}}))
+    options = TrainerOptions(uid="t", secret="", ingest_max_messages=16)
+    run = TrainerRun(board, params, None, build_task(*board.get_task_config_raw()), 1, options)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    with Rollout(EnvConfig("Pendulum-v1"), worker, 1, seed=0) as rollout:
+        while worker.pending() < 40:
+            rollout.step()
+    rows = worker.take()
+    assert rows is not None
+    priorities = worker.initial_priorities(rows)
+    assert priorities is not None
+    codec = options.codec(namespace)
+
+    def batch(actor: str, seq: int, start: int, with_priorities: bool = True, **changes: np.ndarray) -> bytes:
+        cols = {k: v[start:start + 8] for k, v in rows.items()} | changes
+        return codec.encode_batch(BatchHeader(actor, 0, 0, seq, 0, 8, time.time()), cols,
+                                  priorities[start:start + 8] if with_priorities else None)
+
+    nan_obs = np.full_like(rows["obs"][:8], np.nan)
+    messages = [batch("a", 0, 0), batch("a", 1, 8), batch("a", 2, 16, obs=nan_obs), batch("a", 1, 8),
+                batch("b", 0, 24, with_priorities=False), batch("b", 1, 32)]
+    producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
+    producer.put_many(messages)
+    producer.close()
+    queue = run.open_consumer()
+    try:
+        while run.received_batches + run.bad_messages + run.duplicates < len(messages):
+            assert run.ingest_once(queue) > 0
+        assert (run.received_batches, run.bad_messages, run.duplicates) == (4, 1, 1)
+        assert run.received_transitions == 32 and len(run.buffer) == 32
+        assert "seq 2" in run.last_bad and "NaN" in run.last_bad
+        assert run._arrivals == {0: 32}
+        assert queue.depth() == 0  # all six acked, the bad and the duplicate too
+    finally:
+        run.stop.set("test over")
+        queue.destroy()
+        board.delete_task()

@@ -50,11 +50,13 @@ class Schema:
     priorities: bool = False
     """batches may carry one initial priority (|TD error| >= 0) per row"""
     names: tuple[str, ...] = field(init=False)
+    _dtypes: Mapping[str, np.dtype] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.columns:
             raise ValueError("a schema needs at least one column")
         object.__setattr__(self, "names", tuple(sorted(self.columns)))
+        object.__setattr__(self, "_dtypes", {name: np.dtype(c.dtype) for name, c in self.columns.items()})
 
     @property
     def row_nbytes(self) -> int:
@@ -81,9 +83,9 @@ class Schema:
             array = columns[name]
             if not isinstance(array, np.ndarray):
                 return f"column {name!r} is a {type(array).__name__}, not an array"
-            if array.dtype.name != column.dtype:
+            if array.dtype != self._dtypes[name]:
                 return f"column {name!r} has dtype {array.dtype.name}, expected {column.dtype}"
-            if array.ndim != 1 + len(column.shape) or array.shape[1:] != column.shape:
+            if array.shape[1:] != column.shape or array.ndim != 1 + len(column.shape):
                 return f"column {name!r} has shape {array.shape}, expected (rows, {', '.join(map(str, column.shape))})"
             if count < 0:
                 count = array.shape[0]
@@ -91,18 +93,24 @@ class Schema:
                 return f"column {name!r} has {array.shape[0]} rows, other columns {count}"
             if array.size == 0:
                 continue
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
+            is_float = array.dtype.kind == "f"
+            if not is_float and column.low is None and column.high is None:
+                continue
+            # min and max carry a NaN or an infinity through: two reductions check finiteness and bounds
+            low, high = array.min(), array.max()
+            if is_float and not (math.isfinite(low) and math.isfinite(high)):
                 return f"column {name!r} holds NaN or infinite values"
-            if column.low is not None and array.min() < column.low:
-                return f"column {name!r} holds {array.min()!r}, below its lower bound {column.low}"
-            if column.high is not None and array.max() > column.high:
-                return f"column {name!r} holds {array.max()!r}, above its upper bound {column.high}"
+            if column.low is not None and low < column.low:
+                return f"column {name!r} holds {low!r}, below its lower bound {column.low}"
+            if column.high is not None and high > column.high:
+                return f"column {name!r} holds {high!r}, above its upper bound {column.high}"
         if priorities is not None:
             if not self.priorities:
                 return "priorities sent, but this algorithm's rows carry none"
             if priorities.dtype.kind != "f" or priorities.shape != (count,):
                 return (f"priorities have shape {priorities.shape} and dtype {priorities.dtype}; "
                         f"expected ({count},) floats")
-            if count and not (np.isfinite(priorities).all() and (priorities >= 0).all()):
+            # a NaN or +inf makes the max non-finite; the min catches what is below zero (-inf too)
+            if count and not (math.isfinite(priorities.max()) and priorities.min() >= 0):
                 return "priorities must be finite and >= 0"
         return None

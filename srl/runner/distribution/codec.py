@@ -160,9 +160,7 @@ def _check_batch(count: int, columns: Mapping[str, np.ndarray], priorities: np.n
                 f"priorities have shape {priorities.shape} and dtype {priorities.dtype}; "
                 f"expected floats of shape ({count},)"
             )
-        if count and not (np.isfinite(priorities).all() and (priorities >= 0).all()):
-            return "priorities must be finite and >= 0"
-    return None
+    return None  # values (finite, in bounds, priorities >= 0) are the schema's check
 
 
 def row_nbytes(columns: Mapping[str, np.ndarray], priorities: np.ndarray | None = None) -> int:
@@ -366,6 +364,10 @@ class Codec:
     ) -> bytes:
         """One BATCH message; raises ValueError if the arrays do not match ``header.count``."""
         problem = _check_batch(header.count, columns, priorities)
+        if problem is None and priorities is not None and header.count and not (
+            np.isfinite(priorities).all() and priorities.min() >= 0
+        ):
+            problem = "priorities must be finite and >= 0"
         if problem is not None:
             raise ValueError(f"cannot encode batch from {header.actor_id!r}: {problem}")
         arrays = {_COLUMN_PREFIX + name: column for name, column in columns.items()}

@@ -54,19 +54,23 @@ from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
 from srl.runner.distribution.board import Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import (
+    BatchHeader,
     DecodeError,
     batch_message_bytes,
     params_message_bytes,
     short,
 )
 from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
-from srl.runner.distribution.queues import Message, QueueError, open_queue
+from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
 from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
 from srl.runner.run_log import write_checkpoint
 from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint, task_config
+
+Decoded = tuple[Message, BatchHeader, Columns, "np.ndarray | None"]
+"""a batch message taken from the queue: the message, its header, its columns, its priorities"""
 
 logger = logging.getLogger("srl.trainer")
 
@@ -360,36 +364,45 @@ class TrainerRun:
         return path
 
     # ------------------------------------------------------------ ingest thread
+    def open_consumer(self) -> ExperienceQueue:
+        """The task's experience queue, opened as this trainer's consumer."""
+        return open_queue(self.queue_params, namespace=self.redis_params.task_name, role="consumer",
+                          redis_params=self.redis_params, consumer_name=self.options.uid,
+                          max_read_bytes=self.codec.max_bytes, prefetch=self.options.ingest_max_messages)
+
+    def ingest_once(self, queue: ExperienceQueue) -> int:
+        """One step of the ingest path: read what the buffer has room for, decode, validate, insert, then
+        ack; the number of messages read (0 when none came within the read timeout or there is no room)."""
+        room = self.buffer.room()
+        count = self.options.ingest_max_messages
+        if room is not None:  # a full buffer is not read into: the queue fills, actors wait
+            count = min(count, room // self.max_message_rows)
+            if count < 1:
+                self.stop.wait(0.005)
+                return 0
+        messages = queue.get_many(count, timeout=0.2)
+        if not messages:
+            return 0
+        counts = self._ingest(messages)
+        queue.ack_many(messages)  # after every message is in the buffer (or refused)
+        self.data_arrived.set()
+        self.counters.add(**counts)
+        if not queue.reports_depth:  # actors read the queue depth from these counters: write now
+            with self.counters.taken() as deltas:
+                with_retry(lambda: self.board.incr_counters("trainer", **deltas),
+                           "counting received batches", should_stop=self.stop.is_set)
+        return len(messages)
+
     def _ingest_loop(self) -> None:
-        opts = self.options
         queue = None
         delay = 0.1
         try:
             while not self.stop.is_set():
                 try:
                     if queue is None:
-                        queue = open_queue(self.queue_params, namespace=self.redis_params.task_name,
-                                           role="consumer", redis_params=self.redis_params, consumer_name=opts.uid,
-                                           max_read_bytes=self.codec.max_bytes, prefetch=opts.ingest_max_messages)
-                    room = self.buffer.room()
-                    count = opts.ingest_max_messages
-                    if room is not None:  # a full buffer is not read into: the queue fills, actors wait
-                        count = min(count, room // self.max_message_rows)
-                        if count < 1:
-                            self.stop.wait(0.005)
-                            continue
-                    messages = queue.get_many(count, timeout=0.2)
+                        queue = self.open_consumer()
+                    self.ingest_once(queue)
                     delay = 0.1
-                    if not messages:
-                        continue
-                    counts = self._ingest(messages)
-                    queue.ack_many(messages)  # after every message is in the buffer (or refused)
-                    self.data_arrived.set()
-                    self.counters.add(**counts)
-                    if not queue.reports_depth:  # actors read the queue depth from these counters: write now
-                        with self.counters.taken() as deltas:
-                            with_retry(lambda: self.board.incr_counters("trainer", **deltas),
-                                       "counting received batches", should_stop=self.stop.is_set)
                 except _WAIT_OUT as e:
                     if self._queue_log.ready():
                         logger.warning("experience queue unavailable (%s); retrying", short(e))
@@ -407,36 +420,48 @@ class TrainerRun:
                 _close_quietly(queue)
 
     def _ingest(self, messages: list[Message]) -> dict[str, float]:
-        """Decode, dedupe, apply the version policy and add to the buffer; the counts for the board.
-        Never raises for a message."""
-        received = rows = bad = dups = stale = 0
+        """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
+        board. Never raises for a message.
+
+        Each message is decoded and deduplicated alone; the good ones are then checked against the
+        schema, filtered and added as one block (one validation and one buffer insert per read instead
+        of per message: per-call costs dominate small batches). Should the block fail its check, each
+        message is checked alone, so only the bad one is refused.
+        """
+        bad = dups = 0
+        decoded: list[Decoded] = []
+        taking: set[tuple[str, int]] = set()  # (sender, seq) in this read: a copy of one is a duplicate
         for message in messages:
             try:
                 if message.refused:
                     raise DecodeError(message.refused)
-                header, columns, priorities = self.codec.decode_batch(message.data, self.schema)
+                header, columns, priorities = self.codec.decode_batch(message.data)
                 if header.count > self.max_message_rows:
                     raise DecodeError(f"batch of {header.count} rows; a message of this task carries at most "
                                       f"{self.max_message_rows}")
-                if not self.seen.is_new(header.actor_id, header.seq):
+                key = (header.actor_id, header.seq)
+                if key in taking or not self.seen.is_new(*key):
                     dups += 1
                     continue
-                if priorities is not None:
-                    priorities = np.minimum(priorities, MAX_INITIAL_PRIORITY)
-                with self._version_lock:  # the version cannot move between the check and the add
-                    columns, priorities, refused = self._accepted(columns, priorities)
-                    kept = len(columns["version"])
-                    if kept:
-                        self._add_when_room(columns, priorities)
-                        self._arrivals[header.actor_index] = self._arrivals.get(header.actor_index, 0) + kept
-                self.seen.mark(header.actor_id, header.seq)
-                stale += refused
-                if kept:
-                    received += 1
-                    rows += kept
+                taking.add(key)
+                decoded.append((message, header, columns, priorities))
             except Exception as e:  # whatever one message causes stays that message's problem
                 bad += 1
                 self._note_bad(message, e)
+        good = self._valid(decoded)
+        bad += len(decoded) - len(good)
+        rows = stale = 0
+        if good:
+            try:
+                rows, stale = self._accept_and_add(good)
+            except Exception as e:  # not a message's fault (they passed every check): count them all bad
+                bad += len(good)
+                for message, *_ in good:
+                    self._note_bad(message, e)
+                good = []
+        for _, header, _, _ in good:
+            self.seen.mark(header.actor_id, header.seq)
+        received = len(good)
         self.received_batches += received
         self.received_transitions += rows
         self.bad_messages += bad
@@ -445,12 +470,59 @@ class TrainerRun:
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
                 "duplicates": dups, "stale_rows": stale}
 
-    def _accepted(
-        self, columns: Columns, priorities: np.ndarray | None
-    ) -> tuple[Columns, np.ndarray | None, int]:
-        """The rows the data path accepts at the current version (and how many it refused as stale);
-        the lag of the accepted ones is noted."""
-        versions = columns["version"]
+    def _valid(
+        self, decoded: list[Decoded]
+    ) -> list[Decoded]:
+        """The decoded batches whose rows fit the algorithm's schema (the others noted as bad)."""
+        if not decoded:
+            return []
+        if len(decoded) > 1 and len({p is None for *_, p in decoded}) == 1:
+            try:
+                block, priorities = _concat(decoded)
+            except ValueError:  # columns that do not line up: the per-message check says whose
+                pass
+            else:
+                if self.schema.problem(block, priorities) is None:
+                    return decoded
+        good = []
+        for item in decoded:
+            message, header, columns, priorities = item
+            problem = self.schema.problem(columns, priorities)
+            if problem is None:
+                good.append(item)
+            else:
+                self._note_bad(message, DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: {problem}"))
+        return good
+
+    def _accept_and_add(self, good: list[Decoded]) -> tuple[int, int]:
+        """Apply the version policy to valid batches and add what it keeps; (rows kept, rows refused)."""
+        blocks = [good] if len({p is None for *_, p in good}) == 1 else [[item] for item in good]
+        kept_total = refused_total = 0
+        for block in blocks:
+            columns, priorities = _concat(block)
+            if priorities is not None:
+                priorities = np.minimum(priorities, MAX_INITIAL_PRIORITY)
+            with self._version_lock:  # the version cannot move between the check and the add
+                keep = self._keep(columns["version"])
+                if keep is not None:
+                    columns = {name: column[keep] for name, column in columns.items()}
+                    priorities = None if priorities is None else priorities[keep]
+                self.lag.note(columns["version"], self.version)
+                kept = len(columns["version"])
+                if kept:
+                    self._add_when_room(columns, priorities)
+                    start = 0
+                    for _, header, _, _ in block:  # who delivered rows of this version (the sync wait)
+                        n = header.count if keep is None else int(keep[start:start + header.count].sum())
+                        start += header.count
+                        if n:
+                            self._arrivals[header.actor_index] = self._arrivals.get(header.actor_index, 0) + n
+            kept_total += kept
+            refused_total += len(keep) - kept if keep is not None else 0
+        return kept_total, refused_total
+
+    def _keep(self, versions: np.ndarray) -> np.ndarray | None:
+        """Which rows the data path accepts at the current version (None: all of them)."""
         path = self.data_path
         if path.sync:
             keep = versions == self.version
@@ -458,12 +530,7 @@ class TrainerRun:
             keep = (versions <= self.version) & (self.version - versions <= path.max_policy_lag)
         else:  # any age, but never a version not yet published (a forged or confused sender)
             keep = versions <= self.version
-        if keep is not None and not keep.all():
-            columns = {name: column[keep] for name, column in columns.items()}
-            priorities = None if priorities is None else priorities[keep]
-            versions = columns["version"]
-        self.lag.note(versions, self.version)
-        return columns, priorities, 0 if keep is None else int((~keep).sum())
+        return None if keep.all() else keep
 
     def _add_when_room(self, columns: Columns, priorities: np.ndarray | None) -> None:
         n = len(columns["version"])
@@ -746,6 +813,18 @@ class TrainerRun:
     def summary(self) -> str:
         return (f"epoch {self.epoch}, train_count {self.trainer.train_count}, received {self.received_batches} "
                 f"batches, {self.bad_messages} bad, {self.duplicates} duplicates, {self.stale_rows} stale rows")
+
+
+def _concat(batches: list[Decoded]) -> tuple[Columns, np.ndarray | None]:
+    """The rows of several decoded batches as one block (ValueError when their columns do not line up)."""
+    if len(batches) == 1:
+        return batches[0][2], batches[0][3]
+    names = batches[0][2].keys()
+    if any(columns.keys() != names for _, _, columns, _ in batches):
+        raise ValueError("batches carry different columns")
+    columns = {name: np.concatenate([c[name] for _, _, c, _ in batches]) for name in names}
+    priorities = None if batches[0][3] is None else np.concatenate([p for *_, p in batches])
+    return columns, priorities
 
 
 def _close_quietly(queue: Any) -> None:

@@ -1,0 +1,304 @@
+"""The trainer's ingest ceiling per backend: srl's ingest path against the raw broker, same messages.
+
+    python bench/ingest.py                        # every backend that answers; 256- and 16-row batches
+    python bench/ingest.py --backends redis,amqp --rounds 5
+    python bench/ingest.py --signed               # HMAC-signed batches (a secret set), as a secured cluster runs
+
+For each backend and message size, the queue is first filled with ``--messages`` valid batches
+(real DQN CartPole-v1 rows from the algorithm's own worker, a distinct sequence number each, as
+an actor sends them); then one consumer drains it while nothing else runs:
+
+  srl   a real ``TrainerRun`` of that task (the object ``srl trainer`` runs), its ingest path
+        alone, no training: ``ingest_once`` = read what the buffer has room for, decode, validate
+        against the algorithm's schema, dedupe, apply the version policy, insert into the replay
+        memory, ack, count on the board;
+  raw   the broker's own client library reading and acking the same bytes (redis-py XREADGROUP +
+        XACK, pika basic_consume + multiple ack, paho QoS 1 on a persistent session,
+        google-cloud-pubsub unary pull + acknowledge), no decoding: the ceiling the broker and its
+        client give on this machine.
+
+  queue only  srl's queue backend alone (get_many + ack_many of the same size), no decoding: the
+        share of the gap that is the transport (bounded reads, depth bookkeeping, manual acks).
+
+All read a queue the broker already holds (the consumer connects once the fill is done), so the
+ratio is the cost of srl's ingest path, not of a producer sharing the two cores. Rates are
+transitions/s; the ratio is taken within one run. ``--rounds`` fills and drains are summed (MQTT's
+broker queues at most ``max_queued_messages``, 1000 by default, per session, so a round stays below).
+
+Brokers: scripts/services.sh start. The Pub/Sub emulator is taken from $PUBSUB_EMULATOR_HOST,
+else 127.0.0.1:8085. Exits 1 if a transition went missing or a message was refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from queues import ENDPOINTS, RAW, broker_answers, library_installed  # bench/queues.py
+from scale import template_rows  # bench/scale.py
+
+import srl
+from srl.algorithms import dqn
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.codec import BatchHeader
+from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.task import build_task
+from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
+
+GROUP = 16  # messages per put_many while filling
+
+
+def queue_params(backend: str) -> str | None:
+    return None if backend == "redis" else ENDPOINTS[backend][2]  # Redis: the board's own Redis
+
+
+def make_config(capacity: int) -> dqn.Config:
+    config = dqn.Config(env_steps_per_train=None, warmup_size=256, seed=0)
+    config.hidden_block.set_mlp((64, 64))
+    config.memory.capacity = capacity
+    return config
+
+
+def encoded_batches(rows: int, count: int, task_name: str, options: TrainerOptions) -> list[bytes]:
+    """``count`` valid batch messages of ``rows`` rows each, as one actor sends them."""
+    columns, priorities = template_rows(make_config(1000), rows)
+    codec = options.codec(task_name)
+    actor_id = f"bench-{uuid.uuid4().hex[:8]}"
+    return [codec.encode_batch(BatchHeader(actor_id, 0, 0, seq, 0, rows, time.time()), columns, priorities)
+            for seq in range(count)]
+
+
+def fill(put_many: Any, blobs: list[bytes]) -> None:
+    for start in range(0, len(blobs), GROUP):
+        put_many(blobs[start:start + GROUP])
+
+
+def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: TrainerOptions) -> dict[str, Any]:
+    """Transitions/s through a real TrainerRun's ingest path, and what it counted."""
+    task_name = f"ingest-{backend}-{uuid.uuid4().hex[:6]}"
+    redis_params = RedisParameters(host="127.0.0.1", task_name=task_name)
+    board = Board(redis_params.connect(), task_name)
+    config = make_config(capacity=rows * messages * rounds)  # room for everything: nothing waits on the buffer
+    config_json = srl.Runner("CartPole-v1", config).task_config()
+    config_json.update(actor_num=1, max_train_count=10**9, queue={"scheme": backend})
+    text = json.dumps(config_json)
+    codec = options.codec(task_name)
+    board.create_task(text, signature=codec.config_signature(text))
+    run = TrainerRun(board, redis_params, queue_params(backend), build_task(*board.get_task_config_raw(), codec),
+                     1, options)
+    blobs = encoded_batches(rows, messages * rounds, task_name, options)
+    sent = 0
+    drain_s = 0.0
+    try:
+        for r in range(rounds):
+            part = blobs[r * messages:(r + 1) * messages]
+            producer = open_queue(queue_params(backend), namespace=task_name, role="producer",
+                                  redis_params=redis_params)
+            fill(producer.put_many, part)
+            producer.close()
+            sent += len(part) * rows
+            queue = run.open_consumer()
+            t0 = time.perf_counter()
+            deadline = t0 + 120
+            while run.received_transitions + (run.bad_messages + run.duplicates) * rows < sent \
+                    and time.perf_counter() < deadline:
+                run.ingest_once(queue)
+            drain_s += time.perf_counter() - t0
+            queue.close()
+    finally:
+        run.stop.set("bench over")
+        leftover = open_queue(queue_params(backend), namespace=task_name, role="consumer",
+                              redis_params=redis_params)
+        leftover.destroy()
+        board.delete_task()
+        board.client.close()
+    return {"rate": run.received_transitions / drain_s, "sent": sent, "received": run.received_transitions,
+            "bad": run.bad_messages, "last_bad": run.last_bad, "duplicates": run.duplicates,
+            "bytes": len(blobs[0])}
+
+
+def measure_transport(backend: str, blobs: list[bytes], rows: int, messages: int, rounds: int,
+                      take: int) -> float:
+    """Transitions/s srl's queue alone hands over (get_many + ack_many, the trainer's read size), no decoding."""
+    namespace = f"ingest-q-{uuid.uuid4().hex[:8]}"
+    redis_params = RedisParameters(host="127.0.0.1", task_name=namespace)
+    drain_s = 0.0
+    got = 0
+    try:
+        for r in range(rounds):
+            part = blobs[r * messages:(r + 1) * messages]
+            producer = open_queue(queue_params(backend), namespace=namespace, role="producer",
+                                  redis_params=redis_params)
+            fill(producer.put_many, part)
+            producer.close()
+            queue = open_queue(queue_params(backend), namespace=namespace, role="consumer",
+                               redis_params=redis_params, consumer_name="bench", prefetch=take)
+            t0 = time.perf_counter()
+            deadline = t0 + 120
+            n = 0
+            while n < len(part) and time.perf_counter() < deadline:
+                batch = queue.get_many(take, timeout=0.2)
+                queue.ack_many(batch)
+                n += len(batch)
+            drain_s += time.perf_counter() - t0
+            got += n
+            queue.close()
+    finally:
+        open_queue(queue_params(backend), namespace=namespace, role="consumer", redis_params=redis_params).destroy()
+    return got * rows / drain_s
+
+
+class RawPahoSession:
+    """paho, QoS 1, on a persistent session: subscribed before the fill, reconnected to drain it."""
+
+    def __init__(self, namespace: str) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.mqtt = mqtt
+        self.topic = f"bench/{namespace}"
+        self.client_id = f"bench-s-{namespace}"
+        self.received = 0
+        self.lock = threading.Condition()
+        client = self._client()
+        subscribed = threading.Event()
+        client.on_subscribe = lambda *args: subscribed.set()
+        client.connect("127.0.0.1", 1883)
+        client.loop_start()
+        client.subscribe(self.topic, qos=1)
+        if not subscribed.wait(10):
+            raise RuntimeError("no SUBACK from the MQTT broker")
+        client.disconnect()
+        client.loop_stop()
+
+    def _client(self) -> Any:
+        mqtt = self.mqtt
+        return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=False,
+                           protocol=mqtt.MQTTv311)
+
+    def drain(self, count: int, timeout: float) -> int:
+        """Reconnect and take ``count`` messages (acked by paho after each callback)."""
+        from queues import _tune_paho
+
+        self.received = 0
+        client = self._client()
+        _tune_paho(client)
+
+        def on_message(c: Any, u: Any, m: Any) -> None:
+            client.on_publish()  # the quickack
+            with self.lock:
+                self.received += 1
+                self.lock.notify()
+
+        client.on_message = on_message
+        client.connect("127.0.0.1", 1883)
+        client.loop_start()
+        with self.lock:
+            self.lock.wait_for(lambda: self.received >= count, timeout)
+        client.disconnect()
+        client.loop_stop()
+        return self.received
+
+    def close(self) -> None:
+        client = self.mqtt.Client(self.mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                                  clean_session=True, protocol=self.mqtt.MQTTv311)
+        client.connect("127.0.0.1", 1883)  # a clean session discards the persistent one
+        client.disconnect()
+
+
+def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, rounds: int, take: int) -> dict[str, Any]:
+    """Transitions/s the raw client reads and acks from a filled queue."""
+    namespace = f"ingest-raw-{uuid.uuid4().hex[:8]}"
+    producer_cls, consumer_cls = RAW[backend]
+    drain_s = 0.0
+    got = 0
+    session = RawPahoSession(namespace) if backend == "mqtt" else None
+    early = consumer_cls(namespace) if backend in ("redis", "pubsub") else None  # creates group / subscription
+    try:
+        for r in range(rounds):
+            part = blobs[r * messages:(r + 1) * messages]
+            producer = producer_cls(namespace)
+            fill(producer.put_many, part)
+            producer.close()
+            if session is not None:
+                t0 = time.perf_counter()
+                got += session.drain(len(part), timeout=120)
+                drain_s += time.perf_counter() - t0
+                continue
+            consumer = early or consumer_cls(namespace)  # RabbitMQ: connect once the queue is full
+            t0 = time.perf_counter()
+            deadline = t0 + 120
+            n = 0
+            while n < len(part) and time.perf_counter() < deadline:
+                n += consumer.take(take)
+            drain_s += time.perf_counter() - t0
+            got += n
+            if consumer is not early:
+                if r == rounds - 1:
+                    consumer.close()
+                else:
+                    consumer.conn.close()
+    finally:
+        if session is not None:
+            session.close()
+        if early is not None:
+            early.close()
+    return {"rate": got * rows / drain_s, "received": got * rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="redis,amqp,mqtt,pubsub")
+    parser.add_argument("--rows", default="256,16", help="rows per message, comma separated (256: an actor's "
+                        "default batch_size)")
+    parser.add_argument("--messages", type=int, default=800, help="messages per fill (below Mosquitto's 1000)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--signed", action="store_true", help="sign batches with a shared secret (HMAC)")
+    args = parser.parse_args()
+    logging.getLogger("srl").setLevel(logging.WARNING)
+    options = TrainerOptions(uid="bench-ingest", secret=uuid.uuid4().hex if args.signed else "")
+    header = (f"{'backend':<8} {'rows/msg':>8} {'bytes/msg':>9} {'srl rows/s':>11} {'raw rows/s':>11} "
+              f"{'ratio':>6} {'srl msg/s':>9} {'queue only':>11} {'ratio':>6} {'lost':>5} {'bad':>4}")
+    print(f"ingest path alone (no training), {args.rounds} x {args.messages} messages per case, "
+          f"{'signed' if args.signed else 'unsigned'}, batches of {options.ingest_max_messages} per read")
+    print(header)
+    print("-" * len(header))
+    failed = False
+    for backend in args.backends.split(","):
+        if not broker_answers(backend):
+            host, port, _ = ENDPOINTS[backend]
+            print(f"{backend:<8} skipped: nothing answers on {host}:{port} (scripts/services.sh start)")
+            continue
+        if not library_installed(backend):
+            print(f"{backend:<8} skipped: the client library is not installed")
+            continue
+        for rows in (int(x) for x in args.rows.split(",")):
+            srl_result = measure_srl(backend, rows, args.messages, args.rounds, options)
+            blobs = encoded_batches(rows, args.messages * args.rounds, "raw", options)
+            raw = measure_raw(backend, blobs, rows, args.messages, args.rounds, options.ingest_max_messages)
+            transport = measure_transport(backend, blobs, rows, args.messages, args.rounds,
+                                          options.ingest_max_messages)
+            lost = srl_result["sent"] - srl_result["received"]
+            failed = failed or lost > 0 or srl_result["bad"] > 0 or raw["received"] < srl_result["sent"]
+            print(f"{backend:<8} {rows:>8} {srl_result['bytes']:>9,} {srl_result['rate']:>11,.0f} "
+                  f"{raw['rate']:>11,.0f} {srl_result['rate'] / raw['rate']:>6.2f} "
+                  f"{srl_result['rate'] / rows:>9,.0f} {transport:>11,.0f} {transport / raw['rate']:>6.2f} "
+                  f"{lost:>5} {srl_result['bad']:>4}", flush=True)
+            if srl_result["bad"]:
+                print(f"      last refused: {srl_result['last_bad']}")
+    if failed:
+        print("\nFAILED: a transition went missing or a message was refused (see above)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
