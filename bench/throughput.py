@@ -12,7 +12,8 @@ batches in the queue (its depth, as the actors' backpressure reads it) at the st
 the window (a backlog that grows is the learner
 falling behind; the queue's capacity bounds it), the share of the actors' time spent waiting on a
 full queue (backpressure) or on the next version (sync PPO), the policy lag the trainer saw
-(versions behind, p50/p95/max), one actor's env steps/s while it is not waiting divided by the same
+(versions behind, p50/p95/max), one actor's env steps/s while it is not waiting (its own
+``busy_s`` clock: stepping, acting, sending and loading params count, waiting does not) divided by the same
 worker stepping its envs in this process and sending nothing ("bare", measured after the run on
 an idle machine), and the verdict:
 
@@ -123,6 +124,9 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
                         "wait": sum(waits), "sync": sum(float(s.get("sync_wait_s", 0) or 0)
                                                         for k, s in stats.items() if k.startswith("actor:")),
                         "lag": (trainer.get("lag_p50"), trainer.get("lag_p95"), trainer.get("lag_max")),
+                        # each actor's own clock: env steps and seconds not waiting, in one snapshot
+                        "actors": {k: (float(v.get("env_steps", 0) or 0), float(v.get("busy_s", 0) or 0))
+                                   for k, v in stats.items() if k.startswith("actor:")},
                         "train": float(trainer.get("train_per_s", 0) or 0)})
         if time.monotonic() - window_start >= seconds:
             board.end_task("END", "bench window over")
@@ -151,7 +155,13 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
         verdict = "backpressure"
     else:
         verdict = "keeps up"
-    busy = produced / actors / max(1e-9, 1.0 - wait_share)  # one actor's rate while it is not waiting
+    # one actor's env steps/s while it is not waiting, from the actors' own snapshots (steps and busy
+    # seconds taken together), not from the board's batched counters
+    steps = busy_s = 0.0
+    for key, (steps1, busy1) in last["actors"].items():
+        steps0, busy0 = first["actors"].get(key, (steps1, busy1))
+        steps, busy_s = steps + steps1 - steps0, busy_s + busy1 - busy0
+    busy = steps / busy_s if busy_s > 0 else float("nan")
     return {"name": name, "produced": produced, "consumed": consumed, "head": head, "tail": tail,
             "wait": wait_share, "lag": last["lag"], "verdict": verdict, "busy": busy,
             "train": statistics.median(x["train"] for x in samples[1:]),

@@ -132,6 +132,9 @@ class ActorRun:
         self.stalled_since: float | None = None
         self.throttled_s = 0.0
         self.sync_wait_s = 0.0
+        self._loop_started: float | None = None  # when run() began acting
+        self._waited_s = 0.0  # every wait of the loop (backpressure, sync, rate limit, first params)
+        self._wait_started: float | None = None  # the wait going on now
         self._trained_base: int | None = None
         self.recent_rewards: list[float] = []
 
@@ -217,6 +220,7 @@ class ActorRun:
             "stalled_now_s": round(stalled_now, 3),
             "rate_limited_s": round(self.throttled_s, 3),
             "sync_wait_s": round(self.sync_wait_s, 3),
+            "busy_s": round(self.busy_s(), 3),
             "reward": round(float(np.mean(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
             "reward_min": round(float(np.min(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
             "reward_max": round(float(np.max(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
@@ -242,6 +246,23 @@ class ActorRun:
         self.latest_train_count = max(self.latest_train_count, record.train_count)
         self._fresh_params.set()
 
+    def _begin_wait(self) -> None:
+        self._wait_started = time.monotonic()
+
+    def _end_wait(self) -> float:
+        started, self._wait_started = self._wait_started, None
+        waited = 0.0 if started is None else time.monotonic() - started
+        self._waited_s += waited
+        return waited
+
+    def busy_s(self) -> float:
+        """Seconds the loop has spent not waiting: stepping, acting, sending, loading params."""
+        if self._loop_started is None:
+            return 0.0
+        now = time.monotonic()
+        ongoing = self._wait_started
+        return max(0.0, now - self._loop_started - self._waited_s - (0.0 if ongoing is None else now - ongoing))
+
     def _apply_staged_params(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, None
@@ -258,14 +279,15 @@ class ActorRun:
 
     def _wait_for_params(self, newer_than: int, why: str) -> None:
         """Block (heartbeat going on) until params newer than ``newer_than`` are loaded, or the run stops."""
-        started = time.monotonic()
+        waited = 0.0
         while not self.stop.is_set() and self.params_version <= newer_than:
             if self._staged is not None:
-                self._apply_staged_params()
+                self._apply_staged_params()  # work, not waiting
                 continue
+            self._begin_wait()
             self._fresh_params.wait(0.05)
             self._fresh_params.clear()
-        waited = time.monotonic() - started
+            waited += self._end_wait()
         if why == "sync":
             self.sync_wait_s += waited
 
@@ -284,10 +306,10 @@ class ActorRun:
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
         self._flush()
-        started = time.monotonic()
+        self._begin_wait()
         while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
             self.stop.wait(0.01)
-        self.throttled_s += time.monotonic() - started
+        self.throttled_s += self._end_wait()
 
     def _batch_rows(self) -> int:
         if self.data_path.rows == "segments":
@@ -307,13 +329,13 @@ class ActorRun:
             if depth < self.capacity:
                 break
             if waited_from is None:
-                waited_from = time.monotonic()
-                self.stalled_since = waited_from
+                self._begin_wait()
+                waited_from = self.stalled_since = self._wait_started
             self.stop.wait(delay)
             delay = min(delay * 2, 0.25)
         self.stalled_since = None
         if waited_from is not None:
-            waited = time.monotonic() - waited_from
+            waited = self._end_wait()
             self.backpressure_wait_s += waited
             self.counters.add(backpressure_wait_s=waited)
 
@@ -399,6 +421,7 @@ class ActorRun:
                     self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
         batch_started = time.monotonic()
         steps_since_count = 0
+        self._loop_started = time.monotonic()
         try:
             self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
             while not self.stop.is_set():
