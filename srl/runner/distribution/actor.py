@@ -66,7 +66,10 @@ class ActorOptions(NodeOptions):
     batch_max_age: float = 1.0
     """seconds a partly filled batch may wait before it is sent anyway"""
     params_poll_interval: float = 0.1
-    """seconds between checks of the params version on the board (one HMGET)"""
+    """seconds between checks of the params version on the board (one HMGET) while acting"""
+    params_wait_poll_interval: float = 0.01
+    """the same while the actor waits for a version to act with (sync PPO's lockstep, the first
+    params): the wait is idle time, so the new version is picked up within this"""
     compress: bool = False
     """zlib-compress batches (helps on slow links, costs CPU)"""
 
@@ -132,6 +135,8 @@ class ActorRun:
         self.stalled_since: float | None = None
         self.throttled_s = 0.0
         self.sync_wait_s = 0.0
+        self._awaiting_params = threading.Event()  # the main loop waits for a newer version
+        self._poll_now = threading.Event()  # wakes the board thread for a params check (or to stop)
         self._loop_started: float | None = None  # when run() began acting
         self._waited_s = 0.0  # every wait of the loop (backpressure, sync, rate limit, first params)
         self._wait_started: float | None = None  # the wait going on now
@@ -186,7 +191,9 @@ class ActorRun:
                 self.fatal = f"board thread crashed: {type(e).__name__}: {short(e)}"
                 self.stop.set(self.fatal)
                 break
-            self.stop.wait(opts.params_poll_interval)
+            waiting = self._awaiting_params.is_set()
+            self._poll_now.wait(opts.params_wait_poll_interval if waiting else opts.params_poll_interval)
+            self._poll_now.clear()
 
     def _take_slot_back(self, away_since: float | None) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
@@ -280,6 +287,8 @@ class ActorRun:
     def _wait_for_params(self, newer_than: int, why: str) -> None:
         """Block (heartbeat going on) until params newer than ``newer_than`` are loaded, or the run stops."""
         waited = 0.0
+        self._awaiting_params.set()
+        self._poll_now.set()  # look now, then at the waiting cadence
         while not self.stop.is_set() and self.params_version <= newer_than:
             if self._staged is not None:
                 self._apply_staged_params()  # work, not waiting
@@ -288,6 +297,7 @@ class ActorRun:
             self._fresh_params.wait(0.05)
             self._fresh_params.clear()
             waited += self._end_wait()
+        self._awaiting_params.clear()
         if why == "sync":
             self.sync_wait_s += waited
 
@@ -451,6 +461,7 @@ class ActorRun:
         finally:
             self.counters.add(env_steps=steps_since_count)
             self.stop.set("actor stopping")
+            self._poll_now.set()
             board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
             self._final_report()
             self.rollout.close()
