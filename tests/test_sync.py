@@ -67,7 +67,9 @@ def test_sync_ppo_trains_in_lockstep_and_refuses_stale_segments(
     # segment per env of both actors (2 x 4), K = 20 epochs of one minibatch
     updates = status.params_version - 2
     assert runner.train_count == 20 * updates
-    assert updates * 8 <= counters["received_transitions"] <= (updates + 1) * 8
+    # plus, at most, one round made with the version after the last update and one with the final
+    # publication (an actor quick to pick it up sends it before it sees the task END)
+    assert updates * 8 <= counters["received_transitions"] <= (updates + 2) * 8
     for actor in actors:
         assert "sync-waited" not in actor.output()  # (said by the client, not the actor)
     assert trainer.alive() or trainer.proc.returncode == 0
