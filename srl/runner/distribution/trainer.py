@@ -71,6 +71,8 @@ from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoin
 
 Decoded = tuple[Message, BatchHeader, Columns, "np.ndarray | None"]
 """a batch message taken from the queue: the message, its header, its columns, its priorities"""
+Block = tuple[list[Decoded], Columns, "np.ndarray | None"]
+"""valid batches and their rows concatenated (columns, priorities)"""
 
 logger = logging.getLogger("srl.trainer")
 
@@ -424,8 +426,8 @@ class TrainerRun:
         board. Never raises for a message.
 
         Each message is decoded and deduplicated alone; the good ones are then checked against the
-        schema, filtered and added as one block (one validation and one buffer insert per read instead
-        of per message: per-call costs dominate small batches). Should the block fail its check, each
+        schema, filtered and added as a block (one validation and one buffer insert per read instead
+        of per message: per-call costs dominate small batches). Should a block fail its check, each
         message is checked alone, so only the bad one is refused.
         """
         bad = dups = 0
@@ -448,20 +450,22 @@ class TrainerRun:
             except Exception as e:  # whatever one message causes stays that message's problem
                 bad += 1
                 self._note_bad(message, e)
-        good = self._valid(decoded)
-        bad += len(decoded) - len(good)
-        rows = stale = 0
-        if good:
+        blocks, unfit = self._valid_blocks(decoded)
+        bad += unfit
+        received = rows = stale = 0
+        for block, columns, priorities in blocks:
             try:
-                rows, stale = self._accept_and_add(good)
+                kept, refused = self._accept_and_add(block, columns, priorities)
             except Exception as e:  # not a message's fault (they passed every check): count them all bad
-                bad += len(good)
-                for message, *_ in good:
+                bad += len(block)
+                for message, *_ in block:
                     self._note_bad(message, e)
-                good = []
-        for _, header, _, _ in good:
-            self.seen.mark(header.actor_id, header.seq)
-        received = len(good)
+                continue
+            for _, header, _, _ in block:
+                self.seen.mark(header.actor_id, header.seq)
+            received += len(block)
+            rows += kept
+            stale += refused
         self.received_batches += received
         self.received_transitions += rows
         self.bad_messages += bad
@@ -470,56 +474,59 @@ class TrainerRun:
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
                 "duplicates": dups, "stale_rows": stale}
 
-    def _valid(
-        self, decoded: list[Decoded]
-    ) -> list[Decoded]:
-        """The decoded batches whose rows fit the algorithm's schema (the others noted as bad)."""
-        if not decoded:
-            return []
-        if len(decoded) > 1 and len({p is None for *_, p in decoded}) == 1:
+    def _valid_blocks(self, decoded: list[Decoded]) -> tuple[list[Block], int]:
+        """The decoded batches that fit the algorithm's schema as blocks of rows (one with initial
+        priorities, one without), each concatenated once; and how many did not fit (noted as bad)."""
+        blocks: list[Block] = []
+        unfit = 0
+        for with_priorities in (True, False):
+            group = [item for item in decoded if (item[3] is not None) == with_priorities]
+            if not group:
+                continue
             try:
-                block, priorities = _concat(decoded)
-            except ValueError:  # columns that do not line up: the per-message check says whose
-                pass
-            else:
-                if self.schema.problem(block, priorities) is None:
-                    return decoded
-        good = []
-        for item in decoded:
-            message, header, columns, priorities = item
-            problem = self.schema.problem(columns, priorities)
-            if problem is None:
-                good.append(item)
-            else:
-                self._note_bad(message, DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: {problem}"))
-        return good
+                columns, priorities = _concat(group)
+                fits = self.schema.problem(columns, priorities) is None
+            except ValueError:  # columns that do not line up
+                fits = False
+            if not fits:  # check each alone: only the ones that do not fit are refused
+                fitting = []
+                for item in group:
+                    message, header, cols, pri = item
+                    problem = self.schema.problem(cols, pri)
+                    if problem is None:
+                        fitting.append(item)
+                    else:
+                        unfit += 1
+                        self._note_bad(message, DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: "
+                                                            f"{problem}"))
+                if not fitting:
+                    continue
+                group = fitting
+                columns, priorities = _concat(group)
+            blocks.append((group, columns, priorities))
+        return blocks, unfit
 
-    def _accept_and_add(self, good: list[Decoded]) -> tuple[int, int]:
-        """Apply the version policy to valid batches and add what it keeps; (rows kept, rows refused)."""
-        blocks = [good] if len({p is None for *_, p in good}) == 1 else [[item] for item in good]
-        kept_total = refused_total = 0
-        for block in blocks:
-            columns, priorities = _concat(block)
-            if priorities is not None:
-                priorities = np.minimum(priorities, MAX_INITIAL_PRIORITY)
-            with self._version_lock:  # the version cannot move between the check and the add
-                keep = self._keep(columns["version"])
-                if keep is not None:
-                    columns = {name: column[keep] for name, column in columns.items()}
-                    priorities = None if priorities is None else priorities[keep]
-                self.lag.note(columns["version"], self.version)
-                kept = len(columns["version"])
-                if kept:
-                    self._add_when_room(columns, priorities)
-                    start = 0
-                    for _, header, _, _ in block:  # who delivered rows of this version (the sync wait)
-                        n = header.count if keep is None else int(keep[start:start + header.count].sum())
-                        start += header.count
-                        if n:
-                            self._arrivals[header.actor_index] = self._arrivals.get(header.actor_index, 0) + n
-            kept_total += kept
-            refused_total += len(keep) - kept if keep is not None else 0
-        return kept_total, refused_total
+    def _accept_and_add(self, block: list[Decoded], columns: Columns, priorities: np.ndarray | None) -> tuple[int, int]:
+        """Apply the version policy to a block of valid batches and add what it keeps; (rows kept, rows
+        refused)."""
+        if priorities is not None:
+            priorities = np.minimum(priorities, MAX_INITIAL_PRIORITY)
+        with self._version_lock:  # the version cannot move between the check and the add
+            keep = self._keep(columns["version"])
+            if keep is not None:
+                columns = {name: column[keep] for name, column in columns.items()}
+                priorities = None if priorities is None else priorities[keep]
+            self.lag.note(columns["version"], self.version)
+            kept = len(columns["version"])
+            if kept:
+                self._add_when_room(columns, priorities)
+                start = 0
+                for _, header, _, _ in block:  # who delivered rows of this version (the sync wait)
+                    n = header.count if keep is None else int(keep[start:start + header.count].sum())
+                    start += header.count
+                    if n:
+                        self._arrivals[header.actor_index] = self._arrivals.get(header.actor_index, 0) + n
+        return kept, 0 if keep is None else len(keep) - kept
 
     def _keep(self, versions: np.ndarray) -> np.ndarray | None:
         """Which rows the data path accepts at the current version (None: all of them)."""
