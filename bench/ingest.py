@@ -38,12 +38,13 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from queues import ENDPOINTS, RAW, broker_answers, library_installed  # bench/queues.py
+from queues import ENDPOINTS, RAW, unavailable  # bench/queues.py
 from scale import template_rows  # bench/scale.py
 
 import srl
@@ -83,6 +84,24 @@ def fill(put_many: Any, blobs: list[bytes]) -> None:
         put_many(blobs[start:start + GROUP])
 
 
+def timed_drains(backend: str, namespace: str, redis_params: RedisParameters, blobs: list[bytes], messages: int,
+                 rounds: int, open_consumer: Callable[[], Any], drain: Callable[[Any, int], None]) -> float:
+    """Each round: fill the queue with the round's messages through srl's producer, then open a
+    consumer and time ``drain(consumer, count)``; the drain seconds summed."""
+    drain_s = 0.0
+    for r in range(rounds):
+        part = blobs[r * messages:(r + 1) * messages]
+        producer = open_queue(queue_params(backend), namespace=namespace, role="producer", redis_params=redis_params)
+        fill(producer.put_many, part)
+        producer.close()
+        queue = open_consumer()
+        t0 = time.perf_counter()
+        drain(queue, len(part))
+        drain_s += time.perf_counter() - t0
+        queue.close()
+    return drain_s
+
+
 def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: TrainerOptions) -> dict[str, Any]:
     """Transitions/s through a real TrainerRun's ingest path, and what it counted."""
     task_name = f"ingest-{backend}-{uuid.uuid4().hex[:6]}"
@@ -97,24 +116,18 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
     run = TrainerRun(board, redis_params, queue_params(backend), build_task(*board.get_task_config_raw(), codec),
                      1, options)
     blobs = encoded_batches(rows, messages * rounds, task_name, options)
-    sent = 0
-    drain_s = 0.0
+
+    def handled() -> int:  # rows taken off the queue, whatever became of them
+        return run.received_transitions + (run.bad_messages + run.duplicates) * rows
+
+    def drain(queue: Any, count: int) -> None:
+        target = handled() + count * rows
+        deadline = time.perf_counter() + 120
+        while handled() < target and time.perf_counter() < deadline:
+            run.ingest_once(queue)
+
     try:
-        for r in range(rounds):
-            part = blobs[r * messages:(r + 1) * messages]
-            producer = open_queue(queue_params(backend), namespace=task_name, role="producer",
-                                  redis_params=redis_params)
-            fill(producer.put_many, part)
-            producer.close()
-            sent += len(part) * rows
-            queue = run.open_consumer()
-            t0 = time.perf_counter()
-            deadline = t0 + 120
-            while run.received_transitions + (run.bad_messages + run.duplicates) * rows < sent \
-                    and time.perf_counter() < deadline:
-                run.ingest_once(queue)
-            drain_s += time.perf_counter() - t0
-            queue.close()
+        drain_s = timed_drains(backend, task_name, redis_params, blobs, messages, rounds, run.open_consumer, drain)
     finally:
         run.stop.set("bench over")
         leftover = open_queue(queue_params(backend), namespace=task_name, role="consumer",
@@ -122,7 +135,7 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
         leftover.destroy()
         board.delete_task()
         board.client.close()
-    return {"rate": run.received_transitions / drain_s, "sent": sent, "received": run.received_transitions,
+    return {"rate": run.received_transitions / drain_s, "sent": len(blobs) * rows, "received": run.received_transitions,
             "bad": run.bad_messages, "last_bad": run.last_bad, "duplicates": run.duplicates,
             "bytes": len(blobs[0])}
 
@@ -132,27 +145,24 @@ def measure_transport(backend: str, blobs: list[bytes], rows: int, messages: int
     """Transitions/s srl's queue alone hands over (get_many + ack_many, the trainer's read size), no decoding."""
     namespace = f"ingest-q-{uuid.uuid4().hex[:8]}"
     redis_params = RedisParameters(host="127.0.0.1", task_name=namespace)
-    drain_s = 0.0
     got = 0
+
+    def drain(queue: Any, count: int) -> None:
+        nonlocal got
+        deadline = time.perf_counter() + 120
+        n = 0
+        while n < count and time.perf_counter() < deadline:
+            batch = queue.get_many(take, timeout=0.2)
+            queue.ack_many(batch)
+            n += len(batch)
+        got += n
+
+    def open_consumer() -> Any:
+        return open_queue(queue_params(backend), namespace=namespace, role="consumer", redis_params=redis_params,
+                          consumer_name="bench", prefetch=take)
+
     try:
-        for r in range(rounds):
-            part = blobs[r * messages:(r + 1) * messages]
-            producer = open_queue(queue_params(backend), namespace=namespace, role="producer",
-                                  redis_params=redis_params)
-            fill(producer.put_many, part)
-            producer.close()
-            queue = open_queue(queue_params(backend), namespace=namespace, role="consumer",
-                               redis_params=redis_params, consumer_name="bench", prefetch=take)
-            t0 = time.perf_counter()
-            deadline = t0 + 120
-            n = 0
-            while n < len(part) and time.perf_counter() < deadline:
-                batch = queue.get_many(take, timeout=0.2)
-                queue.ack_many(batch)
-                n += len(batch)
-            drain_s += time.perf_counter() - t0
-            got += n
-            queue.close()
+        drain_s = timed_drains(backend, namespace, redis_params, blobs, messages, rounds, open_consumer, drain)
     finally:
         open_queue(queue_params(backend), namespace=namespace, role="consumer", redis_params=redis_params).destroy()
     return got * rows / drain_s
@@ -274,12 +284,9 @@ def main() -> int:
     print("-" * len(header))
     failed = False
     for backend in args.backends.split(","):
-        if not broker_answers(backend):
-            host, port, _ = ENDPOINTS[backend]
-            print(f"{backend:<8} skipped: nothing answers on {host}:{port} (scripts/services.sh start)")
-            continue
-        if not library_installed(backend):
-            print(f"{backend:<8} skipped: the client library is not installed")
+        why = unavailable(backend)
+        if why:
+            print(f"{backend:<8} skipped: {why}")
             continue
         for rows in (int(x) for x in args.rows.split(",")):
             srl_result = measure_srl(backend, rows, args.messages, args.rounds, options)

@@ -428,6 +428,16 @@ def library_installed(backend: str) -> bool:
         return False
 
 
+def unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot be measured here (its broker or its client library is missing), or None."""
+    if not broker_answers(backend):
+        host, port, _ = ENDPOINTS[backend]
+        return f"nothing answers on {host}:{port} (scripts/services.sh start)"
+    if not library_installed(backend):
+        return f"{LIBRARIES[backend]} is not installed"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="redis,amqp,mqtt,pubsub")
@@ -446,12 +456,9 @@ def main() -> None:
     print("-" * len(header))
     confirms: list[str] = []
     for backend in args.backends.split(","):
-        if not broker_answers(backend):
-            host, port, _ = ENDPOINTS[backend]
-            print(f"{backend:<8} skipped: nothing answers on {host}:{port} (scripts/services.sh start)")
-            continue
-        if not library_installed(backend):
-            print(f"{backend:<8} skipped: {LIBRARIES[backend]} is not installed")
+        why = unavailable(backend)
+        if why:
+            print(f"{backend:<8} skipped: {why}")
             continue
         for size in sizes:
             srl_rate, srl_lost = measure(backend, "srl", size, args.seconds, args.group, args.backlog)
