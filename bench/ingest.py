@@ -22,8 +22,10 @@ an actor sends them); then one consumer drains it while nothing else runs:
 
 All read a queue the broker already holds (the consumer connects once the fill is done), so the
 ratio is the cost of srl's ingest path, not of a producer sharing the two cores. Rates are
-transitions/s; the ratio is taken within one run. ``--rounds`` fills and drains are summed (MQTT's
-broker queues at most ``max_queued_messages``, 1000 by default, per session, so a round stays below).
+transitions/s; the ratio is taken within one run. ``--rounds`` fills and drains are summed, after
+one more that warms up untimed (connections; the replay memory, one round big, filled once so the
+timed rounds overwrite it as in a trainer that has run a while). MQTT's broker queues at most
+``max_queued_messages``, 1000 by default, per session, so a round stays below.
 
 Brokers: scripts/services.sh start. The Pub/Sub emulator is taken from $PUBSUB_EMULATOR_HOST,
 else 127.0.0.1:8085. Exits 1 if a transition went missing or a message was refused.
@@ -85,21 +87,26 @@ def fill(put_many: Any, blobs: list[bytes]) -> None:
 
 
 def timed_drains(backend: str, namespace: str, redis_params: RedisParameters, blobs: list[bytes], messages: int,
-                 rounds: int, open_consumer: Callable[[], Any], drain: Callable[[Any, int], None]) -> float:
+                 rounds: int, open_consumer: Callable[[], Any], drain: Callable[[Any, int], int]) -> tuple[float, int]:
     """Each round: fill the queue with the round's messages through srl's producer, then open a
-    consumer and time ``drain(consumer, count)``; the drain seconds summed."""
+    consumer and time ``drain(consumer, count)`` (which returns the rows it took); the timed seconds
+    and rows. Round 0 warms up (connections, and the replay memory's pages touched once, as in a
+    trainer that has run a while) and is not timed: ``blobs`` holds ``rounds + 1`` rounds."""
     drain_s = 0.0
-    for r in range(rounds):
+    taken = 0
+    for r in range(rounds + 1):
         part = blobs[r * messages:(r + 1) * messages]
         producer = open_queue(queue_params(backend), namespace=namespace, role="producer", redis_params=redis_params)
         fill(producer.put_many, part)
         producer.close()
         queue = open_consumer()
         t0 = time.perf_counter()
-        drain(queue, len(part))
-        drain_s += time.perf_counter() - t0
+        got = drain(queue, len(part))
+        if r > 0:
+            drain_s += time.perf_counter() - t0
+            taken += got
         queue.close()
-    return drain_s
+    return drain_s, taken
 
 
 def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: TrainerOptions) -> dict[str, Any]:
@@ -107,7 +114,8 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
     task_name = f"ingest-{backend}-{uuid.uuid4().hex[:6]}"
     redis_params = RedisParameters(host="127.0.0.1", task_name=task_name)
     board = Board(redis_params.connect(), task_name)
-    config = make_config(capacity=rows * messages * rounds)  # room for everything: nothing waits on the buffer
+    # a ring of one round: the warm-up fills it, the timed rounds overwrite (a full memory, as in a long run)
+    config = make_config(capacity=rows * messages)
     config_json = srl.Runner("CartPole-v1", config).task_config()
     config_json.update(actor_num=1, max_train_count=10**9, queue={"scheme": backend})
     text = json.dumps(config_json)
@@ -115,19 +123,22 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
     board.create_task(text, signature=codec.config_signature(text))
     run = TrainerRun(board, redis_params, queue_params(backend), build_task(*board.get_task_config_raw(), codec),
                      1, options)
-    blobs = encoded_batches(rows, messages * rounds, task_name, options)
+    blobs = encoded_batches(rows, messages * (rounds + 1), task_name, options)
 
     def handled() -> int:  # rows taken off the queue, whatever became of them
         return run.received_transitions + (run.bad_messages + run.duplicates) * rows
 
-    def drain(queue: Any, count: int) -> None:
+    def drain(queue: Any, count: int) -> int:
+        start = run.received_transitions
         target = handled() + count * rows
         deadline = time.perf_counter() + 120
         while handled() < target and time.perf_counter() < deadline:
             run.ingest_once(queue)
+        return run.received_transitions - start
 
     try:
-        drain_s = timed_drains(backend, task_name, redis_params, blobs, messages, rounds, run.open_consumer, drain)
+        drain_s, timed_rows = timed_drains(backend, task_name, redis_params, blobs, messages, rounds,
+                                           run.open_consumer, drain)
     finally:
         run.stop.set("bench over")
         leftover = open_queue(queue_params(backend), namespace=task_name, role="consumer",
@@ -135,7 +146,7 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
         leftover.destroy()
         board.delete_task()
         board.client.close()
-    return {"rate": run.received_transitions / drain_s, "sent": len(blobs) * rows, "received": run.received_transitions,
+    return {"rate": timed_rows / drain_s, "sent": len(blobs) * rows, "received": run.received_transitions,
             "bad": run.bad_messages, "last_bad": run.last_bad, "duplicates": run.duplicates,
             "bytes": len(blobs[0])}
 
@@ -145,27 +156,26 @@ def measure_transport(backend: str, blobs: list[bytes], rows: int, messages: int
     """Transitions/s srl's queue alone hands over (get_many + ack_many, the trainer's read size), no decoding."""
     namespace = f"ingest-q-{uuid.uuid4().hex[:8]}"
     redis_params = RedisParameters(host="127.0.0.1", task_name=namespace)
-    got = 0
 
-    def drain(queue: Any, count: int) -> None:
-        nonlocal got
+    def drain(queue: Any, count: int) -> int:
         deadline = time.perf_counter() + 120
         n = 0
         while n < count and time.perf_counter() < deadline:
             batch = queue.get_many(take, timeout=0.2)
             queue.ack_many(batch)
             n += len(batch)
-        got += n
+        return n * rows
 
     def open_consumer() -> Any:
         return open_queue(queue_params(backend), namespace=namespace, role="consumer", redis_params=redis_params,
                           consumer_name="bench", prefetch=take)
 
     try:
-        drain_s = timed_drains(backend, namespace, redis_params, blobs, messages, rounds, open_consumer, drain)
+        drain_s, timed_rows = timed_drains(backend, namespace, redis_params, blobs, messages, rounds, open_consumer,
+                                           drain)
     finally:
         open_queue(queue_params(backend), namespace=namespace, role="consumer", redis_params=redis_params).destroy()
-    return got * rows / drain_s
+    return timed_rows / drain_s
 
 
 class RawPahoSession:
@@ -226,7 +236,7 @@ class RawPahoSession:
 
 
 def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, rounds: int, take: int) -> dict[str, Any]:
-    """Transitions/s the raw client reads and acks from a filled queue."""
+    """Transitions/s the raw client reads and acks from a filled queue (round 0 not timed)."""
     namespace = f"ingest-raw-{uuid.uuid4().hex[:8]}"
     producer_cls, consumer_cls = RAW[backend]
     drain_s = 0.0
@@ -234,15 +244,17 @@ def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, roun
     session = RawPahoSession(namespace) if backend == "mqtt" else None
     early = consumer_cls(namespace) if backend in ("redis", "pubsub") else None  # creates group / subscription
     try:
-        for r in range(rounds):
+        for r in range(rounds + 1):
             part = blobs[r * messages:(r + 1) * messages]
             producer = producer_cls(namespace)
             fill(producer.put_many, part)
             producer.close()
             if session is not None:
                 t0 = time.perf_counter()
-                got += session.drain(len(part), timeout=120)
-                drain_s += time.perf_counter() - t0
+                n = session.drain(len(part), timeout=120)
+                if r > 0:
+                    drain_s += time.perf_counter() - t0
+                    got += n
                 continue
             consumer = early or consumer_cls(namespace)  # RabbitMQ: connect once the queue is full
             t0 = time.perf_counter()
@@ -250,10 +262,11 @@ def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, roun
             n = 0
             while n < len(part) and time.perf_counter() < deadline:
                 n += consumer.take(take)
-            drain_s += time.perf_counter() - t0
-            got += n
+            if r > 0:
+                drain_s += time.perf_counter() - t0
+                got += n
             if consumer is not early:
-                if r == rounds - 1:
+                if r == rounds:
                     consumer.close()
                 else:
                     consumer.conn.close()
@@ -278,7 +291,7 @@ def main() -> int:
     options = TrainerOptions(uid="bench-ingest", secret=uuid.uuid4().hex if args.signed else "")
     header = (f"{'backend':<8} {'rows/msg':>8} {'bytes/msg':>9} {'srl rows/s':>11} {'raw rows/s':>11} "
               f"{'ratio':>6} {'srl msg/s':>9} {'queue only':>11} {'ratio':>6} {'lost':>5} {'bad':>4}")
-    print(f"ingest path alone (no training), {args.rounds} x {args.messages} messages per case, "
+    print(f"ingest path alone (no training), {args.rounds} x {args.messages} messages per case after a warm-up round, "
           f"{'signed' if args.signed else 'unsigned'}, batches of {options.ingest_max_messages} per read")
     print(header)
     print("-" * len(header))
@@ -290,12 +303,12 @@ def main() -> int:
             continue
         for rows in (int(x) for x in args.rows.split(",")):
             srl_result = measure_srl(backend, rows, args.messages, args.rounds, options)
-            blobs = encoded_batches(rows, args.messages * args.rounds, "raw", options)
+            blobs = encoded_batches(rows, args.messages * (args.rounds + 1), "raw", options)
             raw = measure_raw(backend, blobs, rows, args.messages, args.rounds, options.ingest_max_messages)
             transport = measure_transport(backend, blobs, rows, args.messages, args.rounds,
                                           options.ingest_max_messages)
             lost = srl_result["sent"] - srl_result["received"]
-            failed = failed or lost > 0 or srl_result["bad"] > 0 or raw["received"] < srl_result["sent"]
+            failed = failed or lost > 0 or srl_result["bad"] > 0 or raw["received"] < rows * args.messages * args.rounds
             print(f"{backend:<8} {rows:>8} {srl_result['bytes']:>9,} {srl_result['rate']:>11,.0f} "
                   f"{raw['rate']:>11,.0f} {srl_result['rate'] / raw['rate']:>6.2f} "
                   f"{srl_result['rate'] / rows:>9,.0f} {transport:>11,.0f} {transport / raw['rate']:>6.2f} "
