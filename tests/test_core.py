@@ -201,7 +201,47 @@ def test_parameters_of_another_shape_are_refused_by_name() -> None:
         b.parameter.from_arrays(a.parameter.to_arrays())
 
 
+Weights = list[torch.Tensor]
+
+
+def _target_after_steps(config: dqn.Config, steps: int) -> tuple[Weights, Weights, Weights]:
+    """(target before, online after, target after) ``steps`` gradient steps on random CartPole rows."""
+    runner = srl.Runner("CartPole-v1", config)
+    memory = config.make_buffer(runner.spec)
+    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
+    rng = np.random.default_rng(0)
+    n = config.warmup_size
+    memory.add({
+        "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
+        "reward": rng.normal(size=n).astype(np.float32), "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
+        "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
+    })
+    before = [p.detach().clone() for p in trainer.target.parameters()]
+    for _ in range(steps):
+        assert trainer.train() is not None
+    online = [p.detach().clone() for p in runner.parameter.q.parameters()]  # type: ignore[attr-defined]
+    return before, online, [p.detach().clone() for p in trainer.target.parameters()]
+
+
+def test_target_network_hard_copy_every_interval() -> None:
+    before, online, after = _target_after_steps(small_config(target_update_interval=3), 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # not yet
+    before, online, after = _target_after_steps(small_config(target_update_interval=3), 3)
+    assert all(torch.equal(a, o) for a, o in zip(after, online, strict=True))  # copied at step 3
+
+
+def test_target_network_polyak_moves_tau_of_the_way_each_step() -> None:
+    before, online, after = _target_after_steps(small_config(target_tau=1.0), 1)
+    assert all(torch.equal(a, o) for a, o in zip(after, online, strict=True))
+    before, online, after = _target_after_steps(small_config(target_tau=0.25, target_update_interval=1), 1)
+    for b, o, a in zip(before, online, after, strict=True):  # one step: target = b + 0.25 (online - b)
+        torch.testing.assert_close(a, b + 0.25 * (o - b))
+    assert not all(torch.equal(a, o) for a, o in zip(after, online, strict=True))
+
+
 def test_invalid_config_is_refused_with_the_field_name() -> None:
+    with pytest.raises(ValueError, match="target_tau"):
+        srl.Runner("CartPole-v1", dqn.Config(target_tau=1.5))
     with pytest.raises(ValueError, match="warmup_size"):
         srl.Runner("CartPole-v1", dqn.Config(batch_size=64, warmup_size=10))
 

@@ -83,7 +83,10 @@ class Config(RLConfig):
     n_step: int = 3
     """steps summed into each return before bootstrapping"""
     target_update_interval: int = 500
-    """train steps between copies of the online network into the target network"""
+    """train steps between copies of the online network into the target network (with ``target_tau`` 0)"""
+    target_tau: float = 0.0
+    """0: copy the online network into the target every ``target_update_interval`` steps; in (0, 1]: move
+    the target this far towards the online network after every step instead (Polyak averaging)"""
     double_q: bool = True
     """choose the next action with the online network, value it with the target network"""
     dueling: bool = True
@@ -117,6 +120,7 @@ class Config(RLConfig):
         check_number("gamma", self.gamma, 0.0, 1.0, low_open=True)
         check_int("n_step", self.n_step, 1, 1000)
         check_int("target_update_interval", self.target_update_interval, 1, 2**62)
+        check_number("target_tau", self.target_tau, 0.0, 1.0)
         for name in ("epsilon", "apex_epsilon", "test_epsilon"):
             check_number(name, getattr(self, name), 0.0, 1.0)
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
@@ -437,6 +441,10 @@ class DQNTrainer(Trainer):
         td_abs = td.detach().abs().cpu().numpy()
         self.memory.update_priorities(sample.indices, td_abs, sample.generations)
         self.train_count += 1
-        if self.train_count % self.config.target_update_interval == 0:
+        tau = self.config.target_tau
+        if tau > 0.0:
+            with torch.no_grad():
+                torch._foreach_lerp_(list(self.target.parameters()), list(q_net.parameters()), tau)
+        elif self.train_count % self.config.target_update_interval == 0:
             self.sync_target()
         return DQNStats(loss=float(loss.item()), td_abs=float(td_abs.mean()), nonfinite_losses=self.nonfinite_losses)
