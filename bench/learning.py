@@ -7,11 +7,12 @@
     python bench/learning.py --list               # the cases, their budgets and references
 
 Each run trains from scratch with the user-facing defaults of its case (the config the README shows,
-or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (10 episodes). "one"
-is ``Runner.train`` in this process; "dist" is ``Runner.train_distribution`` on an embedded Redis
-with the trainer and ``--actors`` actors as local processes, experience over ``--queue``. Seeds are
-0..N-1: in one process a seed fixes the run; in a distributed run it fixes the initial weights, each
-actor's envs and exploration, but not the interleaving of processes, so two runs of one seed differ.
+or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (10 episodes;
+``--eval-episodes``). "one" is ``Runner.train`` in this process; "dist" is
+``Runner.train_distribution`` on an embedded Redis with the trainer and ``--actors`` actors as local
+processes, experience over ``--queue``. Seeds are 0..N-1 (``--first-seed`` moves them): in one
+process a seed fixes the run; in a distributed run it fixes the initial weights, each actor's envs
+and exploration, but not the interleaving of processes, so two runs of one seed differ.
 
 The table gives the median, min and max evaluation over the seeds, the median wall time (and, for
 distributed CartPole rows, its ratio to distributed sync PPO's in the same run), env steps and
@@ -117,7 +118,7 @@ def limits(budget: str) -> dict[str, int]:
     return {"max_train_count" if kind == "train" else "max_steps": int(amount)}
 
 
-def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str) -> Run:
+def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10) -> Run:
     config = case.make_config()
     config.seed = seed
     runner = srl.Runner(case.env, config)
@@ -128,7 +129,7 @@ def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: 
         runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
                                   **limits(budget))
     wall = time.perf_counter() - started
-    evaluation = float(np.mean(runner.evaluate(max_episodes=10)))
+    evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
     return Run(case.name, mode, seed, evaluation, wall, runner.env_steps, runner.train_count)
 
 
@@ -138,6 +139,8 @@ def main() -> None:
                                                     "standard suite)")
     parser.add_argument("--modes", default="", help="comma-separated: one, dist (default: the suite's)")
     parser.add_argument("--seeds", type=int, default=3, help="runs with seeds 0..N-1")
+    parser.add_argument("--first-seed", type=int, default=0, help="start the seeds here instead of 0")
+    parser.add_argument("--eval-episodes", type=int, default=10, help="episodes of the final evaluation")
     parser.add_argument("--actors", type=int, default=2, help="actors of a distributed run")
     parser.add_argument("--queue", default="redis", choices=sorted(QUEUES),
                         help="experience queue of a distributed run")
@@ -167,8 +170,8 @@ def main() -> None:
             print(f"skipping {name}: {case.needs} is not installed (pip install box2d)", flush=True)
             continue
         budget = case.quick_budget if args.quick else case.budget
-        for seed in range(seeds):
-            run = run_once(case, mode, seed, budget, args.actors, args.queue)
+        for seed in range(args.first_seed, args.first_seed + seeds):
+            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes)
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)
@@ -184,7 +187,8 @@ def main() -> None:
 
 def print_table(runs: list[Run], args: Any) -> None:
     dist = f"dist = {args.actors} actors over {args.queue}"
-    print(f"\nlearning suite ({'quick, ' if args.quick else ''}evaluation: mean of 10 episodes; {dist})")
+    quick = "quick, " if args.quick else ""
+    print(f"\nlearning suite ({quick}evaluation: mean of {args.eval_episodes} episodes; {dist})")
     header = (f"{'case':<16} {'mode':<5} {'runs':>4} {'median':>8} {'min':>8} {'max':>8} {'wall s':>7} {'÷ppo':>8} "
               f"{'env/s':>7} {'train/s':>7} {'target':>7} {'met':>4}  reference")
     print(header)
