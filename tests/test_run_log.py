@@ -14,7 +14,9 @@ from srl.algorithms import impala, ppo
 from srl.base.arrays import load_arrays, save_arrays
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
-from srl.runner.run_log import CsvLog, latest_checkpoint
+from srl.runner.distribution.client import Evaluator
+from srl.runner.distribution.codec import Codec
+from srl.runner.run_log import CsvLog, RunLog, latest_checkpoint
 from tests.nodes import Node, board_for, kill_all, tiny_config, wait_for
 
 
@@ -97,6 +99,29 @@ def test_a_checkpoint_for_another_network_is_refused_with_the_reason(tmp_path: P
         other.train(max_steps=1, progress_interval=None)
     with pytest.raises(ValueError, match="holds 'dqn' weights; this task is 'ppo'"):
         srl.Runner("CartPole-v1", ppo.Config()).load(path)
+
+
+def test_the_final_evaluation_row_is_written_even_when_those_params_were_evaluated_already(
+        redis_url: str, namespace: str, tmp_path: Path) -> None:
+    board = board_for(redis_url, namespace)
+    board.create_task('{"algorithm": "dqn"}', actor_num=1)
+    epoch = board.claim_trainer("t", 10_000)
+    assert epoch is not None
+    runner = srl.Runner("CartPole-v1", tiny_config())
+    codec = Codec(task=namespace)
+    blob = codec.encode_params(runner.parameter.to_arrays(), {"epoch": epoch, "version": 3, "train_count": 30})
+    assert board.publish_params("t", epoch, 3, blob, 30)
+    run_log = RunLog(tmp_path)
+    evaluator = Evaluator(runner, board, codec, None, 10, 2, run_log)
+    periodic = evaluator.evaluate_now()  # the periodic evaluation got to the last params first
+    assert periodic is not None and periodic["version"] == 3
+    assert evaluator.evaluate_now() is None  # the same params are not evaluated twice
+    final = evaluator.evaluate_now(final=True)
+    run_log.close()
+    assert final is not None and final["final"] == 1 and final["eval_mean"] == periodic["eval_mean"]
+    evals = rows(tmp_path / "eval.csv")
+    assert [e.get("final") for e in evals] == ["", "1"] and evals[-1]["version"] == "3"
+    board.delete_task()
 
 
 @pytest.mark.slow

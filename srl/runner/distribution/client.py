@@ -315,11 +315,21 @@ class Evaluator:
                 next_time = time.monotonic() + (self.interval or 5.0)
 
     def evaluate_now(self, final: bool = False) -> dict[str, Any] | None:
-        """Evaluate the latest params (None when there are none yet, or they were evaluated already)."""
+        """Evaluate the latest params (None when there are none yet, or they were evaluated already;
+        ``final``: a run's last row, marked final, written even when the periodic evaluation already
+        took these params: then its result is recorded again rather than measured twice)."""
         with self._lock:
             record = self.board.get_params(params_message_bytes(self.copy.parameter.to_arrays()))
-            if record is None or record.version == self._evaluated_version:
+            if record is None:
                 return None
+            if record.version == self._evaluated_version:
+                if not final or not self.latest:
+                    return None
+                again: dict[str, Any] = {**self.latest, "final": 1}
+                self.latest = again
+                if self.run_log is not None:
+                    self.run_log.add_eval(again)
+                return again
             _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
             self.copy.set_parameter_arrays(arrays, record.version, record.train_count)
             rewards = self.copy.evaluate(max_episodes=self.episodes)
