@@ -140,7 +140,10 @@ class ActorRun:
         self._loop_started: float | None = None  # when run() began acting
         self._waited_s = 0.0  # every wait of the loop (backpressure, sync, rate limit, first params)
         self._wait_started: float | None = None  # the wait going on now
-        self._trained_base: int | None = None
+        self._trained_base: int | None = None  # the trainer's train_count when the allowance began
+        self._steps_base = 0  # this actor's env steps then
+        self._trainer_epoch = -1  # the epoch of the params head last seen (a new one: a new trainer)
+        self._rebase_allowance = False  # set by the board thread when a new trainer took over
         self.recent_rewards: list[float] = []
 
     # ------------------------------------------------------------ background: lease, stats, params
@@ -178,7 +181,7 @@ class ActorRun:
                 else:
                     head = self.board.get_params_head()
                 if head is not None:
-                    self.latest_train_count = max(self.latest_train_count, head[2])
+                    self._note_head(head[0], head[2])
                     if head[1] > 0 and head[1] != self.latest_version:
                         self._fetch_params()
             except _BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
@@ -233,6 +236,19 @@ class ActorRun:
             "reward_max": round(float(np.max(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
             **{k: round(v, 5) for k, v in self.worker.stats().items()},
         }
+
+    def _note_head(self, epoch: int, train_count: int) -> None:
+        """Follow the trainer's train_count. A new epoch is a new trainer (the last one died): it goes on
+        from its checkpoint's train_count with an empty replay memory, so the rate limit starts over from
+        here, with a warmup's share, or it would wait for rows this actor waits to be allowed to send."""
+        if epoch > self._trainer_epoch >= 1:
+            logger.info("a new trainer (epoch %d) goes on from train_count %d: the rate limit starts over with "
+                        "a warmup's share", epoch, train_count)
+            self.latest_train_count = train_count
+            self._rebase_allowance = True
+        else:
+            self.latest_train_count = max(self.latest_train_count, train_count)
+        self._trainer_epoch = max(self._trainer_epoch, epoch)
 
     def _fetch_params(self) -> None:
         """Fetch and decode the latest params; the main loop applies them when the worker may load them."""
@@ -308,10 +324,11 @@ class ActorRun:
         the warmup's last transitions are not stuck in an unsent batch)."""
         ratio = self.data_path.env_steps_per_train or 0.0
         trained = max(0, self.latest_train_count)
-        if self._trained_base is None:
-            self._trained_base = trained
+        if self._trained_base is None or self._rebase_allowance:
+            self._rebase_allowance = False
+            self._trained_base, self._steps_base = trained, self.env_steps
         share = (self.data_path.warmup_rows + ratio * (trained - self._trained_base)) / self.task.actor_num
-        return share + self._batch_rows()
+        return self._steps_base + share + self._batch_rows()
 
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
