@@ -64,9 +64,11 @@ def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) 
     queue = RabbitMQParameters(url=_rabbitmq().url, capacity=2)
     runner = srl.Runner("Pendulum-v1", tiny_config(env_steps_per_train=None))
     runner.train_distribution(
-        RedisParameters(url=redis_url, task_name=namespace), queue, actor_num=1, max_train_count=300,
+        # small batches, many messages, a run long enough that they outpace the trainer at times: at 300
+        # train steps with 32-row batches the run once ended before RabbitMQ had refused anything
+        RedisParameters(url=redis_url, task_name=namespace), queue, actor_num=1, max_train_count=1500,
         progress_interval=None, local_processes=True, queue_capacity=50,
-        actor_options={"batch_size": 32, "batch_max_age": 0.1},
+        actor_options={"batch_size": 4, "batch_max_age": 0.05},
     )
     board = board_for(redis_url, namespace)
     counters = board.get_counters()
