@@ -258,7 +258,9 @@ class _Connection:
         with self.cond:
             while mid not in self.subscribed and self.refused is None:
                 if time.monotonic() > deadline:
-                    raise QueueError(f"no SUBACK for {topic} from {self.params.describe()} within {timeout:.0f}s")
+                    # a broker too busy to answer is away for now, not wrong: callers retry as for a lost link
+                    raise BrokerUnavailableError(
+                        f"no SUBACK for {topic} from {self.params.describe()} within {timeout:.0f}s")
                 self.cond.wait(0.1)
             self.subscribed.discard(mid)
             if self.refused is not None:
