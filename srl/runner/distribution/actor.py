@@ -266,7 +266,7 @@ class ActorRun:
         with self._staged_lock:
             self._staged = (record.epoch, record.version, arrays)
         self.latest_version = record.version
-        self.latest_train_count = max(self.latest_train_count, record.train_count)
+        self._note_head(record.epoch, record.train_count)
         self._fresh_params.set()
 
     def _begin_wait(self) -> None:
