@@ -52,7 +52,7 @@ rl_config.memory.set_proportional_memory()
 rl_config.memory.capacity = 5000
 runner = srl.Runner("Pendulum-v1", rl_config)
 runner.train_distribution(RedisParameters(url={url!r}, task_name={ns!r}), actor_num=1, max_train_count=600,
-                          progress_interval=1.0)
+                          progress_interval=0.2)  # a run of ~1 s: lines while the actor holds its slot
 print("EVALUATION", runner.evaluate(max_episodes=2))
 """
 
