@@ -133,6 +133,7 @@ class ActorRun:
         self.sent_batches = 0
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
+        self._last_rate = 0.0  # env steps/s at the last heartbeat
         self.throttled_s = 0.0
         self.sync_wait_s = 0.0
         self._awaiting_params = threading.Event()  # the main loop waits for a newer version
@@ -158,7 +159,7 @@ class ActorRun:
                 if now >= next_beat:
                     next_beat = now + opts.heartbeat_interval
                     dt = max(now - last_time, 1e-9)
-                    rate = (self.env_steps - last_steps) / dt
+                    rate = self._last_rate = (self.env_steps - last_steps) / dt
                     last_steps, last_time = self.env_steps, now
                     with self.counters.taken() as deltas:
                         hb = self.board.heartbeat(
@@ -488,10 +489,13 @@ class ActorRun:
         return self.stop.reason
 
     def _final_report(self) -> None:
-        """Flush counters and release the slot so a standby can take it at once."""
+        """Flush counters and final stats (the client's end-of-run summary reads them), and release the slot
+        so a standby can take it at once."""
         try:
             with self.counters.taken() as deltas:
                 self.board.incr_counters(f"actor:{self.slot}", **deltas)
+            if self.board.lease_holder(self.lease_name)[0] == self.options.uid:  # not a successor's stats
+                self.board.put_stats(self.lease_name, self._stats(self._last_rate))
             self.board.release_lease(self.lease_name, self.options.uid)
         except Exception as e:  # the board may be gone; the lease then simply expires
             logger.warning("could not report the end of actor %s: %s", self.options.uid, e)

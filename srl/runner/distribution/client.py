@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import threading
 import time
@@ -159,6 +160,7 @@ def train_distribution(
         if eval_interval is not None or eval_every is not None:
             evaluator = Evaluator(runner, board, codec, eval_interval, eval_every, eval_episodes, run_log)
             evaluator.start()
+        watch_started = time.monotonic()
         status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs, run_log,
                         evaluator)
         if evaluator is not None:
@@ -168,6 +170,9 @@ def train_distribution(
             runner.env_steps = runner.episodes = 0
         _note_totals(board, runner, procs)
         _record_history(board, run_log, evaluator)  # where it ended
+        if progress_interval is not None:
+            for line in summary_lines(board, status, time.monotonic() - watch_started):
+                logger.info("%s", line)
         if run_log is not None:
             if evaluator is not None:
                 evaluator.evaluate_now(final=True)
@@ -504,6 +509,44 @@ def progress_lines(
             f"({versions_behind} behind), stalled {s.get('backpressure_wait_s', 0)}s, "
             f"rate-limited {s.get('rate_limited_s', 0)}s{sync}{waiting}"
         )
+    return lines
+
+
+def summary_lines(board: Board, status: TaskStatus, elapsed: float) -> list[str]:
+    """The end of a run in a few lines: totals and rates over the whole run, then each node as it last
+    reported (its id, what it did), so even a run shorter than one progress interval says who did what."""
+    stats = board.get_all_stats()
+    counters = board.get_counters()
+    trainer = stats.get("trainer", {})
+    head = board.get_params_head()
+    train_count = max(int(_num(trainer.get("train_count")) or 0), head[2] if head else 0)
+    env_steps = int(counters.get("env_steps", 0))
+    per_s = 1.0 / elapsed if elapsed > 0 else 0.0
+    lines = [
+        f"run {status.status.value} after {format_seconds(elapsed)} ({status.end_reason or 'no reason given'}): "
+        f"train {train_count} ({train_count * per_s:.0f}/s), env steps {env_steps} ({env_steps * per_s:.0f}/s), "
+        f"episodes {counters.get('episodes', 0):.0f}, batches sent {counters.get('sent_batches', 0):.0f} "
+        f"received {counters.get('received_batches', 0):.0f}, bad {counters.get('bad_messages', 0):.0f}, "
+        f"duplicates {counters.get('duplicates', 0):.0f}, stale rows refused {counters.get('stale_rows', 0):.0f}"
+    ]
+    if trainer:
+        lag = (f", policy lag p50 {_g(trainer.get('lag_steps_p50'))} train steps"
+               if "lag_steps_p50" in trainer else "")
+        lines.append(f"  trainer {trainer.get('uid', '?')} (epoch {trainer.get('epoch', '?')}, "
+                     f"{trainer.get('device', '?')}): params v{head[1] if head else trainer.get('params_version', 0)}, "
+                     f"last loss {trainer.get('loss', '-')}{lag}")
+    else:
+        lines.append("  trainer: never reported")
+    actors = sorted((int(m[1]), key) for key in stats if (m := re.fullmatch(r"actor:([0-9]{1,6})", key)))
+    for index, key in actors:
+        s = stats[key]
+        lines.append(
+            f"  actor {index} {s.get('uid', '?')}: {s.get('env_steps', 0)} env steps, "
+            f"{s.get('episodes', 0)} episodes, last reward {s.get('reward') or '-'}, "
+            f"stalled {s.get('backpressure_wait_s', 0)}s, rate-limited {s.get('rate_limited_s', 0)}s"
+        )
+    if not actors:
+        lines.append("  actors: none reported")
     return lines
 
 

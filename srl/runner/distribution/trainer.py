@@ -255,6 +255,7 @@ class TrainerRun:
         self._board_log = Throttle()
         self.env_steps_total = 0
         self.last_stats: dict[str, float] = {}
+        self._last_rates = (0.0, 0.0)  # train steps/s, rows received/s at the last heartbeat
         self.task_started_at: float | None = None
         self.fatal: str | None = None
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
@@ -573,7 +574,8 @@ class TrainerRun:
                 if now >= next_beat:
                     dt = max(now - last_time, 1e-9)
                     train_count = self.trainer.train_count
-                    stats = self._stats((train_count - last_train) / dt, (self.received_transitions - last_recv) / dt)
+                    self._last_rates = ((train_count - last_train) / dt, (self.received_transitions - last_recv) / dt)
+                    stats = self._stats(*self._last_rates)
                     last_train, last_recv, last_time = train_count, self.received_transitions, now
                     self._heartbeat(stats)
                     next_beat = time.monotonic() + opts.heartbeat_interval
@@ -810,6 +812,8 @@ class TrainerRun:
             try:
                 with self.counters.taken() as deltas:
                     self.board.incr_counters("trainer", **deltas)
+                if self.board.lease_holder("trainer")[0] == opts.uid:  # final stats, not a successor's
+                    self.board.put_stats("trainer", self._stats(*self._last_rates))
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, short(e))
