@@ -22,6 +22,7 @@ from srl.runner.distribution.board import (
     TaskNotFoundError,
     TaskState,
 )
+from srl.runner.distribution.client import summary_lines
 
 CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
 
@@ -416,3 +417,32 @@ def test_event_texts_and_dead_letters_are_capped(task: Board, client: redis.Redi
     task.add_dead_letters([DeadLetter(float(i), f"src {i}", "bad", i) for i in range(DEADLETTER_CAP + 30)])
     letters = task.get_dead_letters()
     assert len(letters) == DEADLETTER_CAP and letters[-1].source == f"src {DEADLETTER_CAP + 29}"
+
+
+def test_end_of_run_summary_names_each_node_and_ignores_malformed_stats(board: Board) -> None:
+    board.create_task(CONFIG, actor_num=2)
+    board.set_active()
+    board.incr_counters("actor:0", env_steps=1200, episodes=6, sent_batches=40)
+    board.incr_counters("trainer", received_batches=39)
+    board.put_stats("trainer", {"uid": "trainer-x", "epoch": 2, "device": "cpu", "train_count": 800, "loss": 0.5})
+    board.put_stats("actor:1", {"uid": "actor-b", "env_steps": 700, "episodes": 3, "reward": -150.5})
+    board.put_stats("actor:abc", {"uid": "not-a-slot"})  # a hostile writer's role id: no line, no crash
+    board.end_task("END", "max_train_count 800 reached")
+    status = board.get_status()
+    assert status is not None
+
+    lines = summary_lines(board, status, elapsed=10.0)
+
+    assert lines[0].startswith("run END after 10s (max_train_count 800 reached): train 800 (80/s), "
+                               "env steps 1200 (120/s), episodes 6, batches sent 40 received 39"), lines[0]
+    assert lines[1] == "  trainer trainer-x (epoch 2, cpu): params v0, last loss 0.5"
+    assert lines[2].startswith("  actor 1 actor-b: 700 env steps, 3 episodes, last reward -150.5"), lines[2]
+    assert len(lines) == 3 and "not-a-slot" not in "\n".join(lines)
+
+
+def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:
+    board.create_task(CONFIG, actor_num=1)
+    board.end_task("FAILED", "no trainer")
+    status = board.get_status()
+    assert status is not None
+    assert summary_lines(board, status, elapsed=0.0)[1:] == ["  trainer: never reported", "  actors: none reported"]
