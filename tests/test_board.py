@@ -446,3 +446,13 @@ def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:
     status = board.get_status()
     assert status is not None
     assert summary_lines(board, status, elapsed=0.0)[1:] == ["  trainer: never reported", "  actors: none reported"]
+
+
+def test_held_leases_lists_who_still_holds_one(board: Board) -> None:
+    board.create_task(CONFIG, actor_num=3)
+    assert board.held_leases(3) == []
+    assert board.claim_lease("trainer", "t-1", 5000)
+    assert board.claim_actor_slot("a-1", 3, 5000, prefer=2) == 2
+    assert board.held_leases(3) == ["trainer", "actor:2"]
+    board.release_lease("trainer", "t-1")
+    assert board.held_leases(3) == ["actor:2"]

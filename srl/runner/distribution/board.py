@@ -780,6 +780,12 @@ class Board:
         holder, ttl = pipe.execute()
         return _text(holder, 256), int(ttl)
 
+    def held_leases(self, actor_num: int) -> list[str]:
+        """The names of the task's leases someone holds now (``trainer``, ``actor:<i>``), in one MGET."""
+        names = ["trainer", *(f"actor:{i}" for i in range(max(0, actor_num)))]
+        holders = self.client.mget([self.lease_key(n) for n in names])
+        return [name for name, holder in zip(names, holders, strict=True) if holder is not None]
+
     def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int, prefer: int | None = None) -> int | None:
         """An actor slot now leased to ``owner_uid``: ``prefer`` if it holds it or it is free (an actor taking
         its slot back passes it); else, up to ``SMALL_TASK_SLOTS`` slots, the one it holds or the lowest

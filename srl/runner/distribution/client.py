@@ -39,6 +39,8 @@ logger = logging.getLogger("srl.client")
 
 TIMEOUT_GRACE_S = 30.0
 """how long past ``timeout`` the client waits for the trainer to end the task before it does"""
+SETTLE_S = 5.0
+"""after END, how long the client waits for nodes elsewhere to flush their last counts and release their leases"""
 
 
 class TaskFailedError(RuntimeError):
@@ -168,7 +170,7 @@ def train_distribution(
         _load_final_params(board, runner, codec)
         if resume is not None:  # the board's counters went on from the checkpoint's
             runner.env_steps = runner.episodes = 0
-        _note_totals(board, runner, procs)
+        _note_totals(board, runner, procs, actor_num)
         _record_history(board, run_log, evaluator)  # where it ended
         if progress_interval is not None:
             for line in summary_lines(board, status, time.monotonic() - watch_started):
@@ -224,10 +226,15 @@ def _clear_leftover_experience(queue_params: Any, redis_params: RedisParameters)
         logger.info("removed %d batch(es) an earlier task of this name left in the %s queue", depth, scheme)
 
 
-def _note_totals(board: Board, runner: Runner, procs: list[subprocess.Popen[bytes]]) -> None:
-    """Leave the run's env steps and episodes on the runner, as ``Runner.train`` does (local actors
-    flush their last counts as they stop: wait for them first)."""
+def _note_totals(board: Board, runner: Runner, procs: list[subprocess.Popen[bytes]], actor_num: int) -> None:
+    """Leave the run's env steps and episodes on the runner, as ``Runner.train`` does. Nodes flush their
+    last counts and stats as they stop, then release their leases: wait for that (local processes to
+    exit; nodes elsewhere up to ``SETTLE_S``, a dead one's lease lapses meanwhile or is left)."""
     local_nodes.stop_all(procs)
+    deadline = time.monotonic() + SETTLE_S
+    while with_retry(lambda: board.held_leases(actor_num), "reading the leases", max_wait=10) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
     counters = with_retry(board.get_counters, "reading the run's counters", max_wait=10)
     runner.env_steps += int(counters.get("env_steps", 0))
     runner.episodes += int(counters.get("episodes", 0))
