@@ -491,14 +491,14 @@ class ActorRun:
     def _final_report(self) -> None:
         """Flush counters and final stats (the client's end-of-run summary reads them), and release the slot
         so a standby can take it at once."""
+        opts = self.options
         try:
-            with self.counters.taken() as deltas:
-                self.board.incr_counters(f"actor:{self.slot}", **deltas)
-            if self.board.lease_holder(self.lease_name)[0] == self.options.uid:  # not a successor's stats
-                self.board.put_stats(self.lease_name, self._stats(self._last_rate))
-            self.board.release_lease(self.lease_name, self.options.uid)
+            with self.counters.taken() as deltas:  # a last heartbeat: counters and stats in one round trip
+                self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
+                                     self._stats(self._last_rate), deltas)
+            self.board.release_lease(self.lease_name, opts.uid)
         except Exception as e:  # the board may be gone; the lease then simply expires
-            logger.warning("could not report the end of actor %s: %s", self.options.uid, e)
+            logger.warning("could not report the end of actor %s: %s", opts.uid, e)
 
     def summary(self) -> str:
         return (f"slot {self.slot}, {self.env_steps} env steps, {self.sent_batches} batches, "

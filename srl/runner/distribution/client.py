@@ -367,9 +367,9 @@ def history_row(board: Board, evaluator: Evaluator | None) -> dict[str, Any]:
     stats = board.get_all_stats()
     counters = board.get_counters()
     trainer = stats.get("trainer", {})
-    head = board.get_params_head()  # (epoch, version, train_count) of the latest params: newer than stats
+    head = board.get_params_head()
     row: dict[str, Any] = {
-        "train_count": max(int(_num(trainer.get("train_count")) or 0), head[2] if head else 0),
+        "train_count": _train_count(trainer, head),
         "env_steps": int(counters.get("env_steps", 0)),
         "episodes": int(counters.get("episodes", 0)),
     }
@@ -395,6 +395,12 @@ def history_row(board: Board, evaluator: Evaluator | None) -> dict[str, Any]:
             if value is not None:
                 row[f"actor{index}_{key}"] = value
     return row
+
+
+def _train_count(trainer: dict[str, Any], head: tuple[int, int, int] | None) -> int:
+    """The run's train_count: the trainer's stats, or the latest params head ``(epoch, version,
+    train_count)`` when it is newer (params are published between heartbeats)."""
+    return max(int(_num(trainer.get("train_count")) or 0), head[2] if head else 0)
 
 
 def _num(value: Any) -> float | None:
@@ -526,7 +532,7 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float) -> list[str]
     counters = board.get_counters()
     trainer = stats.get("trainer", {})
     head = board.get_params_head()
-    train_count = max(int(_num(trainer.get("train_count")) or 0), head[2] if head else 0)
+    train_count = _train_count(trainer, head)
     env_steps = int(counters.get("env_steps", 0))
     per_s = 1.0 / elapsed if elapsed > 0 else 0.0
     lines = [

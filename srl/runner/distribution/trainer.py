@@ -810,10 +810,9 @@ class TrainerRun:
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             ingest.join(timeout=10)
             try:
-                with self.counters.taken() as deltas:
-                    self.board.incr_counters("trainer", **deltas)
-                if self.board.lease_holder("trainer")[0] == opts.uid:  # final stats, not a successor's
-                    self.board.put_stats("trainer", self._stats(*self._last_rates))
+                with self.counters.taken() as deltas:  # a last heartbeat: counters and stats in one round trip
+                    self.board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer",
+                                         self._stats(*self._last_rates), deltas)
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, short(e))
