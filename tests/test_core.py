@@ -239,9 +239,32 @@ def test_target_network_polyak_moves_tau_of_the_way_each_step() -> None:
     assert not all(torch.equal(a, o) for a, o in zip(after, online, strict=True))
 
 
+def test_loss_setting_chooses_the_td_loss() -> None:
+    def first_loss(loss: str) -> float:
+        runner = srl.Runner("CartPole-v1", small_config(loss=loss))
+        memory = runner.rl_config.make_buffer(runner.spec)
+        trainer = runner.rl_config.make_trainer(runner.spec, runner.parameter, memory)
+        rng = np.random.default_rng(0)
+        n = runner.rl_config.warmup_size  # rewards of +-10: TD errors well beyond Huber's quadratic zone
+        memory.add({
+            "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
+            "reward": (10 * rng.normal(size=n)).astype(np.float32),
+            "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
+            "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
+        })
+        stats = trainer.train()
+        assert stats is not None
+        return stats.loss
+
+    mse, huber = first_loss("mse"), first_loss("huber")  # same seed: same weights, same sample
+    assert mse > 2 * huber > 0  # squared errors of ~10 against |e| - 0.5
+
+
 def test_invalid_config_is_refused_with_the_field_name() -> None:
     with pytest.raises(ValueError, match="target_tau"):
         srl.Runner("CartPole-v1", dqn.Config(target_tau=1.5))
+    with pytest.raises(ValueError, match=r"loss must be one of \['huber', 'mse'\], got 'l2'"):
+        srl.Runner("CartPole-v1", dqn.Config(loss="l2"))
     with pytest.raises(ValueError, match="warmup_size"):
         srl.Runner("CartPole-v1", dqn.Config(batch_size=64, warmup_size=10))
 

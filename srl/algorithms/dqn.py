@@ -53,6 +53,8 @@ from srl.rl.memories import Memory, MemoryConfig
 VALUE_BOUND = 1e9
 """observations and returns beyond this are refused as rows (no env of sense produces them)"""
 MAX_ACTIONS = 4096
+LOSSES = {"mse": F.mse_loss, "huber": F.smooth_l1_loss}
+"""the TD losses ``Config.loss`` names"""
 
 
 @dataclass
@@ -101,6 +103,9 @@ class Config(RLConfig):
     """Ape-X exponent spread across actors"""
     test_epsilon: float = 0.0
     """exploration rate while evaluating"""
+    loss: str = "huber"
+    """TD loss: "huber" (smooth L1: squared below an error of 1, linear beyond; Ape-X, SB3) or "mse" (squared
+    error throughout; CleanRL). Over 16 Pendulum seeds neither was clearly better (README, Benchmarks)"""
     max_grad_norm: float = 10.0
     """gradient norm clip"""
     reward_scale: float = 1.0
@@ -128,6 +133,8 @@ class Config(RLConfig):
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
         check_number("reward_scale", self.reward_scale, -1e9, 1e9)
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {self.loss!r}")
         if self.warmup_size < self.batch_size:
             raise ValueError(f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})")
         if self.memory.capacity < self.warmup_size:
@@ -429,7 +436,7 @@ class DQNTrainer(Trainer):
         with torch.no_grad():
             target = td_targets(q_online_next, self.target(next_obs), reward, discount, self.config.double_q)
         td = target - q_sa
-        loss = (weights * F.smooth_l1_loss(q_sa, target, reduction="none")).mean()
+        loss = (weights * LOSSES[self.config.loss](q_sa, target, reduction="none")).mean()
         if not torch.isfinite(loss):
             # Diverged on this sample (e.g. extreme rewards): skip the step rather than poison the weights.
             self.nonfinite_losses += 1
