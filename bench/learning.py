@@ -10,7 +10,11 @@ Each run trains from scratch with the user-facing defaults of its case (the conf
 or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (10 episodes;
 ``--eval-episodes``). "one" is ``Runner.train`` in this process; "dist" is
 ``Runner.train_distribution`` on an embedded Redis with the trainer and ``--actors`` actors as local
-processes, experience over ``--queue``. Seeds are 0..N-1 (``--first-seed`` moves them): in one
+processes, experience over ``--queue``; "lagged" (off-policy cases) is one process given a distributed
+run's data path, so the two can be told apart seed by seed: the worker acts with a copy of the weights
+refreshed every ``--lag`` train steps and hands its rows over ``--chunk`` at a time (defaults: what a
+1-actor DQN run shows, params published every 100 train steps and picked up within a 0.1 s poll,
+about 100 rows a batch), reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in one
 process a seed fixes the run; in a distributed run it fixes the initial weights, each actor's envs
 and exploration, but not the interleaving of processes, so two runs of one seed differ.
 
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import srl
 from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
+from srl.base.rollout import Rollout
 from srl.runner.distribution import RedisParameters
 
 
@@ -94,6 +99,7 @@ CASES = {case.name: case for case in [
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
             ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
             ("impala-cartpole", "one"), ("impala-cartpole", "dist")]
+MODES = ("one", "dist", "lagged")
 QUEUES = {
     "redis": lambda: None,
     "amqp": lambda: "amqp://guest:guest@127.0.0.1:5672/",
@@ -118,11 +124,55 @@ def limits(budget: str) -> dict[str, int]:
     return {"max_train_count" if kind == "train" else "max_steps": int(amount)}
 
 
-def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10) -> Run:
+def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int | None = None,
+                 max_steps: int | None = None) -> tuple[int, int]:
+    """One process on a distributed run's data path: the worker's weights are a copy refreshed every ``lag``
+    train steps, its rows reach the replay ``chunk`` at a time; one train step per env step as in
+    ``Runner.train``. Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
+    config, spec = runner.rl_config, runner.spec
+    if config.data_path().env_steps_per_train is None:
+        raise SystemExit(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")
+    parameter = runner.parameter
+    buffer = config.make_buffer(spec)
+    trainer = config.make_trainer(spec, parameter, buffer)
+    acting = parameter  # lag 0: the worker acts with the trainer's own weights, as in Runner.train
+    if lag > 0:
+        acting = config.make_parameter(spec, config.resolve_device())
+        acting.from_arrays(parameter.to_arrays())
+    worker = config.make_worker(spec, acting, 0, 1, config.seed)
+    env_steps, credit, refreshed = 0, 0.0, 0
+    with Rollout(runner.env_config, worker, config.envs_per_actor, config.seed, config.vectorization) as rollout:
+        while (max_train_count is None or trainer.train_count < max_train_count) and (
+                max_steps is None or env_steps < max_steps):
+            rollout.step()
+            env_steps += rollout.num_envs
+            if worker.pending() >= chunk:
+                rows = worker.take()
+                if rows is not None:
+                    buffer.add(rows, worker.initial_priorities(rows))
+            credit += rollout.num_envs / (config.data_path().env_steps_per_train or 1.0)
+            while credit >= 1.0:
+                if trainer.train() is None:  # warming up
+                    credit = 0.0
+                    break
+                credit -= 1.0
+                if lag > 0 and trainer.train_count - refreshed >= lag:
+                    acting.from_arrays(parameter.to_arrays())
+                    refreshed = trainer.train_count
+    return env_steps, trainer.train_count
+
+
+def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10,
+             lag: int = 150, chunk: int = 128) -> Run:
     config = case.make_config()
     config.seed = seed
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
+    if mode == "lagged":
+        env_steps, train_count = train_lagged(runner, lag, chunk, **limits(budget))
+        wall = time.perf_counter() - started
+        evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
+        return Run(case.name, mode, seed, evaluation, wall, env_steps, train_count)
     if mode == "one":
         runner.train(progress_interval=None, **limits(budget))
     else:
@@ -137,13 +187,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="", help=f"comma-separated among {', '.join(CASES)} (default: the "
                                                     "standard suite)")
-    parser.add_argument("--modes", default="", help="comma-separated: one, dist (default: the suite's)")
+    parser.add_argument("--modes", default="", help="comma-separated: one, dist, lagged (default: the suite's)")
     parser.add_argument("--seeds", type=int, default=3, help="runs with seeds 0..N-1")
     parser.add_argument("--first-seed", type=int, default=0, help="start the seeds here instead of 0")
     parser.add_argument("--eval-episodes", type=int, default=10, help="episodes of the final evaluation")
     parser.add_argument("--actors", type=int, default=2, help="actors of a distributed run")
     parser.add_argument("--queue", default="redis", choices=sorted(QUEUES),
                         help="experience queue of a distributed run")
+    parser.add_argument("--lag", type=int, default=150, help="mode lagged: train steps between weight refreshes "
+                        "(0: the trainer's own weights)")
+    parser.add_argument("--chunk", type=int, default=128, help="mode lagged: rows handed over at a time")
     parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
     parser.add_argument("--csv", default=None, help="write one row per run here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -159,6 +212,8 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
         modes = [m.strip() for m in (args.modes or "one").split(",")]
+        if unknown_modes := [m for m in modes if m not in MODES]:
+            parser.error(f"unknown mode(s) {unknown_modes}; known: {', '.join(MODES)}")
         plan = [(n, m) for n in names for m in modes]
     else:
         plan = [(n, m) for n, m in STANDARD if not args.modes or m in args.modes.split(",")]
@@ -171,7 +226,7 @@ def main() -> None:
             continue
         budget = case.quick_budget if args.quick else case.budget
         for seed in range(args.first_seed, args.first_seed + seeds):
-            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes)
+            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes, args.lag, args.chunk)
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)
