@@ -102,6 +102,12 @@ def task_key_prefix(task_name: str) -> str:
     return f"srl:{{{task_name}}}:"
 
 
+def actor_slot(lease_name: str) -> int | None:
+    """The slot index of an actor's lease name (``"actor:3"`` -> 3); None for anything else."""
+    match = _LEASE_NAME.fullmatch(lease_name)
+    return int(match[1]) if match and match[1] is not None else None
+
+
 def list_tasks(client: redis.Redis, limit: int = 1000) -> list[str]:
     """Names of the tasks on this Redis (at most ``limit``, sorted), found by their task records."""
     names: set[str] = set()

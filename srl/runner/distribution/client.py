@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from srl.runner.distribution import local_nodes
-from srl.runner.distribution.board import Board, TaskStatus
+from srl.runner.distribution.board import Board, TaskStatus, actor_slot
 from srl.runner.distribution.codec import Codec, params_message_bytes, short
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import with_retry
@@ -550,7 +549,7 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float) -> list[str]
                      f"last loss {trainer.get('loss', '-')}{lag}")
     else:
         lines.append("  trainer: never reported")
-    actors = sorted((int(m[1]), key) for key in stats if (m := re.fullmatch(r"actor:([0-9]{1,6})", key)))
+    actors = sorted((index, key) for key in stats if (index := actor_slot(key)) is not None)
     for index, key in actors:
         s = stats[key]
         lines.append(
