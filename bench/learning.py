@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import json
 import logging
 import statistics
 import sys
@@ -163,9 +164,13 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
 
 
 def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10,
-             lag: int = 150, chunk: int = 128) -> Run:
+             lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None) -> Run:
     config = case.make_config()
     config.seed = seed
+    for name, value in (changes or {}).items():
+        if not hasattr(config, name):
+            raise SystemExit(f"--set {name}: {type(config).__name__} has no such field")
+        setattr(config, name, value)
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
     if mode == "lagged":
@@ -197,6 +202,8 @@ def main() -> None:
     parser.add_argument("--lag", type=int, default=150, help="mode lagged: train steps between weight refreshes "
                         "(0: the trainer's own weights)")
     parser.add_argument("--chunk", type=int, default=128, help="mode lagged: rows handed over at a time")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                        help="change a config field of every case run (repeatable): --set batch_size=32")
     parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
     parser.add_argument("--csv", default=None, help="write one row per run here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -218,6 +225,15 @@ def main() -> None:
     else:
         plan = [(n, m) for n, m in STANDARD if not args.modes or m in args.modes.split(",")]
     seeds = 1 if args.quick else args.seeds
+    changes: dict[str, Any] = {}
+    for item in args.set:
+        name, eq, value = item.partition("=")
+        try:
+            changes[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            eq = ""
+        if not eq:
+            parser.error(f"--set takes FIELD=JSON (batch_size=64, loss=\"mse\", value_rescale=true), not {item!r}")
     runs: list[Run] = []
     for name, mode in plan:
         case = CASES[name]
@@ -226,7 +242,8 @@ def main() -> None:
             continue
         budget = case.quick_budget if args.quick else case.budget
         for seed in range(args.first_seed, args.first_seed + seeds):
-            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes, args.lag, args.chunk)
+            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes, args.lag, args.chunk,
+                           changes)
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)

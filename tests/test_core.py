@@ -260,6 +260,18 @@ def test_loss_setting_chooses_the_td_loss() -> None:
     assert mse > 2 * huber > 0  # squared errors of ~10 against |e| - 0.5
 
 
+def test_value_rescale_is_invertible_and_shapes_the_target() -> None:
+    x = torch.tensor([-1e5, -700.0, -1.0, 0.0, 0.5, 100.0, 1e5], dtype=torch.float64)
+    torch.testing.assert_close(dqn.unrescale(dqn.rescale(x)), x, rtol=1e-9, atol=1e-9)
+    assert float(dqn.rescale(torch.tensor(-700.0))) > -30  # a Pendulum-sized value comes down to tens
+    q_next = torch.tensor([[1.0, 3.0], [-2.0, -5.0]])
+    reward, discount = torch.tensor([1.0, -10.0]), torch.tensor([0.9, 0.0])
+    plain = dqn.td_targets(q_next, q_next, reward, discount, double_q=True)
+    torch.testing.assert_close(plain, torch.tensor([1.0 + 0.9 * 3.0, -10.0]))
+    rescaled = dqn.td_targets(q_next, q_next, reward, discount, double_q=True, value_rescale=True)
+    torch.testing.assert_close(rescaled, dqn.rescale(reward + discount * dqn.unrescale(torch.tensor([3.0, -2.0]))))
+
+
 def test_invalid_config_is_refused_with_the_field_name() -> None:
     with pytest.raises(ValueError, match="target_tau"):
         srl.Runner("CartPole-v1", dqn.Config(target_tau=1.5))

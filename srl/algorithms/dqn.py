@@ -106,6 +106,9 @@ class Config(RLConfig):
     loss: str = "huber"
     """TD loss: "huber" (smooth L1: squared below an error of 1, linear beyond; Ape-X, SB3) or "mse" (squared
     error throughout; CleanRL). Over 16 Pendulum seeds neither was clearly better (README, Benchmarks)"""
+    value_rescale: bool = False
+    """learn h(Q) with R2D2's h(x) = sign(x)(sqrt(|x|+1)-1) + 0.001x, so returns of any scale fall in the
+    loss's useful range"""
     max_grad_norm: float = 10.0
     """gradient norm clip"""
     reward_scale: float = 1.0
@@ -261,16 +264,34 @@ class DQNParameter(Parameter):
         torch_from_arrays({"q": self.q}, arrays)
 
 
+RESCALE_EPS = 1e-3
+
+
+def rescale(x: torch.Tensor) -> torch.Tensor:
+    """h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x: the value transform of R2D2 (Pohlen et al. 2018)."""
+    return torch.sign(x) * (torch.sqrt(x.abs() + 1.0) - 1.0) + RESCALE_EPS * x
+
+
+def unrescale(x: torch.Tensor) -> torch.Tensor:
+    """h^-1(x), exact."""
+    eps = RESCALE_EPS
+    root = (torch.sqrt(1.0 + 4.0 * eps * (x.abs() + 1.0 + eps)) - 1.0) / (2.0 * eps)
+    return torch.sign(x) * (root * root - 1.0)
+
+
 def td_targets(
     q_online_next: torch.Tensor, q_target_next: torch.Tensor, reward: torch.Tensor, discount: torch.Tensor,
-    double_q: bool,
+    double_q: bool, value_rescale: bool = False,
 ) -> torch.Tensor:
-    """reward + discount * Q_target(s', a*), a* from the online net when double_q."""
+    """reward + discount * Q_target(s', a*), a* from the online net when double_q; with value_rescale the
+    networks hold h(Q) and the target is h(reward + discount * h^-1(Q_target(s', a*)))."""
     if double_q:
         best = q_online_next.argmax(dim=1, keepdim=True)
         next_v = q_target_next.gather(1, best).squeeze(1)
     else:
         next_v = q_target_next.max(dim=1).values
+    if value_rescale:
+        return rescale(reward + discount * unrescale(next_v))
     return reward + discount * next_v
 
 
@@ -371,7 +392,7 @@ class DQNWorker(Worker):
             q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
             target = td_targets(
                 q_next, q_next, torch.from_numpy(columns["reward"]).to(device),
-                torch.from_numpy(columns["discount"]).to(device), self.config.double_q,
+                torch.from_numpy(columns["discount"]).to(device), self.config.double_q, self.config.value_rescale,
             )
             return (target - q_sa).abs().cpu().numpy().astype(np.float32)
 
@@ -434,7 +455,8 @@ class DQNTrainer(Trainer):
         q, q_online_next = q_all[: len(obs)], q_all[len(obs) :].detach()
         q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
         with torch.no_grad():
-            target = td_targets(q_online_next, self.target(next_obs), reward, discount, self.config.double_q)
+            target = td_targets(q_online_next, self.target(next_obs), reward, discount, self.config.double_q,
+                                self.config.value_rescale)
         td = target - q_sa
         loss = (weights * LOSSES[self.config.loss](q_sa, target, reduction="none")).mean()
         if not torch.isfinite(loss):
