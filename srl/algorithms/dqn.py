@@ -422,6 +422,9 @@ class DQNTrainer(Trainer):
         self.device = parameter.device
         self.target = copy.deepcopy(parameter.q)
         self.target.requires_grad_(False)
+        # the same tensors for the trainer's life (loading weights copies into them): Polyak's lists, built once
+        self._target_params: list[torch.Tensor] = list(self.target.parameters())
+        self._online_params: list[torch.Tensor] = list(parameter.q.parameters())
         self.optimizer = make_adam(parameter.q.parameters(), config.lr)
         self.train_count = 0
         self.nonfinite_losses = 0
@@ -475,7 +478,7 @@ class DQNTrainer(Trainer):
         tau = self.config.target_tau
         if tau > 0.0:
             with torch.no_grad():
-                torch._foreach_lerp_(list(self.target.parameters()), list(q_net.parameters()), tau)
+                torch._foreach_lerp_(self._target_params, self._online_params, tau)
         elif self.train_count % self.config.target_update_interval == 0:
             self.sync_target()
         return DQNStats(loss=float(loss.item()), td_abs=float(td_abs.mean()), nonfinite_losses=self.nonfinite_losses)
