@@ -1,6 +1,6 @@
 """Learning you can rely on: algorithm x env x mode x seeds, in one table beside published references.
 
-    python bench/learning.py                      # the standard suite (about 15 minutes on 2 cores)
+    python bench/learning.py                      # the standard suite (15-23 minutes on 2 cores)
     python bench/learning.py --quick              # a smoke run: one seed, small budgets
     python bench/learning.py --cases dqn-pendulum --modes one,dist --seeds 5
     python bench/learning.py --cases ppo-cartpole --modes dist --actors 2 --queue amqp --csv runs.csv
@@ -12,9 +12,10 @@ or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()``
 ``Runner.train_distribution`` on an embedded Redis with the trainer and ``--actors`` actors as local
 processes, experience over ``--queue``; "lagged" (off-policy cases) is one process given a distributed
 run's data path, so the two can be told apart seed by seed: the worker acts with a copy of the weights
-refreshed every ``--lag`` train steps and hands its rows over ``--chunk`` at a time (defaults: what a
-1-actor DQN run shows, params published every 100 train steps and picked up within a 0.1 s poll,
-about 100 rows a batch), reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in one
+refreshed every ``--lag`` train steps (so up to that old) and hands its rows over ``--chunk`` at a time
+(defaults 150 and 128, near what a 1-actor DQN run shows: params published every 100 train steps and
+picked up within a 0.1 s poll; a rate-limited actor's batches of up to 256 rows, 103 on average),
+reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in one
 process a seed fixes the run; in a distributed run it fixes the initial weights, each actor's envs
 and exploration, but not the interleaving of processes, so two runs of one seed differ.
 
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
 from srl.algorithms import dqn, impala, ppo
+from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.rl import RLConfig
 from srl.base.rollout import Rollout
 from srl.runner.distribution import RedisParameters
@@ -125,17 +127,40 @@ def limits(budget: str) -> dict[str, int]:
     return {"max_train_count" if kind == "train" else "max_steps": int(amount)}
 
 
+def configured(case: Case, changes: dict[str, Any] | None) -> RLConfig:
+    """The case's config with ``--set`` changes, built as a task's config is (types checked, nested fields
+    as objects); ConfigError names a field the algorithm lacks or a value of the wrong type."""
+    config = case.make_config()
+    if not changes:
+        return config
+    return config_from_dict(type(config), merged(config_to_dict(config), changes), where=case.name)
+
+
+def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes``; a nested object changes only the fields it names."""
+    out = dict(base)
+    for name, value in changes.items():
+        out[name] = merged(out[name], value) if isinstance(value, dict) and isinstance(out.get(name), dict) else value
+    return out
+
+
+def off_policy(case: Case) -> bool:
+    return case.make_config().data_path().env_steps_per_train is not None
+
+
 def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int | None = None,
                  max_steps: int | None = None) -> tuple[int, int]:
     """One process on a distributed run's data path: the worker's weights are a copy refreshed every ``lag``
     train steps, its rows reach the replay ``chunk`` at a time; one train step per env step as in
     ``Runner.train``. Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
     config, spec = runner.rl_config, runner.spec
-    if config.data_path().env_steps_per_train is None:
-        raise SystemExit(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")
+    ratio = config.data_path().env_steps_per_train
+    if ratio is None:
+        raise ValueError(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")
     parameter = runner.parameter
     buffer = config.make_buffer(spec)
     trainer = config.make_trainer(spec, parameter, buffer)
+    trainer.plan(max_steps, max_train_count)
     acting = parameter  # lag 0: the worker acts with the trainer's own weights, as in Runner.train
     if lag > 0:
         acting = config.make_parameter(spec, config.resolve_device())
@@ -151,26 +176,24 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
                 rows = worker.take()
                 if rows is not None:
                     buffer.add(rows, worker.initial_priorities(rows))
-            credit += rollout.num_envs / (config.data_path().env_steps_per_train or 1.0)
+            credit += rollout.num_envs / ratio
             while credit >= 1.0:
-                if trainer.train() is None:  # warming up
+                stats = trainer.train()
+                if stats is None:  # warming up
                     credit = 0.0
                     break
-                credit -= 1.0
-                if lag > 0 and trainer.train_count - refreshed >= lag:
+                credit -= max(1, stats.gradient_steps)
+                if lag > 0 and trainer.train_count - refreshed >= lag:  # a "publication": rows carry its version
                     acting.from_arrays(parameter.to_arrays())
                     refreshed = trainer.train_count
+                    parameter.version = acting.version = parameter.version + 1
     return env_steps, trainer.train_count
 
 
 def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10,
              lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None) -> Run:
-    config = case.make_config()
+    config = configured(case, changes)
     config.seed = seed
-    for name, value in (changes or {}).items():
-        if not hasattr(config, name):
-            raise SystemExit(f"--set {name}: {type(config).__name__} has no such field")
-        setattr(config, name, value)
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
     if mode == "lagged":
@@ -203,7 +226,8 @@ def main() -> None:
                         "(0: the trainer's own weights)")
     parser.add_argument("--chunk", type=int, default=128, help="mode lagged: rows handed over at a time")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                        help="change a config field of every case run (repeatable): --set batch_size=32")
+                        help="change a config field of every case run, checked before any runs (repeatable): "
+                        "--set batch_size=32, --set 'memory={\"capacity\": 10000}'")
     parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
     parser.add_argument("--csv", default=None, help="write one row per run here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -219,11 +243,17 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
         modes = [m.strip() for m in (args.modes or "one").split(",")]
-        if unknown_modes := [m for m in modes if m not in MODES]:
-            parser.error(f"unknown mode(s) {unknown_modes}; known: {', '.join(MODES)}")
         plan = [(n, m) for n in names for m in modes]
     else:
-        plan = [(n, m) for n, m in STANDARD if not args.modes or m in args.modes.split(",")]
+        modes = [m.strip() for m in args.modes.split(",")] if args.modes else list(MODES)
+        plan = [(n, m) for n, m in STANDARD if m in modes]
+    if unknown_modes := [m for m in modes if m not in MODES]:
+        parser.error(f"unknown mode(s) {unknown_modes}; known: {', '.join(MODES)}")
+    if on_policy := sorted({n for n, m in plan if m == "lagged" and not off_policy(CASES[n])}):
+        parser.error(f"mode lagged needs an off-policy case (DQN); {', '.join(on_policy)} train on-policy")
+    if not plan:
+        parser.error(f"nothing to run: the standard suite has no {args.modes!r} runs; name cases with --cases "
+                     "(--list shows them)")
     seeds = 1 if args.quick else args.seeds
     changes: dict[str, Any] = {}
     for item in args.set:
@@ -233,7 +263,12 @@ def main() -> None:
         except json.JSONDecodeError:
             eq = ""
         if not eq:
-            parser.error(f"--set takes FIELD=JSON (batch_size=64, loss=\"mse\", value_rescale=true), not {item!r}")
+            parser.error(f"--set takes FIELD=JSON (batch_size=64, 'loss=\"mse\"', value_rescale=true), not {item!r}")
+    for name in dict.fromkeys(n for n, _ in plan):
+        try:
+            configured(CASES[name], changes)
+        except ConfigError as e:
+            parser.error(f"--set does not fit case {name}: {e}")
     runs: list[Run] = []
     for name, mode in plan:
         case = CASES[name]
@@ -261,7 +296,7 @@ def print_table(runs: list[Run], args: Any) -> None:
     dist = f"dist = {args.actors} actors over {args.queue}"
     quick = "quick, " if args.quick else ""
     print(f"\nlearning suite ({quick}evaluation: mean of {args.eval_episodes} episodes; {dist})")
-    header = (f"{'case':<16} {'mode':<5} {'runs':>4} {'median':>8} {'min':>8} {'max':>8} {'wall s':>7} {'÷ppo':>8} "
+    header = (f"{'case':<16} {'mode':<6} {'runs':>4} {'median':>8} {'min':>8} {'max':>8} {'wall s':>7} {'÷ppo':>8} "
               f"{'env/s':>7} {'train/s':>7} {'target':>7} {'met':>4}  reference")
     print(header)
     print("-" * len(header))
@@ -279,7 +314,7 @@ def print_table(runs: list[Run], args: Any) -> None:
         met = "yes" if statistics.median(evals) >= case.target else "no"
         versus = f"{wall / sync_wall:.2f}" if sync_wall and mode == mode_of_sync and case.env == "CartPole-v1" \
             and not name.startswith("dqn") else "-"
-        print(f"{name:<16} {mode:<5} {len(group):>4} {statistics.median(evals):>8.1f} {min(evals):>8.1f} "
+        print(f"{name:<16} {mode:<6} {len(group):>4} {statistics.median(evals):>8.1f} {min(evals):>8.1f} "
               f"{max(evals):>8.1f} {wall:>7.0f} {versus:>8} {env_rate:>7.0f} {train_rate:>7.0f} {case.target:>7g} "
               f"{met:>4}  {case.reference}")
 

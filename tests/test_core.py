@@ -239,37 +239,56 @@ def test_target_network_polyak_moves_tau_of_the_way_each_step() -> None:
     assert not all(torch.equal(a, o) for a, o in zip(after, online, strict=True))
 
 
-def test_loss_setting_chooses_the_td_loss() -> None:
-    def first_loss(loss: str) -> float:
-        runner = srl.Runner("CartPole-v1", small_config(loss=loss))
-        memory = runner.rl_config.make_buffer(runner.spec)
-        trainer = runner.rl_config.make_trainer(runner.spec, runner.parameter, memory)
-        rng = np.random.default_rng(0)
-        n = runner.rl_config.warmup_size  # rewards of +-10: TD errors well beyond Huber's quadratic zone
-        memory.add({
-            "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
-            "reward": (10 * rng.normal(size=n)).astype(np.float32),
-            "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
-            "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
-        })
-        stats = trainer.train()
-        assert stats is not None
-        return stats.loss
+def _first_step(**changes: object) -> tuple[float, np.ndarray]:
+    """(loss of the first gradient step, initial priorities of the rows) for a config on fixed random rows
+    whose rewards of +-10 put TD errors well beyond Huber's quadratic zone; same seed, same weights."""
+    runner = srl.Runner("CartPole-v1", small_config(**changes))
+    config = runner.rl_config
+    memory = config.make_buffer(runner.spec)
+    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
+    rng = np.random.default_rng(0)
+    n = config.warmup_size
+    rows = {
+        "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
+        "reward": (10 * rng.normal(size=n)).astype(np.float32),
+        "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
+        "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
+    }
+    priorities = config.make_worker(runner.spec, runner.parameter, 0, 1, 0).initial_priorities(rows)
+    memory.add(rows, priorities)
+    stats = trainer.train()
+    assert stats is not None
+    return stats.loss, priorities
 
-    mse, huber = first_loss("mse"), first_loss("huber")  # same seed: same weights, same sample
+
+def test_loss_setting_chooses_the_td_loss() -> None:
+    mse, _ = _first_step(loss="mse")
+    huber, _ = _first_step(loss="huber")
     assert mse > 2 * huber > 0  # squared errors of ~10 against |e| - 0.5
 
 
+def test_value_rescale_reaches_the_trainer_and_the_priorities() -> None:
+    plain_loss, plain_priorities = _first_step(loss="mse")
+    loss, priorities = _first_step(loss="mse", value_rescale=True)
+    assert loss < plain_loss / 4  # targets of ~10 become ~2.3 in h's units
+    assert priorities.mean() < plain_priorities.mean() / 2
+
+
 def test_value_rescale_is_invertible_and_shapes_the_target() -> None:
-    x = torch.tensor([-1e5, -700.0, -1.0, 0.0, 0.5, 100.0, 1e5], dtype=torch.float64)
-    torch.testing.assert_close(dqn.unrescale(dqn.rescale(x)), x, rtol=1e-9, atol=1e-9)
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 1e-3)):  # float32: h^-1 divides by 2 * 0.001
+        x = torch.tensor([-1e5, -700.0, -1.0, 0.0, 0.5, 100.0, 1e5], dtype=dtype)
+        torch.testing.assert_close(dqn.unrescale(dqn.rescale(x)), x, rtol=tol, atol=tol)
     assert float(dqn.rescale(torch.tensor(-700.0))) > -30  # a Pendulum-sized value comes down to tens
-    q_next = torch.tensor([[1.0, 3.0], [-2.0, -5.0]])
-    reward, discount = torch.tensor([1.0, -10.0]), torch.tensor([0.9, 0.0])
-    plain = dqn.td_targets(q_next, q_next, reward, discount, double_q=True)
-    torch.testing.assert_close(plain, torch.tensor([1.0 + 0.9 * 3.0, -10.0]))
-    rescaled = dqn.td_targets(q_next, q_next, reward, discount, double_q=True, value_rescale=True)
-    torch.testing.assert_close(rescaled, dqn.rescale(reward + discount * dqn.unrescale(torch.tensor([3.0, -2.0]))))
+    online = torch.tensor([[1.0, 3.0], [-2.0, -5.0]])  # chooses action 1, then action 0
+    target = torch.tensor([[7.0, 4.0], [-6.0, -9.0]])  # values them: 4 and -6 (its own max would say 7)
+    reward, discount = torch.tensor([1.0, -10.0]), torch.tensor([0.9, 0.5])
+    plain = dqn.td_targets(online, target, reward, discount, double_q=True)
+    torch.testing.assert_close(plain, torch.tensor([1.0 + 0.9 * 4.0, -10.0 + 0.5 * -6.0]))
+    rescaled = dqn.td_targets(dqn.rescale(online), dqn.rescale(target), reward, discount, double_q=True,
+                              value_rescale=True)
+    torch.testing.assert_close(rescaled, dqn.rescale(plain), rtol=1e-4, atol=1e-4)  # the same target, in h's units
+    terminal = dqn.td_targets(online, target, reward, torch.zeros(2), double_q=True, value_rescale=True)
+    torch.testing.assert_close(terminal, dqn.rescale(reward))
 
 
 def test_invalid_config_is_refused_with_the_field_name() -> None:
@@ -277,6 +296,8 @@ def test_invalid_config_is_refused_with_the_field_name() -> None:
         srl.Runner("CartPole-v1", dqn.Config(target_tau=1.5))
     with pytest.raises(ValueError, match=r"loss must be one of \['huber', 'mse'\], got 'l2'"):
         srl.Runner("CartPole-v1", dqn.Config(loss="l2"))
+    with pytest.raises(ValueError, match="did you mean 'huber'"):
+        srl.Runner("CartPole-v1", dqn.Config(loss="hubber"))
     with pytest.raises(ValueError, match="warmup_size"):
         srl.Runner("CartPole-v1", dqn.Config(batch_size=64, warmup_size=10))
 

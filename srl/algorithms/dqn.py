@@ -20,9 +20,10 @@ schedule ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)).
 from __future__ import annotations
 
 import copy
+import difflib
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -53,7 +54,7 @@ from srl.rl.memories import Memory, MemoryConfig
 VALUE_BOUND = 1e9
 """observations and returns beyond this are refused as rows (no env of sense produces them)"""
 MAX_ACTIONS = 4096
-LOSSES = {"mse": F.mse_loss, "huber": F.smooth_l1_loss}
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {"mse": F.mse_loss, "huber": F.smooth_l1_loss}
 """the TD losses ``Config.loss`` names"""
 
 
@@ -137,7 +138,9 @@ class Config(RLConfig):
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
         check_number("reward_scale", self.reward_scale, -1e9, 1e9)
         if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {self.loss!r}")
+            close = difflib.get_close_matches(str(self.loss)[:64], list(LOSSES), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {str(self.loss)[:40]!r}{hint}")
         if self.warmup_size < self.batch_size:
             raise ValueError(f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})")
         if self.memory.capacity < self.warmup_size:
@@ -405,13 +408,14 @@ class DQNStats(TrainStats):
     """One gradient step."""
 
     td_abs: float = 0.0
-    """mean |TD error| of the sampled batch"""
+    """mean |TD error| of the sampled batch (with ``value_rescale``: of h(Q), in h's units)"""
     nonfinite_losses: int = 0
     """steps skipped so far because the loss was NaN or infinite"""
 
 
 class DQNTrainer(Trainer):
-    """One gradient step per ``train()``: sample, Huber loss weighted by importance, priority update."""
+    """One gradient step per ``train()``: sample, the ``loss`` setting's TD loss weighted by importance,
+    priority update."""
 
     optimizer: torch.optim.Optimizer
 
