@@ -257,12 +257,10 @@ def main() -> None:
     seeds = 1 if args.quick else args.seeds
     changes: dict[str, Any] = {}
     for item in args.set:
-        name, eq, value = item.partition("=")
+        name, _, value = item.partition("=")  # no "=": an empty value, which is not JSON either
         try:
             changes[name.strip()] = json.loads(value)
         except json.JSONDecodeError:
-            eq = ""
-        if not eq:
             parser.error(f"--set takes FIELD=JSON (batch_size=64, 'loss=\"mse\"', value_rescale=true), not {item!r}")
     for name in dict.fromkeys(n for n, _ in plan):
         try:

@@ -12,6 +12,17 @@ from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.env import BoxActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions, env_spec
 
 
+def random_rows(n: int, reward_std: float = 1.0) -> dict[str, np.ndarray]:
+    """``n`` random one-step CartPole transitions (seeded: the same rows every call)."""
+    rng = np.random.default_rng(0)
+    return {
+        "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
+        "reward": (reward_std * rng.normal(size=n)).astype(np.float32),
+        "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
+        "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
+    }
+
+
 def small_config(**changes: object) -> dqn.Config:
     config = dqn.Config(batch_size=16, warmup_size=64, seed=1)
     config.hidden_block.set_mlp((16, 16))
@@ -166,15 +177,7 @@ def test_apex_epsilon_schedule() -> None:
 def test_initial_priorities_are_abs_td_errors() -> None:
     config = small_config(double_q=False, n_step=1)
     worker = make_worker(config)
-    rng = np.random.default_rng(0)
-    cols = {
-        "obs": rng.normal(size=(8, 4)).astype(np.float32),
-        "action": rng.integers(0, 2, 8),
-        "reward": rng.normal(size=8).astype(np.float32),
-        "next_obs": rng.normal(size=(8, 4)).astype(np.float32),
-        "discount": np.full(8, 0.99, np.float32),
-        "version": np.zeros(8, np.int64),
-    }
+    cols = random_rows(8)
     pr = worker.initial_priorities(cols)
     with torch.no_grad():
         q = worker.parameter.q(torch.from_numpy(cols["obs"])).numpy()
@@ -209,13 +212,7 @@ def _target_after_steps(config: dqn.Config, steps: int) -> tuple[Weights, Weight
     runner = srl.Runner("CartPole-v1", config)
     memory = config.make_buffer(runner.spec)
     trainer = config.make_trainer(runner.spec, runner.parameter, memory)
-    rng = np.random.default_rng(0)
-    n = config.warmup_size
-    memory.add({
-        "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
-        "reward": rng.normal(size=n).astype(np.float32), "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
-        "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
-    })
+    memory.add(random_rows(config.warmup_size))
     before = [p.detach().clone() for p in trainer.target.parameters()]
     for _ in range(steps):
         assert trainer.train() is not None
@@ -246,14 +243,7 @@ def _first_step(**changes: object) -> tuple[float, np.ndarray]:
     config = runner.rl_config
     memory = config.make_buffer(runner.spec)
     trainer = config.make_trainer(runner.spec, runner.parameter, memory)
-    rng = np.random.default_rng(0)
-    n = config.warmup_size
-    rows = {
-        "obs": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.integers(0, 2, n),
-        "reward": (10 * rng.normal(size=n)).astype(np.float32),
-        "next_obs": rng.normal(size=(n, 4)).astype(np.float32),
-        "discount": np.full(n, 0.99, np.float32), "version": np.zeros(n, np.int64),
-    }
+    rows = random_rows(config.warmup_size, reward_std=10.0)
     priorities = config.make_worker(runner.spec, runner.parameter, 0, 1, 0).initial_priorities(rows)
     memory.add(rows, priorities)
     stats = trainer.train()
