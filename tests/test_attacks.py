@@ -9,28 +9,22 @@ from __future__ import annotations
 import json
 import pickle
 import signal
-import struct
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import srl
-from srl.base.arrays import pack_arrays
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import EVENT_TEXT_LIMIT, TaskState
 from srl.runner.distribution.codec import (
     ERROR_TEXT_LIMIT,
-    FLAG_COMPRESSED,
-    KIND_BATCH,
-    MAGIC,
-    WIRE_VERSION,
     BatchHeader,
     Codec,
 )
 from srl.runner.distribution.queues import open_queue
+from tests.forge import forge_batch, layout
 from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, start, tiny_config, wait_for
 
 pytestmark = pytest.mark.slow
@@ -48,25 +42,6 @@ def peak_rss_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def frame(payload: bytes, compressed: bool = False) -> bytes:
-    """An unsigned BATCH frame around ``payload`` (what anyone with queue access can write)."""
-    flags = FLAG_COMPRESSED if compressed else 0
-    body = zlib.compress(payload, 9) if compressed else payload
-    return struct.pack("<4sBBB", MAGIC, WIRE_VERSION, KIND_BATCH, flags) + body
-
-
-def raw_container(header: dict, body: bytes) -> bytes:
-    """A safetensors container written by hand, offsets and all."""
-    text = json.dumps(header).encode()
-    return struct.pack("<Q", len(text)) + text + body
-
-
-def meta(**changes: object) -> dict[str, object]:
-    base: dict[str, object] = {"actor_id": "intruder", "actor_index": 0, "epoch": 0, "seq": 0,
-                               "params_version": 0, "count": 4, "created_at": time.time()}
-    return {**base, **changes}
-
-
 def pendulum_columns(n: int, **changes: np.ndarray) -> dict[str, np.ndarray]:
     columns = {"obs": np.zeros((n, 3), np.float32), "action": np.zeros(n, np.int64),
                "reward": np.zeros(n, np.float32), "next_obs": np.zeros((n, 3), np.float32),
@@ -77,26 +52,24 @@ def pendulum_columns(n: int, **changes: np.ndarray) -> dict[str, np.ndarray]:
 
 def hostile_messages() -> dict[str, bytes]:
     """The hostile messages of the hardening table (and a few more), all unsigned."""
-    good = {"c:" + k: v for k, v in pendulum_columns(4).items()}
-    same_bytes = {f"c:x{i}": {"dtype": "U8", "shape": [16 * MiB], "data_offsets": [0, 16 * MiB]} for i in range(32)}
+    one_column = {"obs": np.zeros((4, 3), np.float32)}
     return {
         "garbage": b"\x00garbage" * 10,
         "a pickle": pickle.dumps({"x": 1}),
-        "created_at = 10**400": frame(pack_arrays(good, meta(created_at=10**400))),
-        "a forged first batch with one column 'junk'": frame(pack_arrays({"c:junk": np.zeros((4, 3), np.float32)},
-                                                                         meta())),
-        "one 64 MiB row (compressed)": frame(pack_arrays({"c:obs": np.zeros((1, 16 * MiB), np.float32)},
-                                                         meta(count=1)), compressed=True),
-        "32 arrays on the same 16 MiB (compressed)": frame(raw_container(same_bytes, b"\0" * 16 * MiB),
-                                                           compressed=True),
-        "a 16 MiB JSON header (compressed)": frame(raw_container(
-            {"__metadata__": {"srl": json.dumps({"pad": "x" * 16 * MiB})}}, b""), compressed=True),
-        "16 KB of malformed header": frame(raw_container({"x" * 16_000: 1}, b"")),
-        "an action index far out of range": frame(pack_arrays(
-            {"c:" + k: v for k, v in pendulum_columns(4, action=np.full(4, 10**9, np.int64)).items()}, meta(seq=1))),
-        "NaN observations": frame(pack_arrays(
-            {"c:" + k: v for k, v in pendulum_columns(4, obs=np.full((4, 3), np.nan, np.float32)).items()},
-            meta(seq=2))),
+        "created_at = NaN": forge_batch(pendulum_columns(4), created_at=float("nan")),
+        "a forged first batch with one column 'junk'": forge_batch({"junk": np.zeros((4, 3), np.float32)}),
+        "one 64 MiB row (compressed)": forge_batch({"obs": np.zeros((1, 16 * MiB), np.float32)}, compressed=True),
+        "rows of 2**64 bytes claimed, none sent": forge_batch(
+            one_column, layout_bytes=layout(one_column, {"obs": (2**32 - 1, 2**32 - 1)})),
+        "4 billion rows claimed, none sent": forge_batch(one_column, count=2**32 - 1),
+        "1,024 columns of 16 MiB rows claimed (compressed)": forge_batch(
+            one_column, count=1, compressed=True,
+            layout_bytes=layout({f"x{i}": np.zeros((1, 16 * MiB), np.uint8) for i in range(1024)})),
+        "16 KB of malformed layout": forge_batch(one_column, layout_bytes=bytes(range(256)) * 62),
+        "a 64 KB actor id": forge_batch(one_column, actor=b"a" * 65_000),
+        "an action index far out of range": forge_batch(pendulum_columns(4, action=np.full(4, 10**9, np.int64)),
+                                                        seq=1),
+        "NaN observations": forge_batch(pendulum_columns(4, obs=np.full((4, 3), np.nan, np.float32)), seq=2),
         "a 40 MiB payload (left unread by the bounded read)": b"\0" * 40 * MiB,
         "another 40 MiB payload": b"\1" * 40 * MiB,
     }

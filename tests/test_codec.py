@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from srl.base.arrays import pack_arrays
 from srl.base.schema import Column, Schema
 from srl.runner.distribution.codec import (
     ERROR_TEXT_LIMIT,
     FLAG_COMPRESSED,
+    KIND_PARAMS,
     MAGIC,
     WIRE_VERSION,
     BatchHeader,
@@ -28,6 +28,7 @@ from srl.runner.distribution.codec import (
     row_nbytes,
     split_columns,
 )
+from tests.forge import CODES, HEAD, forge_batch, frame, layout, padded, raw_container
 
 SCHEMA = Schema(
     {
@@ -196,86 +197,129 @@ def test_pickle_payload_is_refused_and_never_run(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def raw_container(header: dict, body: bytes, pad_to: int | None = None) -> bytes:
-    """A safetensors container written by hand (what a forger could send)."""
-    text = json.dumps(header).encode()
-    if pad_to is not None:
-        text = text + b" " * (pad_to - len(text))
-    return struct.pack("<Q", len(text)) + text + body
+def test_the_batch_layout_is_the_documented_one() -> None:
+    """The encoder writes, byte for byte, what a writer following the codec's docstring writes."""
+    header, columns, priorities = make_batch(5)
+    for pri in (priorities, None):
+        written = Codec(secret="").encode_batch(header, columns, pri)
+        assert written == forge_batch(columns, pri, actor=header.actor_id.encode(), actor_index=3, epoch=2, seq=41,
+                                      params_version=17, created_at=header.created_at)
 
 
-def meta_of(header: BatchHeader, **changes: object) -> dict[str, str]:
-    meta = {k: getattr(header, k) for k in header.__dataclass_fields__}
-    meta.update(changes)
-    return {"srl": json.dumps(meta)}
-
-
-def test_bad_array_headers_are_decode_errors() -> None:
+def test_layouts_are_told_apart_and_byte_order_is_little_endian() -> None:
     codec = Codec(secret="")
-    frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, 0)
-    header, columns, _ = make_batch(4)
-    meta = {k: getattr(header, k) for k in header.__dataclass_fields__}
-    obs = columns["obs"]
+    header, columns, _ = make_batch(6)
+    wide = {**columns, "obs": columns["obs"].astype(np.float64)}
+    swapped = {**columns, "reward": columns["reward"].astype(">f4")}
+    for _ in range(2):  # the second pass reads remembered layouts
+        for cols in (columns, wide, swapped):
+            _, got, _ = codec.decode_batch(codec.encode_batch(header, cols, None))
+            assert {k: v.dtype.str for k, v in got.items()} == {
+                k: v.dtype.newbyteorder("<").str for k, v in cols.items()}
+            for name in cols:
+                np.testing.assert_array_equal(got[name], cols[name])
+
+
+def test_forged_batch_heads_and_layouts_are_decode_errors() -> None:
+    """Every field of a batch may lie; each lie is a DecodeError, and nothing is allocated for a claimed size."""
+    codec = Codec(secret="")
+    _, columns, priorities = make_batch(4)
+    obs = {"obs": columns["obs"]}
+    truth = forge_batch(columns, priorities)
+    assert_same_batch((codec.decode_batch(truth)[0], columns, priorities), codec.decode_batch(truth, SCHEMA))
+    one = layout(obs)
+    cases = {
+        "rows": forge_batch(obs, count=5),
+        "rows, none sent": forge_batch(obs, count=2**32 - 1),
+        "priorities of another length": forge_batch(obs, np.ones(6, np.float32)),
+        "integer priorities": forge_batch(obs, np.ones(4, np.int32)),
+        "priorities claimed, none sent": forge_batch(obs, priorities_code=CODES["float32"]),
+        "priorities sent, none claimed": forge_batch(obs, np.ones(4, np.float32), priorities_code=0),
+        "an unknown priorities dtype": forge_batch(obs, np.ones(4, np.float32), priorities_code=200),
+        "a negative actor index": forge_batch(obs, actor_index=-1),
+        "a negative seq": forge_batch(obs, seq=-(2**63)),
+        "created_at NaN": forge_batch(obs, created_at=float("nan")),
+        "created_at infinite": forge_batch(obs, created_at=float("inf")),
+        "created_at negative": forge_batch(obs, created_at=-1.0),
+        "created_at in the year 10**292": forge_batch(obs, created_at=1e300),
+        "no actor id": forge_batch(obs, actor=b""),
+        "an actor id of 300 bytes": forge_batch(obs, actor=b"x" * 300),
+        "an actor id that is not UTF-8": forge_batch(obs, actor=b"\xff\xfe"),
+        "no columns": forge_batch(obs, layout_bytes=struct.pack("<H", 0)),
+        "a column twice": forge_batch(obs, layout_bytes=struct.pack("<H", 2) + one[2:] * 2,
+                                      body=padded(obs["obs"].tobytes()) * 2),
+        "an empty column name": forge_batch({"": obs["obs"]}),
+        "a name that is not UTF-8": forge_batch(obs, layout_bytes=one.replace(b"obs", b"\xffbs")),
+        "an unknown dtype code": forge_batch(obs, layout_bytes=one[:6] + b"\x0d" + one[7:]),
+        "dtype code 0": forge_batch(obs, layout_bytes=one[:6] + b"\x00" + one[7:]),
+        "200 dimensions": forge_batch(obs, layout_bytes=one[:7] + bytes([200]) + one[8:]),
+        "a layout cut short": forge_batch(obs, layout_bytes=one[:-2]),
+        "stray layout bytes": forge_batch(obs, layout_bytes=one + b"\0"),
+        "a row of 2**64 bytes": forge_batch(obs, layout_bytes=layout(obs, {"obs": (2**32 - 1, 2**32 - 1)})),
+        "a row of 2**64 bytes, one row": forge_batch(obs, count=1,
+                                                     layout_bytes=layout(obs, {"obs": (2**32 - 1, 2**32 - 1)})),
+        "a trailing byte": forge_batch(obs) + b"x",
+        "a buffer one byte short": forge_batch(obs, body=obs["obs"].tobytes()[:-1]),
+        "a head alone": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0)),
+        "a head shorter than itself": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0)[:-1]),
+        "lengths past the end": frame(HEAD.pack(65535, 65535, 4, 0, 0, 0, 0, 0, 1.0) + b"intruder"),
+    }
+    for case, data in cases.items():
+        with pytest.raises(DecodeError):
+            codec.decode_batch(data)
+            pytest.fail(f"accepted: {case}")
+    with pytest.raises(DecodeError, match="not the expected"):  # a valid batch of other columns
+        codec.decode_batch(forge_batch(obs), SCHEMA)
+
+
+def test_bad_params_containers_are_decode_errors() -> None:
+    """A params payload is a safetensors container: offsets, dtypes and its JSON header may all lie."""
+    codec = Codec(secret="")
+    obs = np.zeros((4, 3), np.float32)
     obs_entry = {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]}
+    meta = {"srl": json.dumps({"epoch": 1, "version": 1})}
     cases = [
-        pack_arrays({"c:obs": obs}, {**meta, "count": 5}),  # count mismatch
-        pack_arrays({"c:obs": obs, "p": np.ones(3, np.float32)}, meta),  # priorities length
-        pack_arrays({"c:obs": obs, "p": np.ones(4, np.int32)}, meta),  # priorities dtype
-        pack_arrays({"c:obs": obs, "other": obs}, meta),  # unknown array
-        pack_arrays({"c:obs": obs}, {**meta, "seq": "41"}),  # wrong type
-        pack_arrays({"c:obs": obs}, {**meta, "epoch": True}),
-        pack_arrays({"c:obs": obs}, {**meta, "actor_index": -1}),
-        pack_arrays({"c:obs": obs}, {**meta, "created_at": 10**400}),  # overflows float(): the crash of old
-        pack_arrays({"c:obs": obs}, {**meta, "seq": 2**70}),
-        pack_arrays({"c:obs": obs}, {**meta, "actor_id": ""}),
-        pack_arrays({"c:obs": obs}, {**meta, "actor_id": "x" * 300}),
-        pack_arrays({"c:obs": obs}, {k: v for k, v in meta.items() if k != "actor_id"}),
-        pack_arrays({"c:s": np.float32(1.0).reshape(())}, meta),  # a 0-d column
-        raw_container({"__metadata__": {"srl": '{"created_at": NaN}'}, "c:obs": obs_entry}, obs.tobytes()),
-        raw_container({"__metadata__": meta_of(header), "c:obs": obs_entry, "c:o2": obs_entry},
-                      obs.tobytes()),  # two arrays on the same bytes
-        raw_container({"__metadata__": meta_of(header), "c:obs": obs_entry}, obs.tobytes() + b"x"),  # trailing
-        raw_container({"__metadata__": meta_of(header), "c:obs": {**obs_entry, "data_offsets": [4, 52]}},
-                      b"\0" * 52),  # a gap
-        raw_container({"__metadata__": meta_of(header), "c:obs": {**obs_entry, "dtype": "BF16"}}, b"\0" * 48),
-        raw_container({"__metadata__": meta_of(header), "c:obs": {**obs_entry, "shape": [2**40, 2**40]}},
-                      obs.tobytes()),  # a shape whose size overflows
-        raw_container({"__metadata__": meta_of(header)}, b"", pad_to=70 * 1024),  # a header over 64 KiB
+        raw_container({"__metadata__": {"srl": '{"epoch": NaN'}, "w": obs_entry}, obs.tobytes()),
+        raw_container({"__metadata__": meta, "w": obs_entry, "w2": obs_entry}, obs.tobytes()),  # shared bytes
+        raw_container({"__metadata__": meta, "w": obs_entry}, obs.tobytes() + b"x"),  # trailing
+        raw_container({"__metadata__": meta, "w": {**obs_entry, "data_offsets": [4, 52]}}, b"\0" * 52),  # a gap
+        raw_container({"__metadata__": meta, "w": {**obs_entry, "dtype": "BF16"}}, b"\0" * 48),
+        raw_container({"__metadata__": meta, "w": {**obs_entry, "shape": [2**40, 2**40]}}, obs.tobytes()),
+        raw_container({"__metadata__": meta}, b"", pad_to=70 * 1024),  # a header over 64 KiB
         raw_container({"__metadata__": {"srl": "[" * 5000}}, b""),  # deep nesting in the meta
         struct.pack("<Q", 2**63) + b"{}",  # header length past the end
         struct.pack("<Q", 5) + b"[" * 5,
     ]
     for payload in cases:
         with pytest.raises(DecodeError):
-            codec.decode_batch(frame + payload)
+            codec.decode_params(frame(payload, kind=KIND_PARAMS))
 
 
 def test_a_huge_json_header_is_refused_before_parsing() -> None:
     """14.7 KB of compressed header used to make the trainer allocate 401 MiB before refusing it."""
     header = {"__metadata__": {"srl": json.dumps({"pad": "x" * (40 * 2**20)})}}
-    payload = zlib.compress(raw_container(header, b""), 9)
-    frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, FLAG_COMPRESSED) + payload
-    assert len(frame) < 64 * 1024
+    data = frame(raw_container(header, b""), compressed=True, kind=KIND_PARAMS)
+    assert len(data) < 64 * 1024
     with pytest.raises(DecodeError, match=r"expands past max_bytes|over the 65536-byte limit"):
-        Codec(secret="", max_bytes=1 << 20).decode_batch(frame)
+        Codec(secret="", max_bytes=1 << 20).decode_params(data)
     with pytest.raises(DecodeError, match="65536-byte limit"):
-        Codec(secret="", max_bytes=64 << 20).decode_batch(frame)
+        Codec(secret="", max_bytes=64 << 20).decode_params(data)
 
 
 def test_decode_error_text_is_short() -> None:
     """A 16 KB malformed message once produced a 16 MiB error text (then logged and copied into events)."""
-    header, columns, _ = make_batch(4)
-    meta = {k: getattr(header, k) for k in header.__dataclass_fields__}
-    frame = struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, 0)
+    _, columns, _ = make_batch(4)
+    name = "n" * 255
     cases = [
-        frame + pack_arrays({"c:obs": columns["obs"]}, {**meta, "seq": "9" * 16_000}),
-        frame + pack_arrays({"c:obs": columns["obs"]}, {**meta, "actor_id": "a" * 16_000}),
-        frame + pack_arrays({"c:" + "n" * 16_000: columns["obs"]}, meta),
-        frame + raw_container({"x" * 16_000: 1}, b""),
+        forge_batch(columns, actor=b"a" * 16_000),
+        forge_batch({name: columns["obs"]}),
+        forge_batch({name: columns["obs"]}, count=3),
+        frame(raw_container({"x" * 16_000: 1}, b""), kind=KIND_PARAMS),
     ]
     for data in cases:
         with pytest.raises(DecodeError) as info:
-            Codec(secret="").decode_batch(data, SCHEMA)
+            decode = Codec(secret="").decode_params if data[5] == KIND_PARAMS else Codec(secret="").decode_batch
+            decode(data, SCHEMA) if decode.__name__ == "decode_batch" else decode(data)  # type: ignore[operator]
         assert len(str(info.value)) <= ERROR_TEXT_LIMIT
 
 
@@ -299,10 +343,8 @@ def test_schema_refuses_what_does_not_fit_the_algorithm() -> None:
     refused("upper bound", {**columns, "discount": np.full(8, 2.0, np.float32)})
     # values are the schema's check (the encoder refuses them too, see above): a forged frame gets here
     for bad in (np.inf, np.nan, -1.0):
-        forged = pack_arrays({**{f"c:{k}": v for k, v in columns.items()}, "p": np.full(8, bad, np.float32)},
-                             {k: getattr(header, k) for k in header.__dataclass_fields__})
         with pytest.raises(DecodeError, match="priorities must be finite"):
-            codec.decode_batch(struct.pack("<4sBBB", MAGIC, WIRE_VERSION, 1, 0) + forged, SCHEMA)
+            codec.decode_batch(forge_batch(columns, np.full(8, bad, np.float32)), SCHEMA)
     no_priorities = Schema(dict(SCHEMA.columns), priorities=False)
     with pytest.raises(DecodeError, match="carry none"):
         codec.decode_batch(codec.encode_batch(header, columns, priorities), no_priorities)

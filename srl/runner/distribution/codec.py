@@ -20,22 +20,35 @@ Frame::
     b"SRLW" | u8 wire version | u8 kind | u8 flags | payload | [32-byte HMAC-SHA256]
 
 ``kind`` is :data:`KIND_BATCH` or :data:`KIND_PARAMS`; ``flags`` bit 0 means the
-payload is zlib-compressed, bit 1 means the 32-byte trailer is present. The
-payload is an :mod:`srl.base.arrays` container (safetensors): a header of at
-most 64 KiB, then buffers that cover the rest exactly.
+payload is zlib-compressed, bit 1 means the 32-byte trailer is present.
 
-A batch's arrays are its columns (named ``"c:" + column``) and, optionally, the
-initial priorities (``"p"``); its meta is the :class:`BatchHeader`. The trainer
-checks them against the algorithm's :class:`~srl.base.schema.Schema`.
-A params message's meta carries epoch, version and train count; the reader
-checks them against what the board says (an old signed blob written back under
-a newer version is refused).
+A BATCH payload is fixed binary, no JSON (decoding one is a struct unpack, a
+dictionary lookup and one ``np.frombuffer`` per column)::
+
+    head    u16 actor-id bytes | u16 layout bytes | u32 rows | u8 priorities dtype (0: none) | 3 zero bytes
+            | i64 actor_index | i64 epoch | i64 seq | i64 params_version | f64 created_at      (52 bytes)
+    actor id (UTF-8) | layout | zero padding to a multiple of 8
+    one buffer per column, in layout order, then the priorities; each rows x row bytes, padded to 8
+
+    layout  u16 columns, then per column: u8 name bytes | name (UTF-8) | u8 dtype | u8 ndim | ndim x u32
+
+dtypes are codes into :data:`WIRE_DTYPES` (little endian). A layout is parsed
+once and remembered by its bytes, so a stream of batches of one shape pays for
+it once; every message still has its fields range-checked and its size checked
+against ``rows`` exactly. The :class:`BatchHeader` is the head; the trainer
+checks the columns against the algorithm's :class:`~srl.base.schema.Schema`.
+
+A PARAMS payload is an :mod:`srl.base.arrays` container (safetensors): a header
+of at most 64 KiB, then buffers that cover the rest exactly. Its meta carries
+epoch, version and train count; the reader checks them against what the board
+says (an old signed blob written back under a newer version is refused).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import struct
 import sys
@@ -51,7 +64,7 @@ from srl.base.schema import Schema
 
 MAGIC = b"SRLW"
 """first four bytes of every srl message"""
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """bumped whenever the frame or the batch/params layout changes incompatibly"""
 KIND_BATCH = 1
 KIND_PARAMS = 2
@@ -74,12 +87,23 @@ ERROR_TEXT_LIMIT = 200
 _MAX_ACTOR_ID = 256
 _MAX_INT = 2**63 - 1
 _MAX_TIME = 1e11  # seconds since the epoch; year 5138
-_COLUMN_PREFIX = "c:"
-_PRIORITIES = "p"
-# Bytes a batch message needs beyond its raw buffers: frame, signature, the safetensors
-# header (names, dtypes, shapes, offsets) and the JSON meta. Generous: see Codec.max_rows.
-_BATCH_FIXED_OVERHEAD = _FRAME.size + SIGNATURE_BYTES + 8 + 600
-_PER_ARRAY_OVERHEAD = 112
+WIRE_DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+               "float16", "float32", "float64")
+"""the dtypes a batch column may have; code i + 1 on the wire is WIRE_DTYPES[i], little endian"""
+_DTYPE_BY_CODE = {i + 1: np.dtype(name).newbyteorder("<") for i, name in enumerate(WIRE_DTYPES)}
+_CODE_BY_NAME = {name: i + 1 for i, name in enumerate(WIRE_DTYPES)}
+_BATCH_HEAD = struct.Struct("<HHIB3xqqqqd")
+_LAYOUT_COUNT = struct.Struct("<H")
+_MAX_COLUMNS = 1024
+_MAX_NDIM = 32
+_LAYOUT_CACHE_SIZE = 256
+_layouts: dict[bytes, tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]] = {}
+"""parsed layouts by their bytes: (name, dtype, row shape, items per row, bytes per row) per column"""
+# Bytes a batch message needs beyond its raw buffers: frame, signature, head, the longest actor id,
+# the layout's count and padding; per array its layout entry (but the name) and padding. An upper
+# bound: see Codec.max_rows.
+_BATCH_FIXED_OVERHEAD = _FRAME.size + SIGNATURE_BYTES + _BATCH_HEAD.size + _MAX_ACTOR_ID + _LAYOUT_COUNT.size + 7
+_PER_ARRAY_OVERHEAD = 3 + 4 * _MAX_NDIM + 7
 
 
 def _srl_version() -> str:
@@ -120,15 +144,6 @@ class BatchHeader:
     """number of rows in the batch"""
     created_at: float
     """time.time() at the actor when the batch was closed"""
-
-
-def _int_field(meta: Mapping[str, Any], key: str) -> int:
-    value = meta.get(key)
-    if type(value) is not int or not 0 <= value <= _MAX_INT:
-        raise DecodeError(
-            f"batch header field {key!r} must be an integer in 0..2**63-1, found {short(repr(value), 60)}"
-        )
-    return value
 
 
 def load_secret(secret: bytes | str | None) -> bytes | None:
@@ -211,6 +226,68 @@ def split_columns(
             )
         )
     return chunks
+
+
+def _header_problem(header: BatchHeader) -> str | None:
+    """Why ``header`` is not a batch head srl writes, or None (the same check on both ends)."""
+    actor = header.actor_id
+    if not isinstance(actor, str) or not 0 < len(actor.encode("utf-8", "replace")) <= _MAX_ACTOR_ID:
+        return f"batch header field 'actor_id' must be 1..{_MAX_ACTOR_ID} bytes of text, found {short(repr(actor), 60)}"
+    for key in ("actor_index", "epoch", "seq", "params_version"):
+        value = getattr(header, key)
+        if type(value) is not int or not 0 <= value <= _MAX_INT:
+            return f"batch header field {key!r} must be an integer in 0..2**63-1, found {short(repr(value), 60)}"
+    if type(header.count) is not int or not 0 <= header.count < 2**32:
+        return f"batch header field 'count' must be an integer in 0..2**32-1, found {short(repr(header.count), 60)}"
+    created = header.created_at
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created <= _MAX_TIME:
+        return f"batch header field 'created_at' must be a time in seconds, found {short(repr(created), 60)}"
+    return None
+
+
+def _wire_code(name: str, array: np.ndarray) -> int:
+    code = _CODE_BY_NAME.get(array.dtype.name)
+    if code is None:
+        raise TypeError(f"column {name[:80]!r} has dtype {array.dtype}; allowed: {list(WIRE_DTYPES)}")
+    return code
+
+
+def _padded(array: np.ndarray, code: int) -> tuple[np.ndarray, bytes]:
+    """The array's bytes, little endian and C-ordered, and the zeros that pad them to a multiple of 8."""
+    data = np.ascontiguousarray(array, dtype=_DTYPE_BY_CODE[code]).reshape(-1).view(np.uint8)
+    return data, bytes(-len(data) % 8)
+
+
+def _parse_layout(data: bytes) -> tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]:
+    """The columns a batch layout describes; DecodeError for anything but what encode_batch writes."""
+    try:
+        (n,) = _LAYOUT_COUNT.unpack_from(data, 0)
+        if not 0 < n <= _MAX_COLUMNS:
+            raise DecodeError(f"batch layout names {n} columns; 1..{_MAX_COLUMNS} expected")
+        entries = []
+        names: set[str] = set()
+        offset = _LAYOUT_COUNT.size
+        for _ in range(n):
+            name_len = data[offset]
+            name = data[offset + 1 : offset + 1 + name_len].decode()
+            if len(name.encode()) != name_len or not name or name in names:
+                raise DecodeError(f"batch layout column name {short(repr(name), 60)} is empty, cut or repeated")
+            offset += 1 + name_len
+            code, ndim = data[offset], data[offset + 1]
+            dtype = _DTYPE_BY_CODE.get(code)
+            if dtype is None or ndim > _MAX_NDIM:
+                raise DecodeError(f"batch column {name!r}: dtype code {code} (1..{len(WIRE_DTYPES)} known), "
+                                  f"{ndim} dimensions (at most {_MAX_NDIM})")
+            shape = struct.unpack_from(f"<{ndim}I", data, offset + 2)
+            offset += 2 + 4 * ndim
+            items = math.prod(shape)
+            names.add(name)
+            entries.append((name, dtype, shape, items, items * dtype.itemsize))
+    except (IndexError, struct.error, UnicodeDecodeError):
+        raise DecodeError("batch layout is cut short or not text where names belong") from None
+    if offset != len(data):
+        raise DecodeError(f"batch layout has {len(data) - offset} stray bytes after its {n} columns")
+    return tuple(entries)
 
 
 class Codec:
@@ -362,27 +439,43 @@ class Codec:
     def encode_batch(
         self, header: BatchHeader, columns: Mapping[str, np.ndarray], priorities: np.ndarray | None
     ) -> bytes:
-        """One BATCH message; raises ValueError if the arrays do not match ``header.count``."""
+        """One BATCH message; ValueError if the arrays do not match ``header.count`` or a field is out of
+        range, TypeError for a dtype outside :data:`WIRE_DTYPES`."""
         problem = _check_batch(header.count, columns, priorities)
         if problem is None and priorities is not None and header.count and not (
             np.isfinite(priorities).all() and priorities.min() >= 0
         ):
             problem = "priorities must be finite and >= 0"
+        if problem is None:
+            problem = _header_problem(header)
         if problem is not None:
             raise ValueError(f"cannot encode batch from {header.actor_id!r}: {problem}")
-        arrays = {_COLUMN_PREFIX + name: column for name, column in columns.items()}
+        if not 0 < len(columns) <= _MAX_COLUMNS:
+            raise ValueError(f"cannot encode batch from {header.actor_id!r}: 1..{_MAX_COLUMNS} columns, "
+                             f"found {len(columns)}")
+        layout = [_LAYOUT_COUNT.pack(len(columns))]
+        buffers: list[Any] = []
+        for name, column in columns.items():
+            raw_name, row_shape = name.encode(), column.shape[1:]
+            if len(raw_name) > 255 or len(row_shape) > _MAX_NDIM or max(row_shape, default=0) >= 2**32:
+                raise ValueError(f"column {name[:80]!r}: a name takes at most 255 bytes, a row at most "
+                                 f"{_MAX_NDIM} dimensions below 2**32; found shape {column.shape}")
+            code = _wire_code(name, column)
+            layout.append(struct.pack(f"<B{len(raw_name)}sBB{len(row_shape)}I", len(raw_name), raw_name, code,
+                                      len(row_shape), *row_shape))
+            buffers += _padded(column, code)
+        priorities_code = 0
         if priorities is not None:
-            arrays[_PRIORITIES] = priorities
-        meta = {
-            "actor_id": header.actor_id,
-            "actor_index": header.actor_index,
-            "epoch": header.epoch,
-            "seq": header.seq,
-            "params_version": header.params_version,
-            "count": header.count,
-            "created_at": header.created_at,
-        }
-        return self._seal(KIND_BATCH, pack_arrays(arrays, meta))
+            priorities_code = _wire_code("priorities", priorities)
+            buffers += _padded(priorities, priorities_code)
+        layout_bytes = b"".join(layout)
+        actor = header.actor_id.encode()
+        head = _BATCH_HEAD.pack(
+            len(actor), len(layout_bytes), header.count, priorities_code,
+            header.actor_index, header.epoch, header.seq, header.params_version, header.created_at,
+        )
+        size = len(head) + len(actor) + len(layout_bytes)
+        return self._seal(KIND_BATCH, b"".join((head, actor, layout_bytes, bytes(-size % 8), *buffers)))
 
     def decode_batch(
         self, data: bytes | bytearray | memoryview, schema: Schema | None = None
@@ -392,41 +485,54 @@ class Codec:
         With ``schema`` the columns must be exactly its columns (names, dtypes,
         row shapes, finite, within bounds), and priorities only where it allows
         them: a batch that passes can go into a buffer built from ``schema``.
+        The arrays are read-only views of one private copy of the payload.
         """
-        meta, arrays = self._unpack(self._open(data, KIND_BATCH))
-        actor_id = meta.get("actor_id")
-        created_at = meta.get("created_at")
-        if not isinstance(actor_id, str) or not 0 < len(actor_id) <= _MAX_ACTOR_ID:
-            raise DecodeError(
-                f"batch header field 'actor_id' must be 1..{_MAX_ACTOR_ID} characters, "
-                f"found {short(repr(actor_id), 60)}"
-            )
-        # An int is range-checked before any float conversion (10**400 overflows float()).
-        if isinstance(created_at, bool) or not (
-            (isinstance(created_at, int) and 0 <= created_at <= _MAX_TIME)
-            or (isinstance(created_at, float) and 0.0 <= created_at <= _MAX_TIME)
-        ):
-            raise DecodeError(
-                f"batch header field 'created_at' must be a time in seconds, found {short(repr(created_at), 60)}"
-            )
-        header = BatchHeader(
-            actor_id=actor_id,
-            actor_index=_int_field(meta, "actor_index"),
-            epoch=_int_field(meta, "epoch"),
-            seq=_int_field(meta, "seq"),
-            params_version=_int_field(meta, "params_version"),
-            count=_int_field(meta, "count"),
-            created_at=float(created_at),
-        )
-        priorities = arrays.pop(_PRIORITIES, None)
+        payload = self._open(data, KIND_BATCH)
+        size = len(payload)
+        if size < _BATCH_HEAD.size:
+            raise DecodeError(f"truncated batch: {size} bytes is shorter than its {_BATCH_HEAD.size}-byte head")
+        (actor_len, layout_len, count, priorities_code, actor_index, epoch, seq, params_version,
+         created_at) = _BATCH_HEAD.unpack_from(payload, 0)
+        offset = _BATCH_HEAD.size + actor_len + layout_len
+        if offset > size:
+            raise DecodeError(f"truncated batch: its head names {actor_len + layout_len} bytes of actor id and "
+                              f"layout, {size - _BATCH_HEAD.size} follow")
+        try:
+            actor_id = payload[_BATCH_HEAD.size : _BATCH_HEAD.size + actor_len].decode()
+        except UnicodeDecodeError:
+            raise DecodeError("batch header field 'actor_id' is not UTF-8 text") from None
+        header = BatchHeader(actor_id, actor_index, epoch, seq, params_version, count, created_at)
+        if problem := _header_problem(header):
+            raise DecodeError(problem)
+        layout_bytes = payload[offset - layout_len : offset]
+        layout = _layouts.get(layout_bytes)
+        if layout is None:
+            layout = _parse_layout(layout_bytes)
+            if len(_layouts) >= _LAYOUT_CACHE_SIZE:
+                _layouts.clear()  # many layouts: not one task's actors; parse each anew
+            _layouts[layout_bytes] = layout
+        entries = [*layout]
+        if priorities_code:
+            dtype = _DTYPE_BY_CODE.get(priorities_code)
+            if dtype is None or dtype.kind != "f":
+                raise DecodeError(f"batch priorities dtype code {priorities_code} is not a float type")
+            entries.append(("", dtype, (), 1, dtype.itemsize))
+        start = offset + (-offset % 8)
+        end = start
+        for entry in entries:
+            n = count * entry[4]
+            end += n + (-n % 8)
+        if end != size:
+            raise DecodeError(f"batch from {actor_id!r} seq {seq}: {count} rows of its {len(layout)} columns "
+                              f"{'and priorities ' if priorities_code else ''}take {end} bytes of payload; "
+                              f"the message has {size}")
         columns: dict[str, np.ndarray] = {}
-        for name, array in arrays.items():
-            if not name.startswith(_COLUMN_PREFIX):
-                raise DecodeError(f"unexpected array {name!r} in a batch")
-            columns[name[len(_COLUMN_PREFIX) :]] = array
-        problem = _check_batch(header.count, columns, priorities)
-        if problem is None and schema is not None:
-            problem = schema.problem(columns, priorities)
+        for name, dtype, shape, items, row_bytes in entries:
+            columns[name] = np.frombuffer(payload, dtype, count * items, start).reshape((count, *shape))
+            n = count * row_bytes
+            start += n + (-n % 8)
+        priorities = columns.pop("") if priorities_code else None
+        problem = None if schema is None else schema.problem(columns, priorities)
         if problem is not None:
             raise DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: {problem}")
         return header, columns, priorities
