@@ -220,6 +220,20 @@ def test_layouts_are_told_apart_and_byte_order_is_little_endian() -> None:
                 np.testing.assert_array_equal(got[name], cols[name])
 
 
+def test_remembered_layouts_stay_few_and_small_whatever_is_sent() -> None:
+    from srl.runner.distribution import codec as codec_module
+
+    codec = Codec(secret="")
+    header, columns, _ = make_batch(2)
+    for i in range(200):  # 200 layouts: column names no task has
+        codec.decode_batch(codec.encode_batch(header, {f"c{i}": columns["obs"]}, None))
+        assert len(codec_module._layouts) <= 64
+    wide = {f"{i:0>250}": columns["reward"] for i in range(20)}  # a 5 KB layout is parsed, not kept
+    _, got, _ = codec.decode_batch(codec.encode_batch(header, wide, None))
+    assert got.keys() == wide.keys()
+    assert all(len(key) <= 4096 for key in codec_module._layouts)
+
+
 def test_forged_batch_heads_and_layouts_are_decode_errors() -> None:
     """Every field of a batch may lie; each lie is a DecodeError, and nothing is allocated for a claimed size."""
     codec = Codec(secret="")

@@ -96,7 +96,8 @@ _BATCH_HEAD = struct.Struct("<HHIB3xqqqqd")
 _LAYOUT_COUNT = struct.Struct("<H")
 _MAX_COLUMNS = 1024
 _MAX_NDIM = 32
-_LAYOUT_CACHE_SIZE = 256
+_LAYOUT_CACHE_SIZE = 64
+_CACHED_LAYOUT_BYTES = 4096
 _layouts: dict[bytes, tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]] = {}
 """parsed layouts by their bytes: (name, dtype, row shape, items per row, bytes per row) per column"""
 # Bytes a batch message needs beyond its raw buffers: frame, signature, head, the longest actor id,
@@ -508,9 +509,10 @@ class Codec:
         layout = _layouts.get(layout_bytes)
         if layout is None:
             layout = _parse_layout(layout_bytes)
-            if len(_layouts) >= _LAYOUT_CACHE_SIZE:
-                _layouts.clear()  # many layouts: not one task's actors; parse each anew
-            _layouts[layout_bytes] = layout
+            if len(layout_bytes) <= _CACHED_LAYOUT_BYTES:  # the cache stays small whatever is sent
+                if len(_layouts) >= _LAYOUT_CACHE_SIZE:
+                    _layouts.clear()  # many layouts: not one task's actors; parse each anew
+                _layouts[layout_bytes] = layout
         entries = [*layout]
         if priorities_code:
             dtype = _DTYPE_BY_CODE.get(priorities_code)
