@@ -25,7 +25,7 @@ payload is zlib-compressed, bit 1 means the 32-byte trailer is present.
 A BATCH payload is fixed binary, no JSON (decoding one is a struct unpack, a
 dictionary lookup and one ``np.frombuffer`` per column)::
 
-    head    u16 actor-id bytes | u16 layout bytes | u32 rows | u8 priorities dtype (0: none) | 3 zero bytes
+    head    u16 actor-id bytes | u16 layout bytes | u32 rows | u8 priorities dtype (0: none) | 3 bytes (0, unread)
             | i64 actor_index | i64 epoch | i64 seq | i64 params_version | f64 created_at      (52 bytes)
     actor id (UTF-8) | layout | zero padding to a multiple of 8
     one buffer per column, in layout order, then the priorities; each rows x row bytes, padded to 8
