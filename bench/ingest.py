@@ -3,6 +3,7 @@
     python bench/ingest.py                        # every backend that answers; 256- and 16-row batches
     python bench/ingest.py --backends redis,amqp --rounds 5
     python bench/ingest.py --signed               # HMAC-signed batches (a secret set), as a secured cluster runs
+    python bench/ingest.py --repeat 3 --rounds 5  # three sweeps, then each ratio's median and range
 
 For each backend and message size, the queue is first filled with ``--messages`` valid batches
 (real DQN CartPole-v1 rows from the algorithm's own worker, a distinct sequence number each, as
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import threading
 import time
@@ -278,6 +280,11 @@ def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, roun
     return {"rate": got * rows / drain_s, "received": got * rows}
 
 
+def spread(values: list[float]) -> str:
+    """'median (min-max)' of sorted ``values``."""
+    return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="redis,amqp,mqtt,pubsub")
@@ -286,7 +293,11 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=800, help="messages per fill (below Mosquitto's 1000)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--signed", action="store_true", help="sign batches with a shared secret (HMAC)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the whole sweep this many times and end with "
+                        "the median and range of each ratio (they move by up to 0.15 from run to run on 2 cores)")
     args = parser.parse_args()
+    if args.repeat < 1 or args.rounds < 1 or args.messages < 1:
+        parser.error("--repeat, --rounds and --messages must be at least 1")
     logging.getLogger("srl").setLevel(logging.WARNING)
     options = TrainerOptions(uid="bench-ingest", secret=uuid.uuid4().hex if args.signed else "")
     header = (f"{'backend':<8} {'rows/msg':>8} {'bytes/msg':>9} {'srl rows/s':>11} {'raw rows/s':>11} "
@@ -296,25 +307,38 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     failed = False
-    for backend in args.backends.split(","):
-        why = unavailable(backend)
-        if why:
-            print(f"{backend:<8} skipped: {why}")
-            continue
-        for rows in (int(x) for x in args.rows.split(",")):
-            srl_result = measure_srl(backend, rows, args.messages, args.rounds, options)
-            blobs = encoded_batches(rows, args.messages * (args.rounds + 1), "raw", options)
-            raw = measure_raw(backend, blobs, rows, args.messages, args.rounds, options.ingest_max_messages)
-            transport = measure_transport(backend, blobs, rows, args.messages, args.rounds,
-                                          options.ingest_max_messages)
-            lost = srl_result["sent"] - srl_result["received"]
-            failed = failed or lost > 0 or srl_result["bad"] > 0 or raw["received"] < rows * args.messages * args.rounds
-            print(f"{backend:<8} {rows:>8} {srl_result['bytes']:>9,} {srl_result['rate']:>11,.0f} "
-                  f"{raw['rate']:>11,.0f} {srl_result['rate'] / raw['rate']:>6.2f} "
-                  f"{srl_result['rate'] / rows:>9,.0f} {transport:>11,.0f} {transport / raw['rate']:>6.2f} "
-                  f"{lost:>5} {srl_result['bad']:>4}", flush=True)
-            if srl_result["bad"]:
-                print(f"      last refused: {srl_result['last_bad']}")
+    ratios: dict[tuple[str, int], list[tuple[float, float, float]]] = {}  # (srl rate, srl ratio, queue ratio)
+    for repeat in range(args.repeat):
+        if repeat:
+            print(f"-- run {repeat + 1} of {args.repeat}")
+        for backend in args.backends.split(","):
+            why = unavailable(backend)
+            if why:
+                print(f"{backend:<8} skipped: {why}")
+                continue
+            for rows in (int(x) for x in args.rows.split(",")):
+                srl_result = measure_srl(backend, rows, args.messages, args.rounds, options)
+                blobs = encoded_batches(rows, args.messages * (args.rounds + 1), "raw", options)
+                raw = measure_raw(backend, blobs, rows, args.messages, args.rounds, options.ingest_max_messages)
+                transport = measure_transport(backend, blobs, rows, args.messages, args.rounds,
+                                              options.ingest_max_messages)
+                lost = srl_result["sent"] - srl_result["received"]
+                failed = (failed or lost > 0 or srl_result["bad"] > 0
+                          or raw["received"] < rows * args.messages * args.rounds)
+                ratios.setdefault((backend, rows), []).append(
+                    (srl_result["rate"], srl_result["rate"] / raw["rate"], transport / raw["rate"]))
+                print(f"{backend:<8} {rows:>8} {srl_result['bytes']:>9,} {srl_result['rate']:>11,.0f} "
+                      f"{raw['rate']:>11,.0f} {srl_result['rate'] / raw['rate']:>6.2f} "
+                      f"{srl_result['rate'] / rows:>9,.0f} {transport:>11,.0f} {transport / raw['rate']:>6.2f} "
+                      f"{lost:>5} {srl_result['bad']:>4}", flush=True)
+                if srl_result["bad"]:
+                    print(f"      last refused: {srl_result['last_bad']}")
+    if args.repeat > 1:
+        print(f"\nmedian (min-max) over {args.repeat} runs")
+        print(f"{'backend':<8} {'rows/msg':>8} {'srl rows/s':>11} {'ratio':>17} {'queue only ratio':>17}")
+        for (backend, rows), runs in ratios.items():
+            rate, ratio, queue = (sorted(column) for column in zip(*runs, strict=True))
+            print(f"{backend:<8} {rows:>8} {statistics.median(rate):>11,.0f} {spread(ratio):>17} {spread(queue):>17}")
     if failed:
         print("\nFAILED: a transition went missing or a message was refused (see above)")
     return 1 if failed else 0
