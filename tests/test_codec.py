@@ -25,6 +25,7 @@ from srl.runner.distribution.codec import (
     BatchHeader,
     Codec,
     DecodeError,
+    batch_message_bytes,
     row_nbytes,
     split_columns,
 )
@@ -234,6 +235,37 @@ def test_remembered_layouts_stay_few_and_small_whatever_is_sent() -> None:
     assert all(len(key) <= 4096 for key in codec_module._layouts)
 
 
+def test_encode_refuses_what_decode_would_with_a_clear_error() -> None:
+    codec = Codec(secret="")
+    header, columns, _ = make_batch(2)
+    with pytest.raises(ValueError, match="actor_id"):
+        codec.encode_batch(BatchHeader("\ud800", 0, 0, 0, 0, 2, 1.0), columns, None)  # a lone surrogate
+    with pytest.raises(ValueError, match="UTF-8"):
+        codec.encode_batch(header, {"\ud800": columns["obs"]}, None)
+    many = {f"{i:03d}" + "x" * 250: np.zeros((2,) + (1,) * 32, np.float32) for i in range(300)}
+    with pytest.raises(ValueError, match="at most 65535"):
+        codec.encode_batch(header, many, None)
+
+
+def test_batch_message_bytes_bounds_what_an_actor_sends() -> None:
+    """The trainer's size bound for a schema holds for incompressible rows, compressed and signed, the
+    longest actor id and long names (an honest actor must never be refused for size)."""
+    rng = np.random.default_rng(0)
+    schemas = [
+        SCHEMA,
+        Schema({"obs": Column("uint8", (4, 84, 84)), "version": Column("int64")}),
+        Schema({"é" * 127: Column("bool", (3,)), "b": Column("float16", (1,) * 32)}, priorities=True),
+    ]
+    for schema in schemas:
+        for rows in (1, 7, 300):
+            cols = {n: (rng.random((rows, *c.shape)) * 255).astype(c.dtype) for n, c in schema.columns.items()}
+            pri = rng.random(rows).astype(np.float32) if schema.priorities else None
+            header = BatchHeader("é" * 128, 1, 2, 3, 4, rows, time.time())
+            for compress in (False, True):
+                data = Codec(secret="k", compress=compress, task="t", max_bytes=1 << 30).encode_batch(header, cols, pri)
+                assert len(data) <= batch_message_bytes(schema, rows)
+
+
 def test_forged_batch_heads_and_layouts_are_decode_errors() -> None:
     """Every field of a batch may lie; each lie is a DecodeError, and nothing is allocated for a claimed size."""
     codec = Codec(secret="")
@@ -272,6 +304,10 @@ def test_forged_batch_heads_and_layouts_are_decode_errors() -> None:
         "a row of 2**64 bytes": forge_batch(obs, layout_bytes=layout(obs, {"obs": (2**32 - 1, 2**32 - 1)})),
         "a row of 2**64 bytes, one row": forge_batch(obs, count=1,
                                                      layout_bytes=layout(obs, {"obs": (2**32 - 1, 2**32 - 1)})),
+        "an empty row whose other dimensions overflow": forge_batch(
+            {"obs": np.zeros((1, 0), np.float32)}, layout_bytes=layout(obs, {"obs": (0, 2**32 - 1, 2**32 - 1)})),
+        "no rows of 2**64 bytes": forge_batch(
+            {"obs": np.zeros((0, 3), np.float32)}, layout_bytes=layout(obs, {"obs": (2**32 - 1, 2**32 - 1)})),
         "a trailing byte": forge_batch(obs) + b"x",
         "a buffer one byte short": forge_batch(obs, body=obs["obs"].tobytes()[:-1]),
         "a head alone": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0)),

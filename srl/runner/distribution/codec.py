@@ -4,8 +4,9 @@ Owns: every byte that crosses a broker or the board between an actor, the
 trainer and a client — the frame, its version byte, the optional zlib
 compression and the optional HMAC-SHA256 signature. Must never: use pickle (or
 anything else that runs code) on bytes read from a broker, raise anything but
-:class:`DecodeError` on bad input, or allocate more than ``max_bytes`` while
-decoding one message.
+:class:`DecodeError` on bad input, or allocate more than twice ``max_bytes``
+while decoding one message (a decompressed payload is at most ``max_bytes``;
+zlib's output pieces are joined once).
 
 What it trusts: nothing it reads. With a shared secret (``Codec(secret=...)``
 or the ``SRL_SECRET`` environment variable) every message is signed with a key
@@ -192,8 +193,9 @@ def row_nbytes(columns: Mapping[str, np.ndarray], priorities: np.ndarray | None 
 def batch_message_bytes(schema: Schema, rows: int) -> int:
     """An upper bound on the size of one signed BATCH message of ``rows`` rows of ``schema``."""
     arrays = len(schema.columns) + (1 if schema.priorities else 0)
-    overhead = _BATCH_FIXED_OVERHEAD + sum(_PER_ARRAY_OVERHEAD + len(n) for n in schema.columns)
-    return overhead + arrays * _PER_ARRAY_OVERHEAD + rows * schema.row_nbytes + 64
+    overhead = _BATCH_FIXED_OVERHEAD + sum(len(n.encode()) for n in schema.columns)
+    # zlib may grow incompressible rows by ~0.03% plus a few bytes (Codec.max_rows allows 0.1%)
+    return overhead + arrays * _PER_ARRAY_OVERHEAD + math.ceil(rows * schema.row_nbytes * 1.001) + 64
 
 
 PARAMS_HEADER_MARGIN = 256 * 1024
@@ -232,7 +234,11 @@ def split_columns(
 def _header_problem(header: BatchHeader) -> str | None:
     """Why ``header`` is not a batch head srl writes, or None (the same check on both ends)."""
     actor = header.actor_id
-    if not isinstance(actor, str) or not 0 < len(actor.encode("utf-8", "replace")) <= _MAX_ACTOR_ID:
+    try:
+        size = len(actor.encode()) if isinstance(actor, str) else -1
+    except UnicodeEncodeError:  # a lone surrogate
+        size = -1
+    if not 0 < size <= _MAX_ACTOR_ID:
         return f"batch header field 'actor_id' must be 1..{_MAX_ACTOR_ID} bytes of text, found {short(repr(actor), 60)}"
     for key in ("actor_index", "epoch", "seq", "params_version"):
         value = getattr(header, key)
@@ -457,9 +463,12 @@ class Codec:
         layout = [_LAYOUT_COUNT.pack(len(columns))]
         buffers: list[Any] = []
         for name, column in columns.items():
-            raw_name, row_shape = name.encode(), column.shape[1:]
+            try:
+                raw_name, row_shape = name.encode(), column.shape[1:]
+            except UnicodeEncodeError:
+                raise ValueError(f"column {name[:80]!r}: a name must be text UTF-8 can encode") from None
             if len(raw_name) > 255 or len(row_shape) > _MAX_NDIM or max(row_shape, default=0) >= 2**32:
-                raise ValueError(f"column {name[:80]!r}: a name takes at most 255 bytes, a row at most "
+                raise ValueError(f"column {name[:80]!r}: a name is at most 255 bytes of UTF-8, a row at most "
                                  f"{_MAX_NDIM} dimensions below 2**32; found shape {column.shape}")
             code = _wire_code(name, column)
             layout.append(struct.pack(f"<B{len(raw_name)}sBB{len(row_shape)}I", len(raw_name), raw_name, code,
@@ -470,6 +479,9 @@ class Codec:
             priorities_code = _wire_code("priorities", priorities)
             buffers += _padded(priorities, priorities_code)
         layout_bytes = b"".join(layout)
+        if len(layout_bytes) > 0xFFFF:
+            raise ValueError(f"cannot encode batch from {header.actor_id!r}: its {len(columns)} columns' names and "
+                             f"shapes take {len(layout_bytes)} bytes; at most 65535")
         actor = header.actor_id.encode()
         head = _BATCH_HEAD.pack(
             len(actor), len(layout_bytes), header.count, priorities_code,
@@ -530,7 +542,11 @@ class Codec:
                               f"the message has {size}")
         columns: dict[str, np.ndarray] = {}
         for name, dtype, shape, items, row_bytes in entries:
-            columns[name] = np.frombuffer(payload, dtype, count * items, start).reshape((count, *shape))
+            try:
+                columns[name] = np.frombuffer(payload, dtype, count * items, start).reshape((count, *shape))
+            except ValueError as e:  # an empty shape whose other dimensions overflow numpy's sizes
+                raise DecodeError(f"batch from {actor_id!r} seq {seq}: column {name!r} of shape "
+                                  f"{(count, *shape)}: {e}") from None
             n = count * row_bytes
             start += n + (-n % 8)
         priorities = columns.pop("") if priorities_code else None
@@ -548,7 +564,7 @@ class Codec:
         it with :func:`split_columns` to stay under a broker's message limit.
         """
         limit = min(max_message_bytes, self.max_bytes)
-        overhead = _BATCH_FIXED_OVERHEAD + sum(_PER_ARRAY_OVERHEAD + len(n) for n in columns)
+        overhead = _BATCH_FIXED_OVERHEAD + sum(_PER_ARRAY_OVERHEAD + len(n.encode()) for n in columns)
         if priorities is not None:
             overhead += _PER_ARRAY_OVERHEAD
         per_row = max(1, row_nbytes(columns, priorities))
