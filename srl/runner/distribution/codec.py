@@ -531,9 +531,10 @@ class Codec:
             if dtype is None or dtype.kind != "f":
                 raise DecodeError(f"batch priorities dtype code {priorities_code} is not a float type")
             entries.append(("", dtype, (), 1, dtype.itemsize))
-        start = offset + (-offset % 8)
-        end = start
+        starts = []  # each buffer's offset, padded to 8
+        end = offset + (-offset % 8)
         for entry in entries:
+            starts.append(end)
             n = count * entry[4]
             end += n + (-n % 8)
         if end != size:
@@ -541,14 +542,12 @@ class Codec:
                               f"{'and priorities ' if priorities_code else ''}take {end} bytes of payload; "
                               f"the message has {size}")
         columns: dict[str, np.ndarray] = {}
-        for name, dtype, shape, items, row_bytes in entries:
+        for (name, dtype, shape, items, _), start in zip(entries, starts, strict=True):
             try:
                 columns[name] = np.frombuffer(payload, dtype, count * items, start).reshape((count, *shape))
             except ValueError as e:  # an empty shape whose other dimensions overflow numpy's sizes
                 raise DecodeError(f"batch from {actor_id!r} seq {seq}: column {name!r} of shape "
                                   f"{(count, *shape)}: {e}") from None
-            n = count * row_bytes
-            start += n + (-n % 8)
         priorities = columns.pop("") if priorities_code else None
         problem = None if schema is None else schema.problem(columns, priorities)
         if problem is not None:
