@@ -280,6 +280,25 @@ def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, roun
     return {"rate": got * rows / drain_s, "received": got * rows}
 
 
+def measure_cell(backend: str, rows: int, messages: int, rounds: int,
+                 options: TrainerOptions) -> tuple[tuple[float, float, float], bool]:
+    """srl, the raw client and srl's queue alone on one backend and message size; prints the table's row.
+    Returns (srl rows/s, ÷ raw, queue alone ÷ raw) and whether a transition went missing or was refused."""
+    srl_result = measure_srl(backend, rows, messages, rounds, options)
+    blobs = encoded_batches(rows, messages * (rounds + 1), "raw", options)
+    raw = measure_raw(backend, blobs, rows, messages, rounds, options.ingest_max_messages)
+    transport = measure_transport(backend, blobs, rows, messages, rounds, options.ingest_max_messages)
+    lost = srl_result["sent"] - srl_result["received"]
+    failed = lost > 0 or srl_result["bad"] > 0 or raw["received"] < rows * messages * rounds
+    ratio, queue_ratio = srl_result["rate"] / raw["rate"], transport / raw["rate"]
+    print(f"{backend:<8} {rows:>8} {srl_result['bytes']:>9,} {srl_result['rate']:>11,.0f} {raw['rate']:>11,.0f} "
+          f"{ratio:>6.2f} {srl_result['rate'] / rows:>9,.0f} {transport:>11,.0f} {queue_ratio:>6.2f} "
+          f"{lost:>5} {srl_result['bad']:>4}", flush=True)
+    if srl_result["bad"]:
+        print(f"      last refused: {srl_result['last_bad']}")
+    return (srl_result["rate"], ratio, queue_ratio), failed
+
+
 def spread(values: list[float]) -> str:
     """'median (min-max)' of sorted ``values``."""
     return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
@@ -317,22 +336,9 @@ def main() -> int:
                 print(f"{backend:<8} skipped: {why}")
                 continue
             for rows in (int(x) for x in args.rows.split(",")):
-                srl_result = measure_srl(backend, rows, args.messages, args.rounds, options)
-                blobs = encoded_batches(rows, args.messages * (args.rounds + 1), "raw", options)
-                raw = measure_raw(backend, blobs, rows, args.messages, args.rounds, options.ingest_max_messages)
-                transport = measure_transport(backend, blobs, rows, args.messages, args.rounds,
-                                              options.ingest_max_messages)
-                lost = srl_result["sent"] - srl_result["received"]
-                failed = (failed or lost > 0 or srl_result["bad"] > 0
-                          or raw["received"] < rows * args.messages * args.rounds)
-                ratios.setdefault((backend, rows), []).append(
-                    (srl_result["rate"], srl_result["rate"] / raw["rate"], transport / raw["rate"]))
-                print(f"{backend:<8} {rows:>8} {srl_result['bytes']:>9,} {srl_result['rate']:>11,.0f} "
-                      f"{raw['rate']:>11,.0f} {srl_result['rate'] / raw['rate']:>6.2f} "
-                      f"{srl_result['rate'] / rows:>9,.0f} {transport:>11,.0f} {transport / raw['rate']:>6.2f} "
-                      f"{lost:>5} {srl_result['bad']:>4}", flush=True)
-                if srl_result["bad"]:
-                    print(f"      last refused: {srl_result['last_bad']}")
+                cell, cell_failed = measure_cell(backend, rows, args.messages, args.rounds, options)
+                ratios.setdefault((backend, rows), []).append(cell)
+                failed = failed or cell_failed
     if args.repeat > 1:
         print(f"\nmedian (min-max) over {args.repeat} runs")
         print(f"{'backend':<8} {'rows/msg':>8} {'srl rows/s':>11} {'ratio':>17} {'queue only ratio':>17}")
