@@ -10,6 +10,7 @@ import srl
 from srl.algorithms import UnknownAlgorithmError, config_class, dqn
 from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.env import BoxActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions, env_spec
+from srl.rl.blocks import to_device
 
 
 def random_rows(n: int, reward_std: float = 1.0) -> dict[str, np.ndarray]:
@@ -279,6 +280,39 @@ def test_value_rescale_is_invertible_and_shapes_the_target() -> None:
     torch.testing.assert_close(rescaled, dqn.rescale(plain), rtol=1e-4, atol=1e-4)  # the same target, in h's units
     terminal = dqn.td_targets(online, target, reward, torch.zeros(2), double_q=True, value_rescale=True)
     torch.testing.assert_close(terminal, dqn.rescale(reward))
+
+
+def test_a_nonfinite_loss_skips_the_step_and_leaves_weights_and_priorities_alone() -> None:
+    config = small_config()
+    config.memory.set_proportional_memory(config.warmup_size)  # the next add replaces every row
+    runner = srl.Runner("CartPole-v1", config)
+    memory = config.make_buffer(runner.spec)
+    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
+    slots = np.arange(config.warmup_size)
+    rows = random_rows(config.warmup_size)
+    rows["reward"][:] = np.inf  # every sampled target is infinite: the loss cannot be finite
+    memory.add(rows, np.ones(config.warmup_size, np.float32))
+    weights = [p.detach().clone() for p in runner.parameter.q.parameters()]  # type: ignore[attr-defined]
+    priorities = memory.tree.get(slots).copy()  # type: ignore[attr-defined]
+    stats = trainer.train()
+    assert stats is not None and stats.gradient_steps == 0 and stats.nonfinite_losses == 1
+    assert np.isnan(stats.loss) and trainer.train_count == 0
+    after = list(runner.parameter.q.parameters())  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(weights, after, strict=True))
+    np.testing.assert_array_equal(memory.tree.get(slots), priorities)  # type: ignore[attr-defined]
+
+    rows["reward"][:] = 1.0  # finite rows in every slot: the next step trains
+    memory.add(rows, np.ones(config.warmup_size, np.float32))
+    stats = trainer.train()
+    assert stats is not None and stats.gradient_steps == 1 and trainer.train_count == 1
+    assert not all(torch.equal(a, b) for a, b in zip(weights, after, strict=True))
+
+
+def test_to_device_keeps_a_cpu_batch_in_place() -> None:
+    array = np.arange(6, dtype=np.float32).reshape(3, 2)
+    tensor = to_device(array, torch.device("cpu"))
+    assert tensor.data_ptr() == array.ctypes.data and tensor.dtype == torch.float32  # no copy on the CPU
+    assert torch.equal(tensor, torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]))
 
 
 def test_invalid_config_is_refused_with_the_field_name() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from srl.base.rl import (
     torch_to_arrays,
 )
 from srl.base.schema import Column, Schema
-from srl.rl.blocks import MLPBlockConfig, make_adam
+from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
 
 VALUE_BOUND = 1e9
@@ -387,15 +388,15 @@ class DQNWorker(Worker):
         """|TD error| with this worker's weights (its copy stands in for the target network)."""
         device = self.parameter.device
         with torch.inference_mode():
-            obs = torch.from_numpy(columns["obs"]).to(device)
-            next_obs = torch.from_numpy(columns["next_obs"]).to(device)
+            obs = to_device(columns["obs"], device)
+            next_obs = to_device(columns["next_obs"], device)
             q_all = self.parameter.q(torch.cat([obs, next_obs]))
             q, q_next = q_all[: len(obs)], q_all[len(obs) :]
-            action = torch.from_numpy(columns["action"]).to(device)
+            action = to_device(columns["action"], device)
             q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
             target = td_targets(
-                q_next, q_next, torch.from_numpy(columns["reward"]).to(device),
-                torch.from_numpy(columns["discount"]).to(device), self.config.double_q, self.config.value_rescale,
+                q_next, q_next, to_device(columns["reward"], device),
+                to_device(columns["discount"], device), self.config.double_q, self.config.value_rescale,
             )
             return (target - q_sa).abs().cpu().numpy().astype(np.float32)
 
@@ -450,12 +451,12 @@ class DQNTrainer(Trainer):
             return None
         sample = self.memory.sample(self.config.batch_size)
         b, dev = sample.batch, self.device
-        obs = torch.from_numpy(b["obs"]).to(dev)
-        next_obs = torch.from_numpy(b["next_obs"]).to(dev)
-        action = torch.from_numpy(b["action"]).to(dev)
-        reward = torch.from_numpy(b["reward"]).to(dev)
-        discount = torch.from_numpy(b["discount"]).to(dev)
-        weights = torch.from_numpy(sample.weights).to(dev)
+        obs = to_device(b["obs"], dev)
+        next_obs = to_device(b["next_obs"], dev)
+        action = to_device(b["action"], dev)
+        reward = to_device(b["reward"], dev)
+        discount = to_device(b["discount"], dev)
+        weights = to_device(sample.weights, dev)
 
         q_net = self.parameter.q
         q_all = q_net(torch.cat([obs, next_obs]))
@@ -466,17 +467,19 @@ class DQNTrainer(Trainer):
                                 self.config.value_rescale)
         td = target - q_sa
         loss = (weights * LOSSES[self.config.loss](q_sa, target, reduction="none")).mean()
-        if not torch.isfinite(loss):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # The loss and |TD| reach the host in one copy, after the backward pass is queued: on CUDA each
+        # copy to the host waits for the device, so a step waits once instead of three times.
+        host = torch.cat([loss.detach().view(1), td.detach().abs()]).cpu().numpy()
+        loss_value, td_abs = float(host[0]), host[1:]
+        if not math.isfinite(loss_value):
             # Diverged on this sample (e.g. extreme rewards): skip the step rather than poison the weights.
             self.nonfinite_losses += 1
             return DQNStats(loss=float("nan"), gradient_steps=0, nonfinite_losses=self.nonfinite_losses)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         nn.utils.clip_grad_norm_(q_net.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
 
-        td_abs = td.detach().abs().cpu().numpy()
         self.memory.update_priorities(sample.indices, td_abs, sample.generations)
         self.train_count += 1
         tau = self.config.target_tau
@@ -485,4 +488,4 @@ class DQNTrainer(Trainer):
                 torch._foreach_lerp_(self._target_params, self._online_params, tau)
         elif self.train_count % self.config.target_update_interval == 0:
             self.sync_target()
-        return DQNStats(loss=float(loss.item()), td_abs=float(td_abs.mean()), nonfinite_losses=self.nonfinite_losses)
+        return DQNStats(loss=loss_value, td_abs=float(td_abs.mean()), nonfinite_losses=self.nonfinite_losses)

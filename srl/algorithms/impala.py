@@ -38,7 +38,7 @@ from srl.base.rl import (
 )
 from srl.base.schema import Schema
 from srl.rl.actor_critic import ActorCriticParameter, LinearAnneal, SegmentWorker, check_actions, segment_schema
-from srl.rl.blocks import MLPBlockConfig, make_adam
+from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 
 
@@ -203,15 +203,15 @@ class IMPALATrainer(Trainer):
         frac = self.anneal.advance(n * horizon, self.train_count)
         lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
-        obs = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
-        action = torch.from_numpy(segments["action"].reshape(n * horizon, *segments["action"].shape[2:])).to(dev)
+        obs = to_device(segments["obs"].reshape(n * horizon, -1), dev)
+        action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
         logprob, entropy, value = net.evaluate(obs, action)
         logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
-        behaviour = torch.from_numpy(segments["logprob"]).to(dev)
-        rewards = torch.from_numpy(segments["reward"]).to(dev)
-        discounts = config.gamma * (1.0 - torch.from_numpy(segments["done"]).to(dev).float())
+        behaviour = to_device(segments["logprob"], dev)
+        rewards = to_device(segments["reward"], dev)
+        discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
         with torch.no_grad():
-            bootstrap = net.value(torch.from_numpy(segments["last_obs"]).to(dev))
+            bootstrap = net.value(to_device(segments["last_obs"], dev))
             log_rhos = logprob.detach() - behaviour
             vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap,
                                     config.rho_bar, config.c_bar, config.vtrace_lambda)

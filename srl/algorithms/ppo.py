@@ -56,7 +56,7 @@ from srl.rl.actor_critic import (
     check_actions,
     segment_schema,
 )
-from srl.rl.blocks import MLPBlockConfig, make_adam
+from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 
 # Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box).
@@ -290,27 +290,28 @@ class PPOTrainer(Trainer):
         if config.normalize_reward:
             reward = self._scale_rewards(reward, segments["done"])
         values = segments["value"]
+        obs = to_device(segments["obs"].reshape(n * horizon, -1), dev)
         with torch.no_grad():
-            last_value = net.value(torch.from_numpy(segments["last_obs"]).to(dev)).cpu().numpy()
+            last_value = net.value(to_device(segments["last_obs"], dev)).cpu().numpy()
             if not config.sync:  # acted with older params: the current critic's values, not the actor's
-                flat = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
-                values = net.value(flat).cpu().numpy().reshape(n, horizon).astype(np.float32)
+                values = net.value(obs).cpu().numpy().reshape(n, horizon).astype(np.float32)
         advantages, returns = gae(reward, values, segments["done"], last_value,
                                   float(config.gamma or 0.99), float(config.gae_lambda or 0.95))
 
-        obs = torch.from_numpy(segments["obs"].reshape(n * horizon, -1)).to(dev)
-        action = torch.from_numpy(segments["action"].reshape(n * horizon, *segments["action"].shape[2:])).to(dev)
-        old_logprob = torch.from_numpy(segments["logprob"].reshape(-1)).to(dev)
-        old_value = torch.from_numpy(values.reshape(-1)).to(dev)
-        adv = torch.from_numpy(advantages.reshape(-1)).to(dev)
-        ret = torch.from_numpy(returns.reshape(-1)).to(dev)
+        action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
+        old_logprob = to_device(segments["logprob"].reshape(-1), dev)
+        old_value = to_device(values.reshape(-1), dev)
+        adv = to_device(advantages.reshape(-1), dev)
+        ret = to_device(returns.reshape(-1), dev)
 
         batch = n * horizon
         minibatch = max(1, batch // int(config.minibatches or 1))
-        clip_fractions, kl, steps = [], torch.zeros(()), 0
+        # per-minibatch statistics stay on the device until the end: a read on the host would wait for it
+        clip_fractions: list[torch.Tensor] = []
+        kl, steps = torch.zeros(()), 0
         pg_loss = v_loss = entropy_loss = torch.zeros(())
         for _ in range(int(config.epochs or 1)):
-            order = torch.randperm(batch)
+            order = torch.randperm(batch, device=dev)
             for start in range(0, batch, minibatch):
                 idx = order[start : start + minibatch]
                 logprob, entropy, value = net.evaluate(obs[idx], action[idx])
@@ -318,7 +319,7 @@ class PPOTrainer(Trainer):
                 ratio = log_ratio.exp()
                 with torch.no_grad():
                     kl = ((ratio - 1) - log_ratio).mean()
-                    clip_fractions.append(((ratio - 1.0).abs() > clip).float().mean().item())
+                    clip_fractions.append(((ratio - 1.0).abs() > clip).float().mean())
                 mb_adv = adv[idx]
                 if config.norm_adv and len(idx) > 1:
                     mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
@@ -347,6 +348,7 @@ class PPOTrainer(Trainer):
         return PPOStats(
             loss=float((pg_loss + config.vf_coef * v_loss).item()), gradient_steps=steps,
             policy_loss=float(pg_loss.item()), value_loss=float(v_loss.item()), entropy=float(entropy_loss.item()),
-            approx_kl=float(kl.item()), clip_fraction=float(np.mean(clip_fractions)) if clip_fractions else 0.0,
+            approx_kl=float(kl.item()),
+            clip_fraction=float(torch.stack(clip_fractions).mean().item()) if clip_fractions else 0.0,
             explained_variance=explained, lr=lr, segments=n, stale_segments=stale,
         )
