@@ -35,6 +35,7 @@ from srl.runner.distribution.queues import (
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
 from tests.conftest import broker_unavailable, port_open
+from tests.nodes import wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis, closed_port, redis_server_binaries
 
 PUBSUB_HOST = os.environ.get("PUBSUB_EMULATOR_HOST", "127.0.0.1:8085")
@@ -430,6 +431,35 @@ def test_mqtt_queue_survives_a_broker_restart(private_mosquitto: PrivateMosquitt
         assert sorted(m.data for m in got) == [b"after", b"held"]
         consumer.ack_many([*got, held])
         assert consumer.get(timeout=0.5) is None
+
+
+def test_an_mqtt_read_waits_its_linger_for_more_messages(namespace: str) -> None:
+    """The broker pushes messages one by one: a read that has its first message waits up to
+    ``read_linger_s`` for more, so the trainer pays its per-read costs once for several."""
+    broker = _mqtt()
+    with broker.open(namespace, "producer") as producer, \
+            broker.open(namespace, "consumer", read_linger_s=30.0) as consumer:
+        producer.put(b"first")
+        inbox = consumer._inbox  # type: ignore[attr-defined]
+        wait_for(lambda: not inbox.empty(), 10, "the broker to push the first message", interval=0.001)
+        errors: list[BaseException] = []
+
+        def put_second_once_the_first_is_taken() -> None:
+            try:
+                wait_for(inbox.empty, 10, "the read to take the first message", interval=0.001)
+                producer.put(b"second")
+            except BaseException as e:  # reported by the assertion below
+                errors.append(e)
+
+        thread = threading.Thread(target=put_second_once_the_first_is_taken, daemon=True)
+        thread.start()
+        try:
+            got = consumer.get_many(2, timeout=10)
+            thread.join(10)
+            assert errors == [] and [m.data for m in got] == [b"first", b"second"]  # one read, both
+            consumer.ack_many(got)
+        finally:
+            consumer.destroy()
 
 
 def _rabbitmqctl_close_connections(namespace: str) -> int:

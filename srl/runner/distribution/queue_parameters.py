@@ -187,6 +187,9 @@ class MQTTParameters:
     """MQTT keepalive; a dead connection is noticed after about 1.5 times this"""
     prefetch: int = 256
     """unacked messages the broker may push to the consumer (MQTT 5 Receive Maximum)"""
+    read_linger_s: float = 0.002
+    """once a read has its first message, how long it waits for more (up to the count asked): the broker
+    pushes messages one by one, and a read of one pays the trainer's per-read costs for one"""
     inflight: int = 128
     """QoS 1 publishes a producer keeps in flight before waiting for PUBACKs"""
     session_expiry_s: int = 7 * 24 * 3600

@@ -35,7 +35,7 @@ Connection string:
     query ``?client_id=NAME`` for the consumer's session.
 
 Options (fields of ``MQTTParameters``): topic_name, client_id, keepalive_s,
-prefetch, inflight, session_expiry_s, confirm_timeout_s, reconnect_timeout_s,
+prefetch, read_linger_s, inflight, session_expiry_s, confirm_timeout_s, reconnect_timeout_s,
 max_message_bytes, tls_ca_certs.
 
 TLS (``mqtts://`` or ``tls=True``): the broker's certificate is verified
@@ -450,9 +450,10 @@ class MQTTQueue(ExperienceQueue):
                 if remaining <= 0:
                     return []
         out: list[Message] = [first]
+        linger_end = time.monotonic() + self.params.read_linger_s
         while len(out) < max_messages:
-            try:
-                out.append(self._inbox.get_nowait())
+            try:  # what is there now, or what comes before the linger ends (a timeout of 0 only looks)
+                out.append(self._inbox.get(timeout=max(0.0, linger_end - time.monotonic())))
             except queue.Empty:
                 break
         return out
