@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -16,7 +17,8 @@ from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.task import build_task
 from srl.runner.distribution.trainer import SeenBatches, TrainerOptions, TrainerRun
-from tests.nodes import tiny_config
+from tests.conftest import broker_unavailable, port_open
+from tests.nodes import tiny_config, wait_for
 
 
 def test_replays_are_refused_within_and_beyond_the_window() -> None:
@@ -53,16 +55,19 @@ def test_actors_are_forgotten_least_recently_heard_first() -> None:
     assert not seen.is_new("a", 1) and not seen.is_new("c", 0) and not seen.is_new("d", 0)
 
 
-def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, namespace: str) -> None:
-    """The trainer validates and adds a read's good batches as one block; a bad, a duplicate and a
-    batch without priorities in the same read are each handled alone, and nothing good is lost."""
+BatchMaker = Callable[..., bytes]
+
+
+def trainer_run(redis_url: str, namespace: str, queue_url: str | None, scheme: str,
+                options: TrainerOptions) -> tuple[Board, RedisParameters, TrainerRun, BatchMaker]:
+    """A trainer's run of a tiny Pendulum DQN task on a fresh board, and a maker of valid batches of
+    8 real rows: ``batch(actor, seq, start, with_priorities=True, **columns replaced)``."""
     config = tiny_config()
     runner = srl.Runner("Pendulum-v1", config)
     params = RedisParameters(url=redis_url, task_name=namespace)
     board = Board(params.connect(), namespace)
-    board.create_task(json.dumps({**runner.task_config(), "actor_num": 2, "queue": {"scheme": "redis"}}))
-    options = TrainerOptions(uid="t", secret="", ingest_max_messages=16)
-    run = TrainerRun(board, params, None, build_task(*board.get_task_config_raw()), 1, options)
+    board.create_task(json.dumps({**runner.task_config(), "actor_num": 2, "queue": {"scheme": scheme}}))
+    run = TrainerRun(board, params, queue_url, build_task(*board.get_task_config_raw()), 1, options)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
     with Rollout(EnvConfig("Pendulum-v1"), worker, 1, seed=0) as rollout:
         while worker.pending() < 40:
@@ -78,7 +83,15 @@ def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, names
         return codec.encode_batch(BatchHeader(actor, 0, 0, seq, 0, 8, time.time()), cols,
                                   priorities[start:start + 8] if with_priorities else None)
 
-    nan_obs = np.full_like(rows["obs"][:8], np.nan)
+    return board, params, run, batch
+
+
+def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, namespace: str) -> None:
+    """The trainer validates and adds a read's good batches as one block; a bad, a duplicate and a
+    batch without priorities in the same read are each handled alone, and nothing good is lost."""
+    board, params, run, batch = trainer_run(redis_url, namespace, None, "redis",
+                                            TrainerOptions(uid="t", secret="", ingest_max_messages=16))
+    nan_obs = np.full((8, 3), np.nan, np.float32)  # Pendulum's observations, all NaN
     messages = [batch("a", 0, 0), batch("a", 1, 8), batch("a", 2, 16, obs=nan_obs), batch("a", 1, 8),
                 batch("b", 0, 24, with_priorities=False), batch("b", 1, 32)]
     producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
@@ -95,5 +108,45 @@ def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, names
         assert queue.depth() == 0  # all six acked, the bad and the duplicate too
     finally:
         run.stop.set("test over")
+        queue.destroy()
+        board.delete_task()
+
+
+def test_received_counts_reach_the_board_without_a_write_per_read(redis_url: str, namespace: str) -> None:
+    """Over MQTT (and Pub/Sub) actors take the queue's depth from the trainer's counts on the board.
+    Those are written when the queue runs dry, when half the queue's capacity was received since the
+    last write, or ``count_interval`` after it; not after every read."""
+    if not port_open("127.0.0.1", 1883):
+        broker_unavailable("Mosquitto", "127.0.0.1", 1883)
+    url = "mqtt://127.0.0.1:1883"
+    board, params, run, batch = trainer_run(redis_url, namespace, url, "mqtt",
+                                            TrainerOptions(uid="t", secret="", count_interval=3600.0))
+    assert run.task.queue_capacity == 8  # counts are written every 4 batches at the latest
+    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    queue = run.open_consumer()
+    inbox = queue._inbox  # type: ignore[attr-defined]
+    sent = 0
+
+    def send(n: int) -> None:  # n batches, returned once the broker pushed them all to the trainer
+        nonlocal sent
+        producer.put_many([batch("a", sent + i, 0) for i in range(n)])
+        sent += n
+        wait_for(lambda: inbox.qsize() >= n, 10, f"the broker to push {n} batches", interval=0.001)
+
+    def on_board() -> float:
+        return board.get_counters().get("received_batches", 0.0)
+
+    try:
+        send(1)
+        assert run.ingest_once(queue) == 1 and on_board() == 1  # the first count goes out at once
+        send(2)
+        assert run.ingest_once(queue) == 2 and on_board() == 1  # 2 of 4 and the interval not over: later
+        assert run.ingest_once(queue) == 0 and on_board() == 3  # the queue is dry: written now
+        assert run.ingest_once(queue) == 0 and on_board() == 3  # nothing new: nothing written twice
+        send(5)
+        assert run.ingest_once(queue) == 5 and on_board() == 8  # half the capacity: written at once
+    finally:
+        run.stop.set("test over")
+        producer.close()
         queue.destroy()
         board.delete_task()

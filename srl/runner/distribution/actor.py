@@ -371,7 +371,9 @@ class ActorRun:
         depth = self.queue.depth()
         if depth is not None:
             return depth
-        counters = self.board.get_counters()  # written at once by every actor and the trainer (see _send)
+        # actors write theirs at once (see _send); the trainer when the queue runs dry, every half capacity
+        # or count_interval: a depth read here is never below the queue's real one
+        counters = self.board.get_counters()
         return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
 
     def _flush(self) -> int | None:

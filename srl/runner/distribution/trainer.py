@@ -38,6 +38,7 @@ between (the epoch moved) fences it off, and the log names that trainer.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -93,6 +94,12 @@ class TrainerOptions(NodeOptions):
     ingest_max_messages: int = 16
     """batches fetched from the queue per round trip (with the task's message size, this bounds
     the bytes one read may bring)"""
+    count_interval: float = 0.05
+    """for queues whose depth actors read from the trainer's counts on the board (MQTT, Pub/Sub): while
+    batches keep coming, the counts are written when this many seconds have passed since the last
+    write or half the queue's capacity was received, and at once whenever the queue runs dry, instead
+    of after every read. Until then actors see the queue a little fuller than it is: they never send
+    past its capacity"""
     max_buffer_bytes: int = 0
     """largest buffer (replay memory) this trainer allocates for a task (0: 75% of this machine's
     memory); a task asking for more ends FAILED with the reason"""
@@ -242,6 +249,10 @@ class TrainerRun:
         self.seen = SeenBatches()
         self.lag = PolicyLag()
         self.counters = CounterDeltas()
+        self._uncounted = 0  # batches received over a queue without depth, not yet counted on the board
+        self._counted_at = -math.inf
+        # actors stop at queue_capacity batches in flight: counting every half of it keeps them going
+        self._count_every = max(1, task.queue_capacity // 2)
         self.received_batches = 0
         self.received_transitions = 0
         self.bad_messages = 0
@@ -381,20 +392,38 @@ class TrainerRun:
         if room is not None:  # a full buffer is not read into: the queue fills, actors wait
             count = min(count, room // self.max_message_rows)
             if count < 1:
+                self._count_on_board(now=True)
                 self.stop.wait(0.005)
                 return 0
-        messages = queue.get_many(count, timeout=0.2)
+        # with counts not yet on the board, only look: a dry queue gets them written before the wait
+        messages = queue.get_many(count, timeout=0.0 if self._uncounted else 0.2)
         if not messages:
+            self._count_on_board(now=True)
             return 0
         counts = self._ingest(messages)
         queue.ack_many(messages)  # after every message is in the buffer (or refused)
         self.data_arrived.set()
         self.counters.add(**counts)
-        if not queue.reports_depth:  # actors read the queue depth from these counters: write now
-            with self.counters.taken() as deltas:
-                with_retry(lambda: self.board.incr_counters("trainer", **deltas),
-                           "counting received batches", should_stop=self.stop.is_set)
+        if not queue.reports_depth:  # actors read the queue's depth from these counts
+            self._uncounted += len(messages)
+            self._count_on_board(now=self._uncounted >= self._count_every)
         return len(messages)
+
+    def _count_on_board(self, *, now: bool) -> None:
+        """Write what was received to the board, if the queue's depth is read from it: ``now`` (the
+        queue is dry, the buffer is full, or half the queue's capacity was taken since the last write,
+        so actors held back by it see room), or once ``count_interval`` has passed since the last write
+        (the heartbeat writes them too). A write per read costs a board round trip per message where
+        messages come one at a time and the queue never runs dry."""
+        if not self._uncounted:
+            return
+        if not now and time.monotonic() - self._counted_at < self.options.count_interval:
+            return
+        with self.counters.taken() as deltas:
+            with_retry(lambda: self.board.incr_counters("trainer", **deltas),
+                       "counting received batches", should_stop=self.stop.is_set)
+        self._uncounted = 0
+        self._counted_at = time.monotonic()
 
     def _ingest_loop(self) -> None:
         queue = None
