@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 
+import srl
 from srl.runner.distribution.board import (
     BOARD_FORMAT_VERSION,
     DEADLETTER_CAP,
@@ -23,6 +24,8 @@ from srl.runner.distribution.board import (
     TaskState,
 )
 from srl.runner.distribution.client import summary_lines
+from srl.runner.distribution.node import NodeOptions, lease_kept, serve
+from tests.nodes import tiny_config
 
 CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
 
@@ -105,6 +108,49 @@ def test_lease_expiry_frees_the_slot(task: Board) -> None:
     wait_until(lambda: board.lease_holder("actor:0")[0] is None)
     assert not board.renew_lease("actor:0", "a", 150)
     assert board.claim_actor_slot("b", actor_num=1, ttl_ms=10_000) == 0
+
+
+def test_a_lease_is_kept_while_a_node_builds_its_run_and_lapses_after(board: Board) -> None:
+    """A node renews its lease while it builds the run (which can outlast the TTL); after that, only its
+    run's heartbeats keep it."""
+    assert board.claim_lease("trainer", "a", 200)
+    with lease_kept(board, "trainer", "a", ttl_s=0.2, interval_s=0.05):
+        time.sleep(0.6)  # a build three times the TTL: the time passing is the case under test
+        assert board.lease_holder("trainer")[0] == "a"
+    wait_until(lambda: board.lease_holder("trainer")[0] is None)  # no heartbeats: it lapses
+    assert board.claim_lease("trainer", "b", 10_000)
+    with lease_kept(board, "trainer", "a", ttl_s=0.2, interval_s=0.05):  # another's: renewing cannot take it
+        time.sleep(0.1)
+    assert board.lease_holder("trainer")[0] == "b"
+
+
+def test_release_leases_of_frees_only_the_owners(board: Board) -> None:
+    board.create_task(CONFIG, actor_num=3)
+    assert board.claim_lease("trainer", "a", 10_000)
+    assert board.claim_actor_slot("a", 3, 10_000, prefer=1) == 1
+    assert board.claim_actor_slot("b", 3, 10_000) == 0
+    assert board.release_leases_of("a", 3) == ["trainer", "actor:1"]
+    assert board.held_leases(3) == ["actor:0"]
+    assert board.release_leases_of("a", 3) == []
+
+
+def test_a_node_stopped_mid_claim_releases_the_slot_the_board_granted(board: Board) -> None:
+    """Ctrl-C can land after the board granted a slot and before the node learned which: the node still
+    frees it on the way out, instead of leaving it held until its TTL runs out."""
+    board.create_task({**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "actor_num": 2})
+    board.set_active()
+
+    def claim_then_stop(task: object) -> int:
+        assert board.claim_actor_slot("a", 2, 60_000, prefer=1) == 1
+        raise KeyboardInterrupt
+
+    def never_built(task: object, slot: int) -> None:
+        raise AssertionError("the node was stopped before building")
+
+    with pytest.raises(KeyboardInterrupt):
+        serve("actor", board, "here", NodeOptions(uid="a"), None, claim=claim_then_stop,
+              lease_name=lambda slot: f"actor:{slot}", standby_note=lambda task: "", build_run=never_built)
+    assert board.held_leases(2) == []
 
 
 def test_claim_actor_slot_fills_in_order(task: Board) -> None:

@@ -9,7 +9,8 @@ claim a lease, run, repeat — with the rules both roles follow:
 * a task no node could build (unknown algorithm, bad field, an env module
   this node does not allow, a memory larger than it may allocate) ends
   FAILED with the reason, never a traceback, never left ACTIVE;
-* a just-claimed lease is released at once if building the run fails;
+* a just-claimed lease is released at once if building the run fails or the
+  node is stopped (Ctrl-C) while claiming or building;
 * Redis being away is waited out, with a line every few seconds;
 * a bug inside a run (not a message, not an outage) ends the task FAILED and
   the process with a clear error (:class:`NodeCrashedError`).
@@ -165,6 +166,30 @@ class _Notes:
         self.state = ""
 
 
+@contextlib.contextmanager
+def lease_kept(board: Board, name: str, uid: str, ttl_s: float, interval_s: float) -> Iterator[None]:
+    """Renew lease ``name`` every ``interval_s`` in a thread while the block runs: between claiming a
+    lease and a run's first heartbeat, building the run (torch's imports, a replay memory of gigabytes,
+    a CUDA context) can take longer than the lease's TTL on a busy machine, and a lease that lapses
+    then hands the task to a standby while this node is still building it."""
+    done = threading.Event()
+    ttl_ms = int(ttl_s * 1000)
+
+    def keep() -> None:
+        while not done.wait(interval_s):
+            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):  # a blip: the next renewal retries
+                if not board.renew_lease(name, uid, ttl_ms):
+                    return  # lost all the same: the run finds out at its first heartbeat
+
+    thread = threading.Thread(target=keep, name=f"srl-lease-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def serve(
     role: str,
     board: Board,
@@ -226,16 +251,22 @@ def serve(
             note(f"bad: {e}", "%s %s cannot read the task config: %s", role, uid, short(e), level=logging.WARNING)
             time.sleep(options.task_poll_interval)
             continue
-        claimed = with_retry(lambda: claim(task), f"claiming a {role} lease")  # noqa: B023 - called at once
+        try:
+            claimed = with_retry(lambda: claim(task), f"claiming a {role} lease")  # noqa: B023 - called at once
+        except BaseException:  # stopped mid-claim: the board may have granted a lease this node never learned of
+            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+                board.release_leases_of(uid, task.actor_num)
+            raise
         if claimed is None:
             note("standby", "%s", standby_note(task))
             time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
             continue
-        note.reset()
-        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-            board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
         try:
-            run = build_run(task, claimed)
+            note.reset()
+            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+                board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
+            with lease_kept(board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval):
+                run = build_run(task, claimed)
         except Exception as e:  # an env, network, memory or device this task cannot have here
             with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
                 board.release_lease(lease_name(claimed), uid)
