@@ -1,4 +1,5 @@
-"""The trainer's ingest: which batches it has seen (in bounded memory), and one read of many batches."""
+"""The trainer's ingest: which batches it has seen (in bounded memory), one read of many batches, the
+received counts actors read, and the lease kept while a run starts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 import srl
 from srl.base.env import EnvConfig
@@ -150,3 +152,22 @@ def test_received_counts_reach_the_board_without_a_write_per_read(redis_url: str
         producer.close()
         queue.destroy()
         board.delete_task()
+
+
+def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, namespace: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading params of hundreds of MB over a slow link can outlast the lease's TTL; the trainer renews
+    its lease until its heartbeats start, so a standby does not take the task over meanwhile."""
+    options = TrainerOptions(uid="t", secret="", lease_ttl=0.3, heartbeat_interval=0.05)
+    board, _, run, _ = trainer_run(redis_url, namespace, None, "redis", options)
+    assert board.claim_trainer("t", 300) == 1
+    holders: list[str | None] = []
+
+    def slow_restore() -> None:
+        time.sleep(1.0)  # a read that takes three TTLs: the time passing is the case under test
+        holders.append(board.lease_holder("trainer")[0])
+        run.stop.set("test over")
+
+    monkeypatch.setattr(run, "restore", slow_restore)
+    run.run()
+    assert holders == ["t"]

@@ -61,7 +61,14 @@ from srl.runner.distribution.codec import (
     params_message_bytes,
     short,
 )
-from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
+from srl.runner.distribution.node import (
+    CounterDeltas,
+    NodeOptions,
+    apply_overrides,
+    lease_kept,
+    require_remote,
+    serve,
+)
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
@@ -800,10 +807,12 @@ class TrainerRun:
 
     def run(self) -> str:
         opts = self.options
-        status = with_retry(self.board.get_status, "reading the task")
-        self.task_started_at = status.started_at if status is not None else None
-        self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
-        self.restore()
+        # params of hundreds of MB over a slow link can outlast the TTL: the lease is kept until heartbeats start
+        with lease_kept(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval):
+            status = with_retry(self.board.get_status, "reading the task")
+            self.task_started_at = status.started_at if status is not None else None
+            self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
+            self.restore()
         ingest = threading.Thread(target=self._ingest_loop, name="srl-trainer-ingest", daemon=True)
         board_thread = threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True)
         ingest.start()
