@@ -25,19 +25,9 @@ from srl.runner.distribution.board import (
 )
 from srl.runner.distribution.client import summary_lines
 from srl.runner.distribution.node import NodeOptions, lease_kept, serve
-from tests.nodes import tiny_config
+from tests.nodes import tiny_config, wait_for
 
 CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
-
-
-
-
-def wait_until(condition: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.01)
 
 
 @pytest.fixture()
@@ -105,7 +95,7 @@ def test_lease_expiry_frees_the_slot(task: Board) -> None:
     board = task
     assert board.claim_actor_slot("a", actor_num=1, ttl_ms=150) == 0
     assert board.claim_actor_slot("b", actor_num=1, ttl_ms=150) is None
-    wait_until(lambda: board.lease_holder("actor:0")[0] is None)
+    wait_for(lambda: board.lease_holder("actor:0")[0] is None, 5, "the lease to expire", interval=0.01)
     assert not board.renew_lease("actor:0", "a", 150)
     assert board.claim_actor_slot("b", actor_num=1, ttl_ms=10_000) == 0
 
@@ -117,7 +107,7 @@ def test_a_lease_is_kept_while_a_node_builds_its_run_and_lapses_after(board: Boa
     with lease_kept(board, "trainer", "a", ttl_s=0.2, interval_s=0.05):
         time.sleep(0.6)  # a build three times the TTL: the time passing is the case under test
         assert board.lease_holder("trainer")[0] == "a"
-    wait_until(lambda: board.lease_holder("trainer")[0] is None)  # no heartbeats: it lapses
+    wait_for(lambda: board.lease_holder("trainer")[0] is None, 5, "the lease to lapse", interval=0.01)  # no heartbeats
     assert board.claim_lease("trainer", "b", 10_000)
     with lease_kept(board, "trainer", "a", ttl_s=0.2, interval_s=0.05):  # another's: renewing cannot take it
         time.sleep(0.1)
@@ -323,7 +313,7 @@ def test_counters_sum_over_roles_and_stats_expire(client: redis.Redis, namespace
             board.incr_counters("trainer", **{"bad-name": 1})
         board.put_stats("trainer", {"loss": 0.5})
         assert board.get_all_stats()["trainer"]["loss"] == 0.5
-        wait_until(lambda: board.get_all_stats() == {})
+        wait_for(lambda: board.get_all_stats() == {}, 5, "the stats to expire", interval=0.01)
     finally:
         board.delete_task()
 

@@ -8,13 +8,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import redis
 
 from srl.runner.distribution.embedded import start_embedded_redis
 from srl.runner.distribution.redis_parameters import RedisParameters
+from tests.nodes import wait_for
 
 
 def port_open(port: int) -> bool:
@@ -24,13 +24,6 @@ def port_open(port: int) -> bool:
     except OSError:
         return False
 
-
-def wait_until(condition: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def pid_alive(pid: int) -> bool:
@@ -110,7 +103,7 @@ def test_server_dies_with_a_sigkilled_owner() -> None:
         assert redis.Redis(port=port).ping()
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
-        wait_until(lambda: not pid_alive(pid))
+        wait_for(lambda: not pid_alive(pid), 10, f"process {pid} to exit", interval=0.02)
         assert not port_open(port)
     finally:
         if owner.poll() is None:
