@@ -462,6 +462,34 @@ def test_an_mqtt_read_waits_its_linger_for_more_messages(namespace: str) -> None
             consumer.destroy()
 
 
+def test_a_rabbitmq_read_waits_its_linger_for_more_messages(namespace: str) -> None:
+    """After an ack the broker pushes the next messages at once: a read that has its first message waits
+    up to ``read_linger_s`` for more, instead of taking only those already in the socket."""
+    broker = _rabbitmq()
+    with broker.open(namespace, "producer") as producer, \
+            broker.open(namespace, "consumer", read_linger_s=30.0) as consumer:
+        producer.put(b"first")
+        errors: list[BaseException] = []
+        read_has_one = lambda: consumer._buffer or consumer._held  # type: ignore[attr-defined] # noqa: E731
+
+        def put_second_once_the_read_has_the_first() -> None:
+            try:  # this producer is used by this thread alone from here on
+                wait_for(read_has_one, 10, "the read to receive the first message", interval=0.001)
+                producer.put(b"second")
+            except BaseException as e:  # reported by the assertion below
+                errors.append(e)
+
+        thread = threading.Thread(target=put_second_once_the_read_has_the_first, daemon=True)
+        thread.start()
+        try:
+            got = consumer.get_many(2, timeout=10)
+            thread.join(10)
+            assert errors == [] and [m.data for m in got] == [b"first", b"second"]  # one read, both
+            consumer.ack_many(got)
+        finally:
+            consumer.destroy()
+
+
 def _rabbitmqctl_close_connections(namespace: str) -> int:
     """Make RabbitMQ close this test's connections (CONNECTION_FORCED, as in a broker shutdown)."""
     listing = subprocess.run(["rabbitmqctl", "list_connections", "pid", "client_properties", "-q",

@@ -93,6 +93,10 @@ class RabbitMQParameters:
     """durable queue name; None: derived from the task namespace (srl.<namespace>.exp)"""
     prefetch: int = 128
     """unacked messages the broker pushes ahead to the consumer (basic_qos prefetch_count)"""
+    read_linger_s: float = 0.002
+    """once a read has its first message, how long it waits for more (up to the count asked): after an
+    ack the broker pushes the next messages at once, and a read that takes only those already in the
+    socket pays the trainer's per-read costs for a few"""
     capacity: int = 100_000
     """x-max-length of the queue, a backstop: beyond it the broker refuses publishes
     (x-overflow reject-publish) and put raises QueueFullError; actors normally wait far earlier"""

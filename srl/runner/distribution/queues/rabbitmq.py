@@ -47,7 +47,7 @@ Connection string:
     to; a failed check raises ``BrokerUnavailableError`` saying so.
 
 Options (fields of ``RabbitMQParameters``, also through
-``open_queue(options=...)``): ssl_ca_certs, queue_name, prefetch, capacity,
+``open_queue(options=...)``): ssl_ca_certs, queue_name, prefetch, read_linger_s, capacity,
 queue_arguments, heartbeat_s, confirm_timeout_s, reconnect_timeout_s,
 max_message_bytes. Keywords of the ``RabbitMQQueue`` constructor only
 (``open_queue`` gives this backend the parameters' fields alone):
@@ -516,6 +516,11 @@ class RabbitMQQueue(ExperienceQueue):
                 if remaining <= 0:
                     return []
                 conn.process_data_events(time_limit=remaining)
+            # no more than the broker may push ahead of the acks (prefetch) can come while lingering
+            wanted = min(max_messages, self.params.prefetch - len(self._held))
+            linger_end = time.monotonic() + self.params.read_linger_s
+            while len(self._buffer) < wanted and (left := linger_end - time.monotonic()) > 0:
+                conn.process_data_events(time_limit=left)  # returns once a delivery came, or at the end
             out: list[Message] = []
             while self._buffer and len(out) < max_messages:
                 message = self._buffer.popleft()
