@@ -43,7 +43,10 @@ def make_trainer(device: str, hidden: tuple[int, ...], batch: int, memory_rows: 
                  threads: int = 1) -> dqn.DQNTrainer:
     """A DQN learner on ``device`` (``threads`` torch CPU threads) whose proportional memory holds
     ``memory_rows`` valid random rows."""
-    config = dqn.Config(batch_size=batch, warmup_size=max(batch, 1000), device=device, seed=0,
+    warmup_size = max(batch, 1000)
+    if memory_rows < warmup_size:  # the learner would not train at all and every row would read 0 steps/s
+        raise SystemExit(f"--memory {memory_rows} is below the learner's warm-up of {warmup_size} rows")
+    config = dqn.Config(batch_size=batch, warmup_size=warmup_size, device=device, seed=0,
                         torch_threads=threads)
     config.hidden_block.set_mlp(hidden)
     config.memory.set_proportional_memory(memory_rows)

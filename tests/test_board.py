@@ -103,15 +103,23 @@ def test_lease_expiry_frees_the_slot(task: Board) -> None:
 def test_a_lease_is_kept_while_a_node_builds_its_run_and_lapses_after(board: Board) -> None:
     """A node renews its lease while it builds the run (which can outlast the TTL); after that, only its
     run's heartbeats keep it."""
-    assert board.claim_lease("trainer", "a", 200)
-    with lease_kept(board, "trainer", "a", ttl_s=0.2, interval_s=0.05):
-        time.sleep(0.6)  # a build three times the TTL: the time passing is the case under test
+    assert board.claim_lease("trainer", "a", 1000)
+    with lease_kept(board, "trainer", "a", ttl_s=1.0, interval_s=0.1):
+        time.sleep(3.0)  # a build three times the TTL: the time passing is the case under test
         assert board.lease_holder("trainer")[0] == "a"
     wait_for(lambda: board.lease_holder("trainer")[0] is None, 5, "the lease to lapse", interval=0.01)  # no heartbeats
     assert board.claim_lease("trainer", "b", 10_000)
-    with lease_kept(board, "trainer", "a", ttl_s=0.2, interval_s=0.05):  # another's: renewing cannot take it
-        time.sleep(0.1)
+    with lease_kept(board, "trainer", "a", ttl_s=1.0, interval_s=0.05):  # another's: renewing cannot take it
+        time.sleep(0.2)
     assert board.lease_holder("trainer")[0] == "b"
+
+
+def test_a_start_that_hangs_lets_its_lease_lapse(board: Board) -> None:
+    """Renewing while a run starts stops after ``max_start_s``: a node whose start hangs (an env import,
+    a CUDA init, a read that never returns) does not hold the slot for ever."""
+    assert board.claim_lease("trainer", "a", 300)
+    with lease_kept(board, "trainer", "a", ttl_s=0.3, interval_s=0.05, max_s=0.6):
+        wait_for(lambda: board.lease_holder("trainer")[0] is None, 10, "the lease to lapse", interval=0.01)
 
 
 def test_release_leases_of_frees_only_the_owners(board: Board) -> None:
@@ -140,6 +148,27 @@ def test_a_node_stopped_mid_claim_releases_the_slot_the_board_granted(board: Boa
     with pytest.raises(KeyboardInterrupt):
         serve("actor", board, "here", NodeOptions(uid="a"), None, claim=claim_then_stop,
               lease_name=lambda slot: f"actor:{slot}", standby_note=lambda task: "", build_run=never_built)
+    assert board.held_leases(2) == []
+
+
+def test_a_node_stopped_before_its_run_reports_releases_its_slot(board: Board) -> None:
+    """Ctrl-C while a run starts (a trainer restoring params, before the run's own end-of-run release)
+    still frees the slot at once."""
+    board.create_task({**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "actor_num": 2})
+    board.set_active()
+
+    class Interrupted:
+        def run(self) -> str:
+            assert board.held_leases(2) == ["actor:0"]
+            raise KeyboardInterrupt
+
+        def summary(self) -> str:
+            return ""
+
+    with pytest.raises(KeyboardInterrupt):
+        serve("actor", board, "here", NodeOptions(uid="a"), None,
+              claim=lambda task: board.claim_actor_slot("a", 2, 60_000), lease_name=lambda slot: f"actor:{slot}",
+              standby_note=lambda task: "", build_run=lambda task, slot: Interrupted())
     assert board.held_leases(2) == []
 
 

@@ -158,16 +158,19 @@ def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, name
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading params of hundreds of MB over a slow link can outlast the lease's TTL; the trainer renews
     its lease until its heartbeats start, so a standby does not take the task over meanwhile."""
-    options = TrainerOptions(uid="t", secret="", lease_ttl=0.3, heartbeat_interval=0.05)
+    options = TrainerOptions(uid="t", secret="", lease_ttl=1.0, heartbeat_interval=0.1)
     board, _, run, _ = trainer_run(redis_url, namespace, None, "redis", options)
-    assert board.claim_trainer("t", 300) == 1
+    assert board.claim_trainer("t", 1000) == 1
     holders: list[str | None] = []
 
     def slow_restore() -> None:
-        time.sleep(1.0)  # a read that takes three TTLs: the time passing is the case under test
+        time.sleep(3.0)  # a read that takes three TTLs: the time passing is the case under test
         holders.append(board.lease_holder("trainer")[0])
         run.stop.set("test over")
 
     monkeypatch.setattr(run, "restore", slow_restore)
-    run.run()
+    try:
+        run.run()
+    finally:
+        board.delete_task()
     assert holders == ["t"]

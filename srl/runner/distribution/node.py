@@ -78,6 +78,10 @@ class NodeOptions:
     lease, e.g. to a pause longer than the TTL, it stands by for the same task)"""
     uid: str = ""
     """this process's name on the board (default: role-host-pid-random)"""
+    max_start_s: float = 600.0
+    """seconds a node keeps a just-claimed lease while it builds its run (imports, memory, a CUDA
+    context, params to restore), before its heartbeats start; a start that hangs longer lets the lease
+    lapse, so a standby takes the slot over"""
 
     def set_default_uid(self, role: str) -> None:
         if not self.uid:
@@ -167,19 +171,31 @@ class _Notes:
 
 
 @contextlib.contextmanager
-def lease_kept(board: Board, name: str, uid: str, ttl_s: float, interval_s: float) -> Iterator[None]:
-    """Renew lease ``name`` every ``interval_s`` in a thread while the block runs: between claiming a
-    lease and a run's first heartbeat, building the run (torch's imports, a replay memory of gigabytes,
-    a CUDA context) can take longer than the lease's TTL on a busy machine, and a lease that lapses
-    then hands the task to a standby while this node is still building it."""
+def lease_kept(board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
+               max_s: float = float("inf")) -> Iterator[None]:
+    """Renew lease ``name`` every ``interval_s`` in a thread while the block runs, for ``max_s`` at most:
+    between claiming a lease and a run's first heartbeat, building the run (torch's imports, a replay
+    memory of gigabytes, a CUDA context) can take longer than the lease's TTL on a busy machine, and a
+    lease that lapses then hands the task to a standby while this node is still building it. Past
+    ``max_s`` the lease is left to lapse: a start that hangs must not hold the slot for ever."""
     done = threading.Event()
     ttl_ms = int(ttl_s * 1000)
+    give_up_at = time.monotonic() + max_s
 
     def keep() -> None:
+        failed = False
         while not done.wait(interval_s):
-            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):  # a blip: the next renewal retries
+            if time.monotonic() >= give_up_at:
+                logger.warning("%s has not started its run within %.0f s of taking lease %s; no longer renewing "
+                               "it, so a standby can take over (max_start_s)", uid, max_s, name)
+                return
+            try:
                 if not board.renew_lease(name, uid, ttl_ms):
                     return  # lost all the same: the run finds out at its first heartbeat
+            except Exception as e:  # a blip, a failover (READONLY), a full Redis: the next renewal retries
+                if not failed:
+                    logger.warning("renewing lease %s while the run starts failed (%s); retrying", name, short(e))
+                failed = True
 
     thread = threading.Thread(target=keep, name=f"srl-lease-{name}", daemon=True)
     thread.start()
@@ -265,7 +281,8 @@ def serve(
             note.reset()
             with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
                 board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
-            with lease_kept(board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval):
+            with lease_kept(board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval,
+                            options.max_start_s):
                 run = build_run(task, claimed)
         except Exception as e:  # an env, network, memory or device this task cannot have here
             with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
@@ -286,6 +303,10 @@ def serve(
             message = f"{role} {uid} crashed: {type(e).__name__}: {short(e, 400)}"
             fail(message, config_json)
             raise NodeCrashedError(message) from e
+        except BaseException:  # Ctrl-C, also before the run's own end-of-run release (a trainer restoring)
+            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+                board.release_lease(lease_name(claimed), uid)
+            raise
         logger.info("%s %s stopped: %s (%s)", role, uid, reason, run.summary())
         with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
             board.log_event(f"{role} {uid} stopped: {reason} ({run.summary()})", source=uid)

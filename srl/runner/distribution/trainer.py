@@ -402,7 +402,8 @@ class TrainerRun:
                 self._count_on_board(now=True)
                 self.stop.wait(0.005)
                 return 0
-        # with counts not yet on the board, only look: a dry queue gets them written before the wait
+        # with counts not yet on the board, wait as little as the backend can (MQTT only looks; a Pub/Sub
+        # pull waits 0.1 s at least): a dry queue gets them written before the long wait
         messages = queue.get_many(count, timeout=0.0 if self._uncounted else 0.2)
         if not messages:
             self._count_on_board(now=True)
@@ -808,7 +809,7 @@ class TrainerRun:
     def run(self) -> str:
         opts = self.options
         # params of hundreds of MB over a slow link can outlast the TTL: the lease is kept until heartbeats start
-        with lease_kept(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval):
+        with lease_kept(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval, opts.max_start_s):
             status = with_retry(self.board.get_status, "reading the task")
             self.task_started_at = status.started_at if status is not None else None
             self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())

@@ -451,7 +451,8 @@ class MQTTQueue(ExperienceQueue):
                     return []
         out: list[Message] = [first]
         linger_end = time.monotonic() + self.params.read_linger_s
-        while len(out) < max_messages:
+        wanted = min(max_messages, self.params.prefetch)  # the broker pushes no more than that unacked
+        while len(out) < wanted:
             try:  # what is there now, or what comes before the linger ends (a timeout of 0 only looks)
                 out.append(self._inbox.get(timeout=max(0.0, linger_end - time.monotonic())))
             except queue.Empty:
