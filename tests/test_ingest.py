@@ -147,6 +147,9 @@ def test_received_counts_reach_the_board_without_a_write_per_read(redis_url: str
         assert run.ingest_once(queue) == 0 and on_board() == 3  # nothing new: nothing written twice
         send(5)
         assert run.ingest_once(queue) == 5 and on_board() == 8  # half the capacity: written at once
+        run.options.count_interval = 0.0  # from here on the interval is always over
+        send(2)
+        assert run.ingest_once(queue) == 2 and on_board() == 10  # 2 of 4, not dry: the interval writes them
     finally:
         run.stop.set("test over")
         producer.close()
