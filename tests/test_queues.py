@@ -433,6 +433,30 @@ def test_mqtt_queue_survives_a_broker_restart(private_mosquitto: PrivateMosquitt
         assert consumer.get(timeout=0.5) is None
 
 
+def _a_second_message_joins_the_read(producer: ExperienceQueue, consumer: ExperienceQueue,
+                                     read_has_first: Callable[[], object]) -> None:
+    """With ``b"first"`` on its way, a second message put only once ``read_has_first()`` says the read
+    holds the first comes back in that same read (the consumer lingers); then the queue is destroyed."""
+    errors: list[BaseException] = []
+
+    def put_second_once_the_read_has_the_first() -> None:
+        try:  # this producer is used by this thread alone from here on
+            wait_for(read_has_first, 10, "the read to take the first message", interval=0.001)
+            producer.put(b"second")
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=put_second_once_the_read_has_the_first, daemon=True)
+    thread.start()
+    try:
+        got = consumer.get_many(2, timeout=10)
+        thread.join(10)
+        assert errors == [] and [m.data for m in got] == [b"first", b"second"]  # one read, both
+        consumer.ack_many(got)
+    finally:
+        consumer.destroy()
+
+
 def test_an_mqtt_read_waits_its_linger_for_more_messages(namespace: str) -> None:
     """The broker pushes messages one by one: a read that has its first message waits up to
     ``read_linger_s`` for more, so the trainer pays its per-read costs once for several."""
@@ -442,24 +466,7 @@ def test_an_mqtt_read_waits_its_linger_for_more_messages(namespace: str) -> None
         producer.put(b"first")
         inbox = consumer._inbox  # type: ignore[attr-defined]
         wait_for(lambda: not inbox.empty(), 10, "the broker to push the first message", interval=0.001)
-        errors: list[BaseException] = []
-
-        def put_second_once_the_first_is_taken() -> None:
-            try:
-                wait_for(inbox.empty, 10, "the read to take the first message", interval=0.001)
-                producer.put(b"second")
-            except BaseException as e:  # reported by the assertion below
-                errors.append(e)
-
-        thread = threading.Thread(target=put_second_once_the_first_is_taken, daemon=True)
-        thread.start()
-        try:
-            got = consumer.get_many(2, timeout=10)
-            thread.join(10)
-            assert errors == [] and [m.data for m in got] == [b"first", b"second"]  # one read, both
-            consumer.ack_many(got)
-        finally:
-            consumer.destroy()
+        _a_second_message_joins_the_read(producer, consumer, inbox.empty)
 
 
 def test_a_rabbitmq_read_waits_its_linger_for_more_messages(namespace: str) -> None:
@@ -468,26 +475,9 @@ def test_a_rabbitmq_read_waits_its_linger_for_more_messages(namespace: str) -> N
     broker = _rabbitmq()
     with broker.open(namespace, "producer") as producer, \
             broker.open(namespace, "consumer", read_linger_s=30.0) as consumer:
-        producer.put(b"first")
-        errors: list[BaseException] = []
-        read_has_one = lambda: consumer._buffer or consumer._held  # type: ignore[attr-defined] # noqa: E731
-
-        def put_second_once_the_read_has_the_first() -> None:
-            try:  # this producer is used by this thread alone from here on
-                wait_for(read_has_one, 10, "the read to receive the first message", interval=0.001)
-                producer.put(b"second")
-            except BaseException as e:  # reported by the assertion below
-                errors.append(e)
-
-        thread = threading.Thread(target=put_second_once_the_read_has_the_first, daemon=True)
-        thread.start()
-        try:
-            got = consumer.get_many(2, timeout=10)
-            thread.join(10)
-            assert errors == [] and [m.data for m in got] == [b"first", b"second"]  # one read, both
-            consumer.ack_many(got)
-        finally:
-            consumer.destroy()
+        producer.put(b"first")  # delivered inside the read: pika reads the socket only then
+        _a_second_message_joins_the_read(producer, consumer,
+                                         lambda: consumer._buffer or consumer._held)  # type: ignore[attr-defined]
 
 
 def _rabbitmqctl_close_connections(namespace: str) -> int:

@@ -436,6 +436,11 @@ return 0
 
 
 # ---------------------------------------------------------------- parsing what was read
+def _lease_names(actor_num: int) -> list[str]:
+    """The names of a task's leases: ``trainer`` and ``actor:<i>`` for each of its slots."""
+    return ["trainer", *(f"actor:{i}" for i in range(max(0, min(actor_num, MAX_ACTORS))))]
+
+
 def _text(value: bytes | str | None, limit: int = 10_000) -> str | None:
     if value is None:
         return None
@@ -789,14 +794,14 @@ class Board:
     def release_leases_of(self, owner_uid: str, actor_num: int) -> list[str]:
         """Release every lease of the task ``owner_uid`` holds, and return their names: for a node stopped
         while its claim was in flight, when the board may have granted a slot the node never learned of."""
-        names = ["trainer", *(f"actor:{i}" for i in range(max(0, min(actor_num, MAX_ACTORS))))]
+        names = _lease_names(actor_num)
         holders = self.client.mget([self.lease_key(n) for n in names])
         mine = [name for name, holder in zip(names, holders, strict=True) if _text(holder, 256) == owner_uid]
         return [name for name in mine if self.release_lease(name, owner_uid)]
 
     def held_leases(self, actor_num: int) -> list[str]:
         """The names of the task's leases someone holds now (``trainer``, ``actor:<i>``), in one MGET."""
-        names = ["trainer", *(f"actor:{i}" for i in range(max(0, actor_num)))]
+        names = _lease_names(actor_num)
         holders = self.client.mget([self.lease_key(n) for n in names])
         return [name for name, holder in zip(names, holders, strict=True) if holder is not None]
 
