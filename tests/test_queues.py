@@ -415,6 +415,53 @@ def test_redis_takeover_by_xautoclaim(binary: str, namespace: str) -> None:
         server.cleanup()
 
 
+@pytest.mark.parametrize("binary", redis_server_binaries())
+def test_a_redis_read_keeps_no_more_than_the_read_limit(binary: str, namespace: str) -> None:
+    """Entries another writer shaped (a payload over the limit, thousands of fields, a large field
+    before the payload, no payload) come back refused, with what was sent beside them intact; the
+    large parts are dropped as they are read, never held, and the connection stays in step."""
+    import tracemalloc
+
+    import redis
+
+    server = PrivateRedis(binary)
+    try:
+        server.start()
+        limit = 1000
+        with open_queue(server.url, namespace=namespace, role="consumer", max_read_bytes=limit) as consumer:
+            raw = redis.Redis.from_url(server.url)
+            entries: list[dict[bytes, bytes]] = [
+                {b"d": b"first" * 100},
+                {b"d": b"\1" * (3 * 2**20)},  # 3 MiB: many socket reads to drop
+                {f"f{i}".encode(): b"x" for i in range(5000)},
+                {b"junk": b"j" * 4500, b"d": b"h" * limit},  # over the limit (and its slack) together
+                {b"other": b"field"},
+                {b"junk": b"j" * (limit + 5000), b"d": b"small"},  # dropped junk beside a payload
+                {b"d": b"last" * 250},
+            ]
+            for fields in entries:
+                raw.xadd(consumer.key, fields)  # type: ignore[attr-defined]
+            tracemalloc.start()
+            got = consumer.get_many(10, timeout=5)
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            assert peak < 2**20, f"the read held {peak} bytes at its peak"
+            assert [m.data for m in got] == [b"first" * 100, b"", b"", b"", b"", b"small", b"last" * 250]
+            reasons = [m.refused for m in got]
+            assert reasons[0] == reasons[5] == reasons[6] == ""
+            assert f"payload of {3 * 2**20} bytes is over the {limit}-byte read limit" in reasons[1]
+            assert "entry has 10000 fields" in reasons[2]
+            assert "other fields) is over the read limit" in reasons[3]
+            assert "entry has no b'd' field" in reasons[4]
+            consumer.ack_many(got)
+            assert consumer.depth() == 0
+            raw.xadd(consumer.key, {b"d": b"after"})  # type: ignore[attr-defined]
+            assert [m.data for m in drain(consumer, 1)] == [b"after"]
+            raw.close()
+    finally:
+        server.cleanup()
+
+
 def test_mqtt_queue_survives_a_broker_restart(private_mosquitto: PrivateMosquitto, namespace: str) -> None:
     url = private_mosquitto.url
     with open_queue(url, namespace=namespace, role="producer") as producer, \
