@@ -462,6 +462,47 @@ def test_a_redis_read_keeps_no_more_than_the_read_limit(binary: str, namespace: 
         server.cleanup()
 
 
+@pytest.mark.parametrize("binary", redis_server_binaries())
+def test_an_idle_redis_read_waits_in_redis_and_takes_what_comes(binary: str, namespace: str) -> None:
+    """A read with a timeout waits in one XREADGROUP BLOCK (not a poll every few ms); an entry put
+    while it waits is what it returns; the stream deleted under it is created again, not an error."""
+    import redis
+
+    server = PrivateRedis(binary)
+    try:
+        server.start()
+        raw = redis.Redis.from_url(server.url)
+        with open_queue(server.url, namespace=namespace, role="producer") as producer, \
+                open_queue(server.url, namespace=namespace, role="consumer") as consumer:
+            consumer.get_many(1, timeout=0)  # the takeover look at start, out of the count below
+            raw.config_resetstat()
+            assert consumer.get_many(4, timeout=0.5) == []
+            reads = raw.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)
+            assert 1 <= reads <= 2, f"{reads} reads while idle for 0.5 s"
+
+            def when_blocked(action: Callable[[], object]) -> threading.Thread:
+                def run() -> None:
+                    wait_for(lambda: raw.info("clients")["blocked_clients"] >= 1, 10, "the read waiting in Redis")
+                    action()
+                thread = threading.Thread(target=run)
+                thread.start()
+                return thread
+
+            putter = when_blocked(lambda: producer.put(b"while waiting"))
+            got = consumer.get_many(4, timeout=30)
+            putter.join()
+            assert [m.data for m in got] == [b"while waiting"]
+            consumer.ack_many(got)
+            deleter = when_blocked(lambda: raw.delete(consumer.key))  # type: ignore[attr-defined]
+            assert consumer.get_many(4, timeout=1.0) == []
+            deleter.join()
+            producer.put(b"after")
+            assert [m.data for m in drain(consumer, 1)] == [b"after"]
+        raw.close()
+    finally:
+        server.cleanup()
+
+
 def test_mqtt_queue_survives_a_broker_restart(private_mosquitto: PrivateMosquitto, namespace: str) -> None:
     url = private_mosquitto.url
     with open_queue(url, namespace=namespace, role="producer") as producer, \

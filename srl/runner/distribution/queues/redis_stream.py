@@ -14,10 +14,11 @@ Features:
       keeps an entry's payload only when it is at most ``max_read_bytes`` and drops, as it reads
       them off the socket, larger payloads, extra fields and over-long arrays; such an entry is
       handed out ``refused`` (its id and why) to be acked away. So one read holds at most
-      ``count * max_read_bytes`` (plus ids), whatever another writer put in the stream. Every
-      blocking read of Redis would tie up the connection, so an idle consumer polls instead,
-      backing off to ``poll_max_s`` (about fifty commands a second while idle, none extra while
-      batches flow: a sync learner that waits for its actors' segments sees them within 20 ms);
+      ``count * max_read_bytes`` (plus ids), whatever another writer put in the stream;
+    * waiting: a read with a timeout is one XREADGROUP BLOCK (split at the next takeover look and
+      at half the connection's ``socket_timeout``): an idle consumer sends about one command per
+      wait, and an entry put meanwhile comes back at once (a sync learner waiting for its actors'
+      segments);
     * capped: XADD trims the stream to about ``max_len`` entries (MAXLEN ~), a
       safety stop far above any queue capacity actors keep to (they wait at
       ``capacity`` batches): only a flood that ignores backpressure is trimmed;
@@ -40,7 +41,6 @@ Options (``open_queue(..., options={...})``):
     reconnect_timeout_s  how long to keep reconnecting before raising (60)
     max_message_bytes    largest payload put (256 MiB; Redis's proto-max-bulk-len is 512 MB)
     max_len              entries kept at most (MAXLEN ~; default 10,000)
-    poll_max_s           longest pause between reads of an idle consumer (0.02)
 """
 
 from __future__ import annotations
@@ -229,7 +229,6 @@ class RedisStreamQueue(ExperienceQueue):
         max_message_bytes: int = 256 * MiB,
         max_len: int = DEFAULT_MAX_LEN,
         max_read_bytes: int | None = None,
-        poll_max_s: float = 0.02,
     ) -> None:
         self.params = params
         self.role = role
@@ -243,8 +242,6 @@ class RedisStreamQueue(ExperienceQueue):
         self.max_message_bytes = max_message_bytes
         self.max_len = max(1, int(max_len))
         self.max_read_bytes = max_read_bytes
-        self.poll_max_s = max(0.001, poll_max_s)
-        self._poll_s = 0.001
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
         self._claim_cursor = b"0-0"
@@ -322,9 +319,10 @@ class RedisStreamQueue(ExperienceQueue):
             try:
                 return op()
             except redis.ResponseError as e:
-                if "NOGROUP" in str(e) and self.role == "consumer":
-                    logger.warning("%s: stream or group vanished (Redis restarted?); creating it again",
-                                   self.source_name)
+                # NOGROUP; UNBLOCKED: the stream was deleted while a read waited on it (Redis 7)
+                if ("NOGROUP" in str(e) or "UNBLOCKED" in str(e)) and self.role == "consumer":
+                    logger.warning("%s: stream or group vanished (Redis restarted? the task deleted?); "
+                                   "creating it again", self.source_name)
                     self._create_group()
                     return op()
                 raise
@@ -360,23 +358,27 @@ class RedisStreamQueue(ExperienceQueue):
                 claimed = self._call("claim", lambda: self._claim(max_messages))
                 if claimed:
                     return claimed
-            # bounded, non-blocking: what is there now, payloads over the limit left unread
-            fresh = self._call("get", lambda: self._read_new(max_messages))
-            if fresh:
-                self._poll_s = 0.001
+            fresh = self._call("get", lambda: self._read_new(max_messages, self._block_ms(deadline)))
+            if fresh or time.monotonic() >= deadline:
                 return fresh
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return []
-            time.sleep(min(remaining, self._poll_s))
-            self._poll_s = min(self._poll_s * 2, self.poll_max_s)
+
+    def _block_ms(self, deadline: float) -> int | None:
+        """How long the next read may wait in Redis: to the deadline, no later than the next takeover
+        look, and well inside the socket's timeout; None (do not block) under a millisecond."""
+        now = time.monotonic()
+        wait = min(deadline, self._next_claim) - now
+        socket_timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
+        if socket_timeout:
+            wait = min(wait, socket_timeout / 2)
+        return int(wait * 1000) if wait >= 0.001 else None
 
     def _read_limit(self) -> int:
         return self.max_read_bytes if self.max_read_bytes is not None else 2**62
 
-    def _read_new(self, count: int) -> list[Message]:
+    def _read_new(self, count: int, block_ms: int | None) -> list[Message]:
+        block = () if block_ms is None else ("BLOCK", block_ms)
         reply = self._client.execute_command(
-            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.key, ">")
+            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, *block, "STREAMS", self.key, ">")
         if not isinstance(reply, list) or not reply:
             return []
         stream = reply[0]
