@@ -25,6 +25,7 @@ from srl.runner.distribution.board import (
 )
 from srl.runner.distribution.client import summary_lines
 from srl.runner.distribution.node import NodeOptions, lease_kept, serve
+from srl.runner.distribution.redis_parameters import RedisParameters
 from tests.nodes import tiny_config, wait_for
 
 CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
@@ -521,3 +522,74 @@ def test_held_leases_lists_who_still_holds_one(board: Board) -> None:
     assert board.held_leases(3) == ["trainer", "actor:2"]
     board.release_lease("trainer", "t-1")
     assert board.held_leases(3) == ["actor:2"]
+
+
+class SilencingProxy:
+    """A TCP proxy to Redis whose open connections can be made to go silent: their bytes are
+    dropped from then on, both ways, with the sockets left open (a route that died under a
+    connection). New connections pass as before."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.target = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.silenced: set[int] = set()
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                inbound, _ = self.listener.accept()
+            except OSError:
+                return
+            outbound = socket.create_connection(self.target)
+            self.connections += 1
+            number = self.connections
+            for source, sink in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=self._pump, args=(source, sink, number), daemon=True).start()
+
+    def _pump(self, source: object, sink: object, number: int) -> None:
+        while True:
+            try:
+                data = source.recv(65536)  # type: ignore[attr-defined]
+            except OSError:
+                return
+            if not data:
+                return
+            if number not in self.silenced:
+                sink.sendall(data)  # type: ignore[attr-defined]
+
+    def silence_open_connections(self) -> None:
+        self.silenced.update(range(1, self.connections + 1))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_redis_connection_that_goes_silent_is_given_up_and_retried(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read on a connection whose route died times out (srl's default socket_timeout) and the
+    call is retried on a new connection, where it used to wait for ever."""
+    from srl.runner.distribution import redis_parameters
+    from srl.runner.distribution.retry import with_retry
+
+    monkeypatch.setattr(redis_parameters, "DEFAULT_SOCKET_TIMEOUT_S", 0.5)
+    proxy = SilencingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        client = RedisParameters(url=f"redis://127.0.0.1:{proxy.port}/0").connect()
+        assert client.ping()
+        proxy.silence_open_connections()
+        answers: list[object] = []
+        thread = threading.Thread(target=lambda: answers.append(with_retry(client.ping, "ping")), daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the ping still waits on the silent connection"
+        assert answers == [True] and proxy.connections == 2
+        client.close()
+    finally:
+        proxy.close()

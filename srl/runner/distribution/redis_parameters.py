@@ -29,6 +29,10 @@ def read_secret_file(path: str | None) -> str | None:
         raise ValueError(f"cannot read the password file {path!r}: {e}") from e
 
 
+# Longest wait for a reply's next bytes: twice the default lease TTL (5 s), so a node whose Redis
+# connection went silent has lost its lease anyway before it gives the connection up
+DEFAULT_SOCKET_TIMEOUT_S = 10.0
+
 TLS_VERIFY_HINT = (
     "set ssl_ca_certs (RedisParameters.ssl_ca_certs, --ssl-ca-certs, or ?ssl_ca_certs=PATH in the rediss:// URL) "
     "to the CA that signed the server's certificate, and connect by a host name that certificate names"
@@ -74,7 +78,9 @@ class RedisParameters:
     task_name: str = "srl"
     """task namespace: every key of the task lives under this prefix"""
     redis_options: dict[str, Any] = field(default_factory=dict)
-    """extra keyword options passed to redis.Redis (socket_timeout, ssl_ca_certs, ...)"""
+    """extra keyword options passed to redis.Redis (socket_timeout, ssl_ca_certs, ...); srl sets
+    socket_connect_timeout 5 s, socket_timeout ``DEFAULT_SOCKET_TIMEOUT_S`` (10 s) and
+    health_check_interval 30 s unless given here"""
     ssl_ca_certs: str | None = None
     """CA bundle (PEM file) that signed the server's TLS certificate; None: the system CAs. For a rediss://
     URL (?ssl_ca_certs=PATH in the URL does the same); with host, setting it turns TLS on. Over TLS the
@@ -116,7 +122,11 @@ class RedisParameters:
 
     def connect(self, **overrides: Any) -> redis.Redis:
         """A redis-py client for these parameters (no I/O until first use)."""
-        options: dict[str, Any] = {"socket_connect_timeout": 5.0, "health_check_interval": 30}
+        # socket_timeout: a connection that stops answering (a dropped route, a half-open TCP
+        # connection) raises TimeoutError, which every caller retries on a new connection, instead
+        # of leaving the node waiting for ever on one read; srl sends no command that waits longer
+        options: dict[str, Any] = {"socket_connect_timeout": 5.0, "socket_timeout": DEFAULT_SOCKET_TIMEOUT_S,
+                                   "health_check_interval": 30}
         options.update(self.redis_options)
         options.update(overrides)
         if self.username is not None:
