@@ -456,7 +456,17 @@ def test_a_redis_read_keeps_no_more_than_the_read_limit(binary: str, namespace: 
             consumer.ack_many(got)
             assert consumer.depth() == 0
             raw.xadd(consumer.key, {b"d": b"after"})  # type: ignore[attr-defined]
-            assert [m.data for m in drain(consumer, 1)] == [b"after"]
+            after = drain(consumer, 1)
+            assert [m.data for m in after] == [b"after"]
+            consumer.ack_many(after)
+            # more group members than a reply keeps: the next consumer still opens and reads
+            pipe = raw.pipeline(transaction=False)
+            for i in range(5000):
+                pipe.execute_command("XGROUP", "CREATECONSUMER", consumer.key, "trainer", f"member-{i}")  # type: ignore[attr-defined]
+            pipe.execute()
+        with open_queue(server.url, namespace=namespace, role="consumer", max_read_bytes=limit) as consumer:
+            raw.xadd(consumer.key, {b"d": b"next"})  # type: ignore[attr-defined]
+            assert [m.data for m in drain(consumer, 1)] == [b"next"]
             raw.close()
     finally:
         server.cleanup()

@@ -112,9 +112,9 @@ class BoundedReplyParser(_RESP2Parser):
     socket a chunk at a time, dropped, and replaced by ``Unread(size)``. A stream entry is
     ``[id, [field, value, ...]]``, so a read of ``count`` entries keeps at most ``count *
     max_kept`` bytes of payload, however large or many-fielded an entry another writer put: the
-    bound the consumer needs without a script, which would copy every payload through Lua (2.6x
-    the server time of the plain XREADGROUP at 16 entries of 15.5 KB). Subclassed per queue with
-    its limits (``bounded_parser``).
+    bound the consumer needs without a script, which copies every payload into Lua and back (307
+    µs of Redis time a read of 16 entries of 15.5 KB, against 15.5 µs for the plain XREADGROUP).
+    Subclassed per queue with its limits (``bounded_parser``).
     """
 
     max_kept: int = 2**62
@@ -305,7 +305,7 @@ class RedisStreamQueue(ExperienceQueue):
         """Drop group members that hold nothing and have been silent long (dead trainers)."""
         try:
             consumers = self._client.xinfo_consumers(self.key, self.group)
-        except redis.ResponseError:
+        except (redis.ResponseError, TypeError):  # TypeError: more members than a reply keeps (Unread)
             return
         for info in consumers:
             name = info.get("name")
