@@ -593,3 +593,18 @@ def test_a_redis_connection_that_goes_silent_is_given_up_and_retried(
         client.close()
     finally:
         proxy.close()
+
+
+def test_a_write_that_outlasts_the_socket_timeout_says_how_to_raise_it(caplog: pytest.LogCaptureFixture) -> None:
+    from srl.runner.distribution.retry import with_retry
+
+    errors = [redis.TimeoutError("Timeout writing to socket")]
+
+    def publish() -> str:
+        if errors:
+            raise errors.pop()
+        return "published"
+
+    with caplog.at_level("WARNING", logger="srl.retry"):
+        assert with_retry(publish, "publishing params") == "published"
+    assert "Timeout writing to socket" in caplog.text and "'socket_timeout'" in caplog.text

@@ -29,9 +29,10 @@ def read_secret_file(path: str | None) -> str | None:
         raise ValueError(f"cannot read the password file {path!r}: {e}") from e
 
 
-# Longest wait for a reply's next bytes: twice the default lease TTL (5 s), so a node whose Redis
-# connection went silent has lost its lease anyway before it gives the connection up
-DEFAULT_SOCKET_TIMEOUT_S = 10.0
+# Longest a read waits for a reply's next bytes, and (Python sockets time a send as a whole) the
+# longest one command's send may take: long enough for a few hundred MB of params over a link of
+# 5 MB/s; a slower link needs redis_options={"socket_timeout": ...}
+DEFAULT_SOCKET_TIMEOUT_S = 60.0
 
 TLS_VERIFY_HINT = (
     "set ssl_ca_certs (RedisParameters.ssl_ca_certs, --ssl-ca-certs, or ?ssl_ca_certs=PATH in the rediss:// URL) "
@@ -79,7 +80,7 @@ class RedisParameters:
     """task namespace: every key of the task lives under this prefix"""
     redis_options: dict[str, Any] = field(default_factory=dict)
     """extra keyword options passed to redis.Redis (socket_timeout, ssl_ca_certs, ...); srl sets
-    socket_connect_timeout 5 s, socket_timeout ``DEFAULT_SOCKET_TIMEOUT_S`` (10 s) and
+    socket_connect_timeout 5 s, socket_timeout ``DEFAULT_SOCKET_TIMEOUT_S`` (60 s) and
     health_check_interval 30 s unless given here"""
     ssl_ca_certs: str | None = None
     """CA bundle (PEM file) that signed the server's TLS certificate; None: the system CAs. For a rediss://

@@ -33,6 +33,15 @@ LOG_EVERY_S = 5.0
 """how often a wait in progress is reported"""
 
 
+def hint_for(error: BaseException) -> str:
+    """What to do about an error that waiting alone will not cure."""
+    if "Timeout writing" in str(error):
+        return ("; a write that outlasts the socket timeout (a large message or params over a slow link) "
+                "fails every time: raise RedisParameters(redis_options={'socket_timeout': seconds}), 60 s "
+                "by default")
+    return ""
+
+
 class BoardUnreachableError(ConnectionError):
     """Redis did not answer for longer than the caller is willing to wait."""
 
@@ -90,8 +99,8 @@ def with_retry(
                     f"{what}: no answer for {now - started:.0f}s ({e}); check that Redis is running and reachable"
                 ) from e
             if now >= next_log:
-                logger.warning("%s: waiting for the connection to come back (%.0fs so far: %s)",
-                               what, now - started, str(e)[:200])
+                logger.warning("%s: waiting for the connection to come back (%.0fs so far: %s)%s",
+                               what, now - started, str(e)[:200], hint_for(e))
                 next_log = now + log_every
             waited = True
             time.sleep(delay)

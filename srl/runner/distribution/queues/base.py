@@ -251,12 +251,15 @@ class Reconnector:
         reconnect: Callable[[], None],
         timeout_s: float,
         hint: str,
+        hint_for: Callable[[BaseException], str] = lambda error: "",
     ) -> None:
         self.broker = broker
         self.transient = transient
         self.reconnect = reconnect
         self.timeout_s = timeout_s
         self.hint = hint
+        self.hint_for = hint_for
+        """more advice for the last error, beyond ``hint``"""
 
     def call(self, op: Callable[[], T], what: str) -> T:
         try:
@@ -275,7 +278,7 @@ class Reconnector:
             if remaining <= 0:
                 raise BrokerUnavailableError(
                     f"{self.broker} did not come back within {self.timeout_s:.0f}s "
-                    f"(last error during {what}: {last_error}); {self.hint}"
+                    f"(last error during {what}: {last_error}); {self.hint}{self.hint_for(last_error)}"
                 ) from last_error
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 2.0)

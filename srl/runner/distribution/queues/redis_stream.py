@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import socket
 import time
@@ -56,8 +57,7 @@ from typing import Any
 
 import redis
 from redis._parsers.resp2 import _RESP2Parser
-from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
-from redis.utils import SENTINEL
+from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR
 
 from srl.runner.distribution.board import task_key_prefix
 from srl.runner.distribution.queues.base import (
@@ -71,6 +71,7 @@ from srl.runner.distribution.queues.base import (
     as_queue_messages,
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.retry import hint_for
 
 logger = logging.getLogger("srl.queues.redis")
 
@@ -90,6 +91,9 @@ _ENTRY_SLACK = 4096
 # Longest array a consumer's reply keeps: entries of one read (get_many reads at most this many),
 # an entry's fields (srl writes one), group members
 _MAX_ARRAY = 4096
+
+_COMPACT_AT = 1 << 20
+
 
 class Unread:
     """What a bounded reply holds in place of a bulk string or array it did not keep: its size
@@ -166,6 +170,7 @@ class BoundedReplyParser(_RESP2Parser):
     def _skip(self, timeout: Any) -> None:
         """Read one reply element off the socket and keep none of it."""
         assert self._buffer is not None
+        self._compact()
         raw = self._buffer.readline(timeout=timeout)
         if not raw:
             raise redis.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
@@ -198,6 +203,23 @@ class BoundedReplyParser(_RESP2Parser):
         finally:
             if timeout is not SENTINEL:
                 sock.settimeout(buffer.socket_timeout)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Let go of the reply's bytes already parsed once they pass 1 MiB: redis-py keeps a whole
+        reply in its buffer until the reply ends, and each socket read brings up to 64 KB, so the
+        parts dropped would otherwise pile up there (an entry of thousands of 60 KB fields). What
+        was kept is copied out already; a read that fails midway disconnects, so nothing rewinds."""
+        buffer = self._buffer
+        assert buffer is not None
+        if buffer.get_pos() < _COMPACT_AT:
+            return
+        held = buffer._buffer
+        rest = held.read()
+        held.seek(0)
+        held.truncate(0)
+        held.write(rest)
+        held.seek(0)
 
 
 def bounded_parser(max_kept: int, max_array: int) -> type[BoundedReplyParser]:
@@ -254,6 +276,7 @@ class RedisStreamQueue(ExperienceQueue):
             reconnect=self._reconnect,
             timeout_s=reconnect_timeout_s,
             hint="check that redis-server is running there (scripts/services.sh status) and reachable",
+            hint_for=hint_for,
         )
         try:
             self._client.ping()
@@ -279,8 +302,13 @@ class RedisStreamQueue(ExperienceQueue):
     def _connect(self) -> redis.Redis:
         # RESP2 for the bounded parser (every Redis speaks it); it bounds what a read can bring
         client = self.params.connect(decode_responses=False, protocol=2)
-        client.connection_pool.connection_kwargs["parser_class"] = bounded_parser(
-            self._read_limit() + _ENTRY_SLACK, _MAX_ARRAY)
+        # set on the pool, over the URL's options: a ?protocol=3 there would swap the parser out (and
+        # bring RESP3-only maintenance notifications with it)
+        options = client.connection_pool.connection_kwargs
+        if options.get("protocol") not in (None, 2, "2"):
+            options.pop("maint_notifications_config", None)
+            options.pop("maint_notifications_pool_handler", None)
+        options.update(protocol=2, parser_class=bounded_parser(self._read_limit() + _ENTRY_SLACK, _MAX_ARRAY))
         # Raw replies, parsed below: XAUTOCLAIM differs between Redis 6.2 and 7.x, and an entry
         # may hold Unread parts.
         for command in ("XAUTOCLAIM", "XREADGROUP"):
@@ -309,8 +337,8 @@ class RedisStreamQueue(ExperienceQueue):
             return
         for info in consumers:
             name = info.get("name")
-            if name is None or name in (self.consumer, self.consumer.encode()):
-                continue
+            if not isinstance(name, bytes) or name == self.consumer.encode():
+                continue  # not one to forget: this consumer, or a name longer than a reply keeps
             if int(info.get("pending", 0)) == 0 and int(info.get("idle", 0)) > max(self.claim_min_idle_ms, 600_000):
                 self._client.xgroup_delconsumer(self.key, self.group, name)
 
@@ -353,24 +381,28 @@ class RedisStreamQueue(ExperienceQueue):
         self._require_consumer()
         max_messages = min(max(1, int(max_messages)), _MAX_ARRAY)
         deadline = time.monotonic() + max(0.0, timeout)
+        paging = False  # a takeover look that has more pages to go: one page per call
         while True:
-            if time.monotonic() >= self._next_claim:
+            if not paging and time.monotonic() >= self._next_claim:
                 claimed = self._call("claim", lambda: self._claim(max_messages))
                 if claimed:
                     return claimed
+                paging = self._claim_cursor not in (b"0-0", b"0")
             fresh = self._call("get", lambda: self._read_new(max_messages, self._block_ms(deadline)))
             if fresh or time.monotonic() >= deadline:
                 return fresh
 
     def _block_ms(self, deadline: float) -> int | None:
-        """How long the next read may wait in Redis: to the deadline, no later than the next takeover
-        look, and well inside the socket's timeout; None (do not block) under a millisecond."""
+        """How long the next read may wait in Redis, in whole milliseconds: to the deadline, no later
+        than a takeover look that is due, and well inside the socket's timeout; None: do not wait."""
         now = time.monotonic()
-        wait = min(deadline, self._next_claim) - now
+        wait = deadline - now
+        if self._next_claim > now:
+            wait = min(wait, self._next_claim - now)
         socket_timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
         if socket_timeout:
             wait = min(wait, socket_timeout / 2)
-        return int(wait * 1000) if wait >= 0.001 else None
+        return math.ceil(wait * 1000) if wait > 0 else None
 
     def _read_limit(self) -> int:
         return self.max_read_bytes if self.max_read_bytes is not None else 2**62
@@ -405,7 +437,7 @@ class RedisStreamQueue(ExperienceQueue):
     def _payload(self, fields: Any) -> tuple[bytes, str]:
         """An entry's payload and '', or b'' and why it was not read."""
         if isinstance(fields, Unread):
-            return b"", f"entry has {fields.size} fields (srl writes one); not read"
+            return b"", f"entry has {fields.size // 2} fields (srl writes one); not read"
         if not isinstance(fields, list):
             return b"", "entry has no fields (not written by srl)"
         for name, value in zip(fields[::2], fields[1::2], strict=False):
