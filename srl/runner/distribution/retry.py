@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import redis
 
+from srl.runner.distribution.redis_parameters import DEFAULT_SOCKET_TIMEOUT_S
+
 T = TypeVar("T")
 
 logger = logging.getLogger("srl.retry")
@@ -37,8 +39,8 @@ def hint_for(error: BaseException) -> str:
     """What to do about an error that waiting alone will not cure."""
     if "Timeout writing" in str(error):
         return ("; a write that outlasts the socket timeout (a large message or params over a slow link) "
-                "fails every time: raise RedisParameters(redis_options={'socket_timeout': seconds}), 60 s "
-                "by default")
+                f"fails every time: raise RedisParameters(redis_options={{'socket_timeout': seconds}}), "
+                f"{DEFAULT_SOCKET_TIMEOUT_S:.0f} s by default")
     return ""
 
 

@@ -128,10 +128,7 @@ class BoundedReplyParser(_RESP2Parser):
                        budget: list[int] | None = None) -> Any:
         buffer = self._buffer
         assert buffer is not None
-        raw = buffer.readline(timeout=timeout)
-        if not raw:
-            raise redis.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
-        kind, rest = raw[:1], raw[1:]
+        kind, rest = self._header(timeout)
         if kind == b"$":
             length = int(rest)
             if length < 0:
@@ -162,19 +159,23 @@ class BoundedReplyParser(_RESP2Parser):
             if isinstance(error, redis.ConnectionError):
                 raise error
             return error
-        raise redis.exceptions.InvalidResponse(f"Protocol Error: {raw!r}")
+        raise redis.exceptions.InvalidResponse(f"Protocol Error: {kind + rest!r}")
 
     def _decoded(self, data: bytes, disable_decoding: bool) -> Any:
         return data if disable_decoding or self.encoder is None else self.encoder.decode(data)
 
-    def _skip(self, timeout: Any) -> None:
-        """Read one reply element off the socket and keep none of it."""
+    def _header(self, timeout: Any) -> tuple[bytes, bytes]:
+        """The next reply element's type byte and the rest of its first line."""
         assert self._buffer is not None
-        self._compact()
         raw = self._buffer.readline(timeout=timeout)
         if not raw:
             raise redis.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
-        kind, rest = raw[:1], raw[1:]
+        return raw[:1], raw[1:]
+
+    def _skip(self, timeout: Any) -> None:
+        """Read one reply element off the socket and keep none of it."""
+        self._compact()
+        kind, rest = self._header(timeout)
         if kind == b"$" and int(rest) >= 0:
             self._drop(int(rest) + 2, timeout)
         elif kind == b"*":
@@ -387,7 +388,7 @@ class RedisStreamQueue(ExperienceQueue):
                 claimed = self._call("claim", lambda: self._claim(max_messages))
                 if claimed:
                     return claimed
-                paging = self._claim_cursor not in (b"0-0", b"0")
+                paging = not self._claim_scan_done
             fresh = self._call("get", lambda: self._read_new(max_messages, self._block_ms(deadline)))
             if fresh or time.monotonic() >= deadline:
                 return fresh
@@ -417,6 +418,11 @@ class RedisStreamQueue(ExperienceQueue):
         return self._messages(stream[1] if isinstance(stream, list) and len(stream) == 2 else [],
                               redelivered=False)
 
+    @property
+    def _claim_scan_done(self) -> bool:
+        """Whether the last takeover look went through every pending entry (else more pages wait)."""
+        return self._claim_cursor in (b"0-0", b"0")
+
     def _claim(self, count: int) -> list[Message]:
         """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
         reply = self._client.execute_command(
@@ -424,7 +430,7 @@ class RedisStreamQueue(ExperienceQueue):
             "COUNT", count)
         cursor = reply[0] if isinstance(reply, list) and reply else b"0-0"
         self._claim_cursor = cursor if isinstance(cursor, bytes) else b"0-0"
-        if self._claim_cursor in (b"0-0", b"0"):
+        if self._claim_scan_done:
             self._next_claim = time.monotonic() + self.claim_interval_s
         # else: more pages are waiting; claim again on the next call
         messages = self._messages(reply[1] if isinstance(reply, list) and len(reply) > 1 else [],
