@@ -26,6 +26,7 @@ from srl.runner.distribution.codec import (
     Codec,
     DecodeError,
     batch_message_bytes,
+    join_frames,
     row_nbytes,
     split_columns,
 )
@@ -221,6 +222,35 @@ def test_layouts_are_told_apart_and_byte_order_is_little_endian() -> None:
                 np.testing.assert_array_equal(got[name], cols[name])
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_frames_of_one_layout_join_into_the_rows_each_decodes_to(compress: bool) -> None:
+    codec = Codec(secret="k", compress=compress)
+    batches = [make_batch(n, seed=n) for n in (3, 1, 0, 5)]
+    frames = [codec.open_batch(codec.encode_batch(*batch)) for batch in batches]
+    columns, priorities = join_frames(frames)
+    decoded = [codec.decode_batch(codec.encode_batch(*batch), SCHEMA) for batch in batches]
+    assert_same_batch((None, columns, priorities),
+                      (None, {name: np.concatenate([d[1][name] for d in decoded]) for name in columns},
+                       np.concatenate([d[2] for d in decoded])))
+    assert SCHEMA.problem(columns, priorities) is None
+    header, cols, _ = batches[0]
+    unprioritized = codec.open_batch(codec.encode_batch(header, cols, None))
+    renamed = codec.open_batch(codec.encode_batch(header, {**cols, "extra": cols["reward"]}, batches[0][2]))
+    for other in (unprioritized, renamed):  # a layout of its own: never read as if it were the first's
+        assert other.layout != frames[0].layout
+        with pytest.raises(ValueError, match="different columns"):
+            join_frames([frames[0], other])
+
+
+def test_a_mutable_message_is_copied_before_its_arrays_are_made() -> None:
+    codec = Codec(secret="k")
+    batch = make_batch(4)
+    data = bytearray(codec.encode_batch(*batch))
+    frame = codec.open_batch(data)
+    data[:] = bytes(len(data))  # the sender's buffer changes after the signature was checked
+    assert_same_batch(batch, (frame.header, *frame.arrays()))
+
+
 def test_remembered_layouts_stay_few_and_small_whatever_is_sent() -> None:
     from srl.runner.distribution import codec as codec_module
 
@@ -228,11 +258,11 @@ def test_remembered_layouts_stay_few_and_small_whatever_is_sent() -> None:
     header, columns, _ = make_batch(2)
     for i in range(200):  # 200 layouts: column names no task has
         codec.decode_batch(codec.encode_batch(header, {f"c{i}": columns["obs"]}, None))
-        assert len(codec_module._layouts) <= 64
+        assert len(codec_module._entries) <= 64
     wide = {f"{i:0>250}": columns["reward"] for i in range(20)}  # a 5 KB layout is parsed, not kept
     _, got, _ = codec.decode_batch(codec.encode_batch(header, wide, None))
     assert got.keys() == wide.keys()
-    assert all(len(key) <= 4096 for key in codec_module._layouts)
+    assert all(len(key) <= 4096 + 1 for key in codec_module._entries)
 
 
 def test_encode_refuses_what_decode_would_with_a_clear_error() -> None:

@@ -54,9 +54,9 @@ import os
 import struct
 import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -99,8 +99,11 @@ _MAX_COLUMNS = 1024
 _MAX_NDIM = 32
 _LAYOUT_CACHE_SIZE = 64
 _CACHED_LAYOUT_BYTES = 4096
-_layouts: dict[bytes, tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]] = {}
-"""parsed layouts by their bytes: (name, dtype, row shape, items per row, bytes per row) per column"""
+LayoutEntry = tuple[str, np.dtype, tuple[int, ...], int, int]
+"""one buffer of a batch: (column name, dtype, row shape, items per row, bytes per row); name '' is the
+priorities"""
+_entries: dict[bytes, tuple[LayoutEntry, ...]] = {}
+"""parsed layouts by their bytes and the priorities' dtype code: a batch's buffers in order"""
 # Bytes a batch message needs beyond its raw buffers: frame, signature, head, the longest actor id,
 # the layout's count and padding; per array its layout entry (but the name) and padding. An upper
 # bound: see Codec.max_rows.
@@ -128,9 +131,10 @@ class DecodeError(ValueError):
         super().__init__(short(message))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BatchHeader:
-    """Who sent a batch and where it sits in that sender's stream."""
+    """Who sent a batch and where it sits in that sender's stream (not frozen: a frozen dataclass
+    takes 1.2 µs to make, this 0.15 µs, and the trainer makes one per message it reads)."""
 
     actor_id: str
     """unique id of the actor process that sent the batch"""
@@ -265,7 +269,7 @@ def _padded(array: np.ndarray, code: int) -> tuple[np.ndarray, bytes]:
     return data, bytes(-len(data) % 8)
 
 
-def _parse_layout(data: bytes) -> tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]:
+def _parse_layout(data: bytes) -> tuple[LayoutEntry, ...]:
     """The columns a batch layout describes; DecodeError for anything but what encode_batch writes."""
     try:
         (n,) = _LAYOUT_COUNT.unpack_from(data, 0)
@@ -295,6 +299,67 @@ def _parse_layout(data: bytes) -> tuple[tuple[str, np.dtype, tuple[int, ...], in
     if offset != len(data):
         raise DecodeError(f"batch layout has {len(data) - offset} stray bytes after its {n} columns")
     return tuple(entries)
+
+
+def _parse_entries(layout: bytes, priorities_code: int) -> tuple[LayoutEntry, ...]:
+    """A batch's buffers in order: its layout's columns, then the priorities (name '') if it has them."""
+    entries = _parse_layout(layout)
+    if priorities_code:
+        dtype = _DTYPE_BY_CODE.get(priorities_code)
+        if dtype is None or dtype.kind != "f":
+            raise DecodeError(f"batch priorities dtype code {priorities_code} is not a float type")
+        entries += (("", dtype, (), 1, dtype.itemsize),)
+    return entries
+
+
+class BatchFrame(NamedTuple):
+    """A checked BATCH message whose arrays are not made yet (``Codec.open_batch``)."""
+
+    header: BatchHeader
+    layout: bytes
+    """the layout's bytes and the priorities' dtype code: frames with the same one join"""
+    entries: tuple[LayoutEntry, ...]
+    starts: tuple[int, ...]
+    """each buffer's offset in ``payload``"""
+    payload: bytes | memoryview
+
+    def arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """The columns and priorities: read-only views of the payload."""
+        count = self.header.count
+        columns: dict[str, np.ndarray] = {}
+        for entry, start in zip(self.entries, self.starts, strict=True):
+            columns[entry[0]] = _array(self.payload, entry, count, start, self.header)
+        priorities = columns.pop("", None)
+        return columns, priorities
+
+
+def _array(data: bytes | memoryview, entry: LayoutEntry, count: int, start: int, header: BatchHeader) -> np.ndarray:
+    name, dtype, shape, items, _ = entry
+    try:
+        return np.frombuffer(data, dtype, count * items, start).reshape((count, *shape))
+    except ValueError as e:  # an empty shape whose other dimensions overflow numpy's sizes
+        raise DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: column {name!r} of shape "
+                          f"{(count, *shape)}: {e}") from None
+
+
+def join_frames(frames: Sequence[BatchFrame]) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The rows of several frames of one layout as one block: per column, the frames' buffers joined
+    in one copy (ValueError when the layouts differ). The same arrays as concatenating each frame's
+    ``arrays()``, without making them."""
+    if len(frames) == 1:
+        return frames[0].arrays()
+    first = frames[0]
+    if any(frame.layout != first.layout for frame in frames):
+        raise ValueError("batches carry different columns")
+    total = sum(frame.header.count for frame in frames)
+    columns: dict[str, np.ndarray] = {}
+    for i, entry in enumerate(first.entries):
+        row_bytes = entry[4]
+        joined = b"".join([frame.payload[frame.starts[i] : frame.starts[i] + frame.header.count * row_bytes]
+                           for frame in frames])
+        columns[entry[0]] = _array(joined, entry, total, 0, first.header)
+    priorities = columns.pop("", None)
+    return columns, priorities
 
 
 class Codec:
@@ -369,8 +434,9 @@ class Codec:
             )
         return frame
 
-    def _open(self, data: bytes | bytearray | memoryview, kind: int) -> bytes:
-        """Check the frame and signature; the (decompressed) payload."""
+    def _open(self, data: bytes | bytearray | memoryview, kind: int) -> bytes | memoryview:
+        """Check the frame and signature; the (decompressed) payload: a view of ``data`` when that is
+        ``bytes`` (which nothing can change after the check), else a private copy."""
         try:
             view = memoryview(data).cast("B")
         except TypeError as e:
@@ -418,7 +484,7 @@ class Codec:
         payload = view[_FRAME.size : end]
         if flags & FLAG_COMPRESSED:
             return self._inflate(payload)
-        return bytes(payload)
+        return payload if isinstance(data, bytes) else bytes(payload)
 
     def _inflate(self, payload: memoryview) -> bytes:
         inflater = zlib.decompressobj()
@@ -498,8 +564,21 @@ class Codec:
         With ``schema`` the columns must be exactly its columns (names, dtypes,
         row shapes, finite, within bounds), and priorities only where it allows
         them: a batch that passes can go into a buffer built from ``schema``.
-        The arrays are read-only views of one private copy of the payload.
+        The arrays are read-only views of the message's own bytes (of a private
+        copy when it came as a mutable buffer).
         """
+        frame = self.open_batch(data)
+        columns, priorities = frame.arrays()
+        problem = None if schema is None else schema.problem(columns, priorities)
+        if problem is not None:
+            raise DecodeError(f"batch from {frame.header.actor_id!r} seq {frame.header.seq}: {problem}")
+        return frame.header, columns, priorities
+
+    def open_batch(self, data: bytes | bytearray | memoryview) -> BatchFrame:
+        """A BATCH message checked as ``decode_batch`` checks it (frame, signature, head, layout, every
+        buffer's size), its arrays not yet made: ``BatchFrame.arrays`` makes them, and
+        ``join_frames`` makes those of many frames as one block, a copy per column instead of an
+        array per column per message. DecodeError for anything but what ``encode_batch`` writes."""
         payload = self._open(data, KIND_BATCH)
         size = len(payload)
         if size < _BATCH_HEAD.size:
@@ -511,26 +590,21 @@ class Codec:
             raise DecodeError(f"truncated batch: its head names {actor_len + layout_len} bytes of actor id and "
                               f"layout, {size - _BATCH_HEAD.size} follow")
         try:
-            actor_id = payload[_BATCH_HEAD.size : _BATCH_HEAD.size + actor_len].decode()
+            actor_id = str(payload[_BATCH_HEAD.size : _BATCH_HEAD.size + actor_len], "utf-8")
         except UnicodeDecodeError:
             raise DecodeError("batch header field 'actor_id' is not UTF-8 text") from None
         header = BatchHeader(actor_id, actor_index, epoch, seq, params_version, count, created_at)
         if problem := _header_problem(header):
             raise DecodeError(problem)
-        layout_bytes = payload[offset - layout_len : offset]
-        layout = _layouts.get(layout_bytes)
-        if layout is None:
-            layout = _parse_layout(layout_bytes)
+        layout_bytes = bytes(payload[offset - layout_len : offset])
+        key = layout_bytes + bytes((priorities_code,))
+        entries = _entries.get(key)
+        if entries is None:
+            entries = _parse_entries(layout_bytes, priorities_code)
             if len(layout_bytes) <= _CACHED_LAYOUT_BYTES:  # the cache stays small whatever is sent
-                if len(_layouts) >= _LAYOUT_CACHE_SIZE:
-                    _layouts.clear()  # many layouts: not one task's actors; parse each anew
-                _layouts[layout_bytes] = layout
-        entries = [*layout]
-        if priorities_code:
-            dtype = _DTYPE_BY_CODE.get(priorities_code)
-            if dtype is None or dtype.kind != "f":
-                raise DecodeError(f"batch priorities dtype code {priorities_code} is not a float type")
-            entries.append(("", dtype, (), 1, dtype.itemsize))
+                if len(_entries) >= _LAYOUT_CACHE_SIZE:
+                    _entries.clear()  # many layouts: not one task's actors; parse each anew
+                _entries[key] = entries
         starts = []  # each buffer's offset, padded to 8
         end = offset + (-offset % 8)
         for entry in entries:
@@ -538,21 +612,11 @@ class Codec:
             n = count * entry[4]
             end += n + (-n % 8)
         if end != size:
-            raise DecodeError(f"batch from {actor_id!r} seq {seq}: {count} rows of its {len(layout)} columns "
+            columns = len(entries) - (1 if priorities_code else 0)
+            raise DecodeError(f"batch from {actor_id!r} seq {seq}: {count} rows of its {columns} columns "
                               f"{'and priorities ' if priorities_code else ''}take {end} bytes of payload; "
                               f"the message has {size}")
-        columns: dict[str, np.ndarray] = {}
-        for (name, dtype, shape, items, _), start in zip(entries, starts, strict=True):
-            try:
-                columns[name] = np.frombuffer(payload, dtype, count * items, start).reshape((count, *shape))
-            except ValueError as e:  # an empty shape whose other dimensions overflow numpy's sizes
-                raise DecodeError(f"batch from {actor_id!r} seq {seq}: column {name!r} of shape "
-                                  f"{(count, *shape)}: {e}") from None
-        priorities = columns.pop("") if priorities_code else None
-        problem = None if schema is None else schema.problem(columns, priorities)
-        if problem is not None:
-            raise DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: {problem}")
-        return header, columns, priorities
+        return BatchFrame(header, key, entries, tuple(starts), payload)
 
     def max_rows(
         self, columns: Mapping[str, np.ndarray], priorities: np.ndarray | None, max_message_bytes: int
@@ -594,7 +658,7 @@ class Codec:
         ``epoch``/``version``: what the board's record says about this blob; the
         blob's own (signed) meta must say the same.
         """
-        meta, arrays = self._unpack(self._open(data, KIND_PARAMS))
+        meta, arrays = self._unpack(bytes(self._open(data, KIND_PARAMS)))
         for key, expected in (("epoch", epoch), ("version", version)):
             if expected is not None and meta.get(key) != expected:
                 raise DecodeError(

@@ -55,9 +55,10 @@ from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
 from srl.runner.distribution.board import Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import (
-    BatchHeader,
+    BatchFrame,
     DecodeError,
     batch_message_bytes,
+    join_frames,
     params_message_bytes,
     short,
 )
@@ -77,10 +78,10 @@ from srl.runner.progress import ensure_logging
 from srl.runner.run_log import write_checkpoint
 from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint, task_config
 
-Decoded = tuple[Message, BatchHeader, Columns, "np.ndarray | None"]
-"""a batch message taken from the queue: the message, its header, its columns, its priorities"""
-Block = tuple[list[Decoded], Columns, "np.ndarray | None"]
-"""valid batches and their rows concatenated (columns, priorities)"""
+Opened = tuple[Message, BatchFrame]
+"""a batch message taken from the queue, and its checked frame (arrays not made yet)"""
+Block = tuple[list[Opened], Columns, "np.ndarray | None"]
+"""valid batches and their rows as one block (columns, priorities)"""
 
 logger = logging.getLogger("srl.trainer")
 
@@ -463,19 +464,21 @@ class TrainerRun:
         """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
         board. Never raises for a message.
 
-        Each message is decoded and deduplicated alone; the good ones are then checked against the
-        schema, filtered and added as a block (one validation and one buffer insert per read instead
-        of per message: per-call costs dominate small batches). Should a block fail its check, each
-        message is checked alone, so only the bad one is refused.
+        Each message is opened (frame, signature, head, sizes) and deduplicated alone; the good ones'
+        rows are then made as one block per layout, checked against the schema, filtered and added
+        (one array per column, one validation and one buffer insert per read instead of per message:
+        per-call costs dominate small batches). Should a block fail its check, each message is
+        checked alone, so only the bad one is refused.
         """
         bad = dups = 0
-        decoded: list[Decoded] = []
+        opened: list[Opened] = []
         taking: set[tuple[str, int]] = set()  # (sender, seq) in this read: a copy of one is a duplicate
         for message in messages:
             try:
                 if message.refused:
                     raise DecodeError(message.refused)
-                header, columns, priorities = self.codec.decode_batch(message.data)
+                frame = self.codec.open_batch(message.data)
+                header = frame.header
                 if header.count > self.max_message_rows:
                     raise DecodeError(f"batch of {header.count} rows; a message of this task carries at most "
                                       f"{self.max_message_rows}")
@@ -484,11 +487,11 @@ class TrainerRun:
                     dups += 1
                     continue
                 taking.add(key)
-                decoded.append((message, header, columns, priorities))
+                opened.append((message, frame))
             except Exception as e:  # whatever one message causes stays that message's problem
                 bad += 1
                 self._note_bad(message, e)
-        blocks, unfit = self._valid_blocks(decoded)
+        blocks, unfit = self._valid_blocks(opened)
         bad += unfit
         received = rows = stale = 0
         for block, columns, priorities in blocks:
@@ -496,11 +499,11 @@ class TrainerRun:
                 kept, refused = self._accept_and_add(block, columns, priorities)
             except Exception as e:  # not a message's fault (they passed every check): count them all bad
                 bad += len(block)
-                for message, *_ in block:
+                for message, _ in block:
                     self._note_bad(message, e)
                 continue
-            for _, header, _, _ in block:
-                self.seen.mark(header.actor_id, header.seq)
+            for _, frame in block:
+                self.seen.mark(frame.header.actor_id, frame.header.seq)
             received += len(block)
             rows += kept
             stale += refused
@@ -512,39 +515,42 @@ class TrainerRun:
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
                 "duplicates": dups, "stale_rows": stale}
 
-    def _valid_blocks(self, decoded: list[Decoded]) -> tuple[list[Block], int]:
-        """The decoded batches that fit the algorithm's schema as blocks of rows (one with initial
-        priorities, one without), each concatenated once; and how many did not fit (noted as bad)."""
+    def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
+        """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
+        columns and whether priorities come), each made in one copy per column; and how many did not
+        fit (noted as bad)."""
+        groups: dict[bytes, list[Opened]] = {}
+        for item in opened:
+            groups.setdefault(item[1].layout, []).append(item)
         blocks: list[Block] = []
         unfit = 0
-        for with_priorities in (True, False):
-            group = [item for item in decoded if (item[3] is not None) == with_priorities]
-            if not group:
-                continue
+        for group in groups.values():
             try:
-                columns, priorities = _concat(group)
+                columns, priorities = join_frames([frame for _, frame in group])
                 fits = self.schema.problem(columns, priorities) is None
-            except ValueError:  # columns that do not line up
+            except ValueError:  # DecodeError: shapes numpy cannot make
                 fits = False
-            if not fits:  # check each alone: only the ones that do not fit are refused
+            if not fits:  # each alone: refuse only the ones that do not fit
                 fitting = []
-                for item in group:
-                    message, header, cols, pri = item
-                    problem = self.schema.problem(cols, pri)
+                for message, frame in group:
+                    try:
+                        problem = self.schema.problem(*frame.arrays())
+                    except DecodeError as e:
+                        problem = str(e)
                     if problem is None:
-                        fitting.append(item)
+                        fitting.append((message, frame))
                     else:
                         unfit += 1
-                        self._note_bad(message, DecodeError(f"batch from {header.actor_id!r} seq {header.seq}: "
-                                                            f"{problem}"))
+                        self._note_bad(message, DecodeError(f"batch from {frame.header.actor_id!r} seq "
+                                                            f"{frame.header.seq}: {problem}"))
                 if not fitting:
                     continue
                 group = fitting
-                columns, priorities = _concat(group)
+                columns, priorities = join_frames([frame for _, frame in group])
             blocks.append((group, columns, priorities))
         return blocks, unfit
 
-    def _accept_and_add(self, block: list[Decoded], columns: Columns, priorities: np.ndarray | None) -> tuple[int, int]:
+    def _accept_and_add(self, block: list[Opened], columns: Columns, priorities: np.ndarray | None) -> tuple[int, int]:
         """Apply the version policy to a block of valid batches and add what it keeps; (rows kept, rows
         refused)."""
         if priorities is not None:
@@ -559,7 +565,8 @@ class TrainerRun:
             if kept:
                 self._add_when_room(columns, priorities)
                 start = 0
-                for _, header, _, _ in block:  # who delivered rows of this version (the sync wait)
+                for _, frame in block:  # who delivered rows of this version (the sync wait)
+                    header = frame.header
                     n = header.count if keep is None else int(keep[start:start + header.count].sum())
                     start += header.count
                     if n:
@@ -862,18 +869,6 @@ class TrainerRun:
     def summary(self) -> str:
         return (f"epoch {self.epoch}, train_count {self.trainer.train_count}, received {self.received_batches} "
                 f"batches, {self.bad_messages} bad, {self.duplicates} duplicates, {self.stale_rows} stale rows")
-
-
-def _concat(batches: list[Decoded]) -> tuple[Columns, np.ndarray | None]:
-    """The rows of several decoded batches as one block (ValueError when their columns do not line up)."""
-    if len(batches) == 1:
-        return batches[0][2], batches[0][3]
-    names = batches[0][2].keys()
-    if any(columns.keys() != names for _, _, columns, _ in batches):
-        raise ValueError("batches carry different columns")
-    columns = {name: np.concatenate([c[name] for _, _, c, _ in batches]) for name in names}
-    priorities = None if batches[0][3] is None else np.concatenate([p for *_, p in batches])
-    return columns, priorities
 
 
 def _close_quietly(queue: Any) -> None:
