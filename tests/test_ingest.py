@@ -18,7 +18,7 @@ from srl.runner.distribution.codec import BatchHeader
 from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.task import build_task
-from srl.runner.distribution.trainer import SeenBatches, TrainerOptions, TrainerRun
+from srl.runner.distribution.trainer import PolicyLag, SeenBatches, TrainerOptions, TrainerRun
 from tests.conftest import broker_unavailable, port_open
 from tests.nodes import tiny_config, wait_for
 
@@ -55,6 +55,33 @@ def test_actors_are_forgotten_least_recently_heard_first() -> None:
     assert len(seen) == 3
     assert seen.is_new("b", 0)  # forgotten
     assert not seen.is_new("a", 1) and not seen.is_new("c", 0) and not seen.is_new("d", 0)
+
+
+def test_policy_lag_is_that_of_the_last_window_of_rows() -> None:
+    """Rows are noted as runs of one version; the summary is what the rows one by one would give."""
+    rng = np.random.default_rng(0)
+    lag = PolicyLag(window=100)
+    train_at = {}
+    model: list[tuple[int, int]] = []  # (versions behind, steps behind) per row, oldest first
+    for current in range(1, 40):
+        train_at[current] = current * 7 + int(rng.integers(0, 5))
+        lag.published(current, train_at[current])
+        versions = rng.integers(max(0, current - 4), current + 1, int(rng.integers(0, 30)))
+        if current % 3 == 0:
+            versions[:] = current - 1  # a read of one version
+        lag.note(versions, current)
+        for v in np.sort(versions):
+            steps = train_at[current] - train_at[int(v)] if int(v) in train_at else -1
+            model.append((current - int(v), steps))
+        window = np.array(model[-100:])
+        summary = lag.summary()
+        for name, column in (("lag", window[:, 0]), ("lag_steps", window[:, 1])):
+            known = column[column >= 0]
+            if known.size:
+                assert summary[f"{name}_p50"] == np.percentile(known, 50)
+                assert summary[f"{name}_p95"] == np.percentile(known, 95)
+                assert summary[f"{name}_max"] == known.max()
+    assert lag._rows < 100 + 30  # runs wholly out of the window are let go
 
 
 BatchMaker = Callable[..., bytes]

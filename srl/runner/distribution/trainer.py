@@ -183,8 +183,9 @@ class PolicyLag:
     """
 
     def __init__(self, window: int = 4096, versions_kept: int = 100_000) -> None:
-        self._versions: deque[int] = deque(maxlen=window)
-        self._steps: deque[int] = deque(maxlen=window)
+        self.window = window
+        self._runs: deque[tuple[int, int, int]] = deque()  # (versions behind, steps behind or -1, rows)
+        self._rows = 0  # rows in _runs: at most window + the newest run's rows
         self._train_at: OrderedDict[int, int] = OrderedDict()
         self._kept = versions_kept
 
@@ -194,21 +195,35 @@ class PolicyLag:
             self._train_at.popitem(last=False)
 
     def note(self, versions: np.ndarray, current: int) -> None:
+        """Note rows acted with ``versions`` arriving when the latest version is ``current`` (one run
+        per version, not one entry per row: a read brings thousands of rows of a few versions)."""
         if versions.size == 0:
             return
+        first = int(versions[0])
+        if (versions == first).all():  # the common case: one version in a read
+            runs: Any = ((first, versions.size),)
+        else:
+            runs = zip(*np.unique(versions, return_counts=True), strict=True)
         now = self._train_at.get(current)
-        for version, count in zip(*np.unique(versions, return_counts=True), strict=True):
+        for version, count in runs:
             behind = max(0, current - int(version))
             then = self._train_at.get(int(version))
             steps = -1 if now is None or then is None else max(0, now - then)
-            self._versions.extend([behind] * min(int(count), self._versions.maxlen or 0))
-            self._steps.extend([steps] * min(int(count), self._steps.maxlen or 0))
+            self._runs.append((behind, steps, int(count)))
+            self._rows += int(count)
+        while self._runs and self._rows - self._runs[0][2] >= self.window:  # runs wholly out of the window
+            self._rows -= self._runs.popleft()[2]
 
     def summary(self) -> dict[str, float]:
-        """p50/p95/max of the recent lag, in versions (``lag_*``) and train steps (``lag_steps_*``)."""
+        """p50/p95/max of the lag of the last ``window`` rows, in versions (``lag_*``) and train steps
+        (``lag_steps_*``)."""
         out: dict[str, float] = {}
-        for name, values in (("lag", self._versions), ("lag_steps", self._steps)):
-            known = np.array([v for v in values if v >= 0])
+        if not self._runs:
+            return out
+        behind, steps, counts = (np.array(column, dtype=np.int64) for column in zip(*self._runs, strict=True))
+        for name, values in (("lag", behind), ("lag_steps", steps)):
+            rows = np.repeat(values, counts)[-self.window:]
+            known = rows[rows >= 0]
             if known.size:
                 out[f"{name}_p50"] = float(np.percentile(known, 50))
                 out[f"{name}_p95"] = float(np.percentile(known, 95))
