@@ -218,6 +218,9 @@ def test_depth(broker: Broker, namespace: str) -> None:
             if broker.name == "redis":
                 assert producer.depth() == 5  # taken but not acked still counts
             consumer.ack_many(got)
+            if broker.name == "redis":
+                assert producer.depth() == 5  # the acks wait for the consumer's next command
+            consumer.send_acks()
             deadline = time.monotonic() + 3
             while producer.depth() != 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -391,6 +394,37 @@ def test_redis_gives_up_after_reconnect_timeout(private_redis: PrivateRedis, nam
         with pytest.raises(BrokerUnavailableError, match=f"127.0.0.1:{private_redis.port}.*did not come back"):
             producer.put(b"lost")
         assert time.monotonic() - started < 5
+
+
+def test_a_redis_ack_goes_with_the_next_command_and_survives_a_lost_connection(private_redis: PrivateRedis,
+                                                                              namespace: str) -> None:
+    """An ack is sent in the round trip of the consumer's next read (one XACK, no command of its own),
+    again after a connection lost before it went, and by close(): nothing acked is delivered again."""
+    import redis
+
+    raw = redis.Redis.from_url(private_redis.url)
+    with open_queue(private_redis.url, namespace=namespace, role="producer") as producer:
+        producer.put_many([b"1", b"2", b"3", b"4", b"5"])
+        consumer = open_queue(private_redis.url, namespace=namespace, role="consumer", consumer_name="c")
+        first = drain(consumer, 2)
+        consumer.ack_many(first)
+        assert producer.depth() == 5  # held back
+        raw.config_resetstat()
+        second = consumer.get_many(2, timeout=1)
+        stats = raw.info("commandstats")
+        assert stats["cmdstat_xack"]["calls"] == 1 and stats["cmdstat_xreadgroup"]["calls"] == 1
+        assert producer.depth() == 3  # the first two went with that read
+        consumer.ack_many(second)
+        raw.client_kill_filter(_type="normal", skipme=True)  # every connection but raw's: the acks are not sent
+        third = consumer.get_many(1, timeout=1)  # reconnects; the held acks go with the retried read
+        assert producer.depth() == 1 and [m.data for m in first + second + third] == [b"1", b"2", b"3", b"4", b"5"]
+        consumer.ack_many(third)
+        consumer.close()  # sends the last ack
+        assert producer.depth() == 0
+    with open_queue(private_redis.url, namespace=namespace, role="consumer", consumer_name="next",
+                    options={"claim_min_idle_s": 0.1}) as after:
+        assert after.get_many(5, timeout=0.5) == []  # nothing acked comes again
+    raw.close()
 
 
 @pytest.mark.parametrize("binary", redis_server_binaries())

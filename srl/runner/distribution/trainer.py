@@ -415,6 +415,7 @@ class TrainerRun:
         if room is not None:  # a full buffer is not read into: the queue fills, actors wait
             count = min(count, room // self.max_message_rows)
             if count < 1:
+                queue.send_acks()  # the next read may be a while: actors see the room they made
                 self._count_on_board(now=True)
                 self.stop.wait(0.005)
                 return 0

@@ -99,7 +99,7 @@ class ExperienceQueue(ABC):
     """largest payload this backend accepts safely; ``put`` of more raises ValueError"""
     max_read_bytes: int | None = None
     """consumer: larger payloads are not read (handed out ``refused``, to be acked away) where the
-    backend can tell before reading them (Redis: a script checks the size; MQTT: the broker drops
+    backend can tell before reading them (Redis: the reply parser drops them unread; MQTT: the broker drops
     packets over the Maximum Packet Size the consumer announces). None: no bound beyond the broker's"""
     source_name: str = "queue"
     """what this queue is, for log lines and errors (no secrets)"""
@@ -129,9 +129,15 @@ class ExperienceQueue(ABC):
             raise RuntimeError(f"{self.source_name}: get on a queue opened as {self.role!r}")
 
     def ack_many(self, messages: Sequence[Message]) -> None:
-        """Ack several messages; backends do it in one round trip."""
+        """Ack several messages; backends do it in one round trip. Redis holds the acks back and sends
+        them with the consumer's next command (``send_acks`` sends them now); RabbitMQ sends them
+        without waiting for an answer."""
         for message in messages:
             message.ack()
+
+    def send_acks(self) -> None:
+        """Send acks a backend holds back (Redis), for a consumer that will not read again soon."""
+        return None  # the others send each ack when it is made
 
     def depth(self) -> int | None:
         """Messages put but not yet acked, if the broker can tell cheaply; else None."""

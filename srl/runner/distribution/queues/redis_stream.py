@@ -2,14 +2,18 @@
 
 Features:
     * at-least-once: XADD; XREADGROUP (consumer group ``trainer``); the caller's
-      ack is XACK + XDEL in one pipeline, so XLEN is exactly the messages not
-      yet acked and ``depth()`` is one cheap command;
+      ack is XACK + XDEL, so XLEN is exactly the messages not yet acked and
+      ``depth()`` is one cheap command. An ack is held back and sent in the same
+      round trip as the consumer's next command (a read, ``depth()``, ``close()``,
+      or ``send_acks()``): a read and its ack cost one round trip, not two. Until
+      then another client sees those entries as pending; should the consumer die
+      meanwhile, they are redelivered (at least once);
     * takeover: on start and every ``claim_interval_s`` a consumer XAUTOCLAIMs
       entries another consumer has held for longer than ``claim_min_idle_s``
       (a dead trainer's batches go to the next one); ``close()`` marks its own
       unacked entries as long idle so the next consumer takes them at once;
     * batching: ``put_many`` is one pipeline of XADDs, ``get_many`` one
-      XREADGROUP COUNT, ``ack_many`` one XACK + XDEL;
+      XREADGROUP COUNT (after the held-back XACK + XDEL, in one pipeline);
     * bounded reads: a consumer's connection parses replies with ``BoundedReplyParser``, which
       keeps an entry's payload only when it is at most ``max_read_bytes`` and drops, as it reads
       them off the socket, larger payloads, extra fields and over-long arrays; such an entry is
@@ -267,6 +271,7 @@ class RedisStreamQueue(ExperienceQueue):
         self.max_read_bytes = max_read_bytes
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
+        self._acks: list[bytes] = []  # ids acked by the caller, sent with the next command
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
         self._closed = False
@@ -410,7 +415,7 @@ class RedisStreamQueue(ExperienceQueue):
 
     def _read_new(self, count: int, block_ms: int | None) -> list[Message]:
         block = () if block_ms is None else ("BLOCK", block_ms)
-        reply = self._client.execute_command(
+        reply = self._with_acks(
             "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, *block, "STREAMS", self.key, ">")
         if not isinstance(reply, list) or not reply:
             return []
@@ -425,7 +430,7 @@ class RedisStreamQueue(ExperienceQueue):
 
     def _claim(self, count: int) -> list[Message]:
         """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
-        reply = self._client.execute_command(
+        reply = self._with_acks(
             "XAUTOCLAIM", self.key, self.group, self.consumer, self.claim_min_idle_ms, self._claim_cursor,
             "COUNT", count)
         cursor = reply[0] if isinstance(reply, list) and reply else b"0-0"
@@ -483,32 +488,51 @@ class RedisStreamQueue(ExperienceQueue):
         return out
 
     def ack_many(self, messages: Sequence[Message]) -> None:
+        """Ack ``messages``: held back and sent with this consumer's next command (see the module's
+        docstring), at once when many are held."""
         todo = as_queue_messages(messages, self.source_name)
-        if not todo:
-            return
-        ids = [m.receipt for m in todo]
-
-        def ack() -> None:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.xack(self.key, self.group, *ids)
-            pipe.xdel(self.key, *ids)
-            pipe.execute()
-
-        self._call("ack", ack)
         for m in todo:
             m.acked = True
             self._held.pop(m.receipt, None)
+            self._acks.append(m.receipt)
+        if len(self._acks) >= _MAX_ARRAY:  # a caller that acks without reading again
+            self.send_acks()
+
+    def send_acks(self) -> None:
+        """Send the acks held back now (one round trip), not with the next command."""
+        if self._acks:
+            self._call("ack", lambda: self._with_acks("PING"))
+
+    def _with_acks(self, *command: Any) -> Any:
+        """``command``'s reply, the acks held back sent before it in the same round trip. Should the
+        connection fail, they stay held, and go again with the retry (acking twice is harmless)."""
+        if not self._acks:
+            return self._client.execute_command(*command)
+        ids = self._acks
+        pipe = self._client.pipeline(transaction=False)
+        pipe.execute_command("XACK", self.key, self.group, *ids)
+        pipe.execute_command("XDEL", self.key, *ids)
+        pipe.execute_command(*command)
+        replies = pipe.execute(raise_on_error=False)
+        # sent: an XACK refused (NOGROUP: the group and its pending entries are gone) has nothing left to ack
+        self._acks = []
+        reply = replies[-1]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     # ------------------------------------------------------------ both
     def depth(self) -> int | None:
-        length: int = self._call("depth", lambda: self._client.xlen(self.key))
+        length: int = self._call("depth", lambda: self._with_acks("XLEN", self.key))
         return int(length)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
+        try:  # once, without reconnecting: closing does not wait for a Redis that is away
+            if self._acks:
+                self._with_acks("PING")
             if self.role == "consumer" and self._held:
                 # give the unacked entries back: the next consumer claims them at once
                 self._client.xclaim(
@@ -517,8 +541,9 @@ class RedisStreamQueue(ExperienceQueue):
                 )
                 self._held.clear()
         except _ANY_REDIS_ERROR as e:
-            logger.info("%s: could not release unacked entries on close (%s); they are claimed after "
-                        "%.0fs idle", self.source_name, e, self.claim_min_idle_ms / 1000)
+            logger.info("%s: could not send %d acks or release %d unacked entries on close (%s); they are "
+                        "delivered again after %.0fs idle", self.source_name, len(self._acks), len(self._held),
+                        e, self.claim_min_idle_ms / 1000)
         finally:
             self._client.close()
 
