@@ -16,10 +16,11 @@ an actor sends them); then one consumer drains it while nothing else runs:
   raw   the broker's own client library reading and acking the same bytes (redis-py XREADGROUP +
         XACK, pika basic_consume + multiple ack, paho QoS 1 on a persistent session,
         google-cloud-pubsub unary pull + acknowledge), no decoding: the ceiling the broker and its
-        client give on this machine.
+        client give on this machine (pika with a prefetch of 128).
 
-  queue only  srl's queue backend alone (get_many + ack_many of the same size), no decoding: the
-        share of the gap that is the transport (bounded reads, depth bookkeeping, manual acks).
+  queue only  srl's queue backend alone (get_many + ack_many of the same size, opened as the
+        trainer opens it), no decoding: the share of the gap that is the transport (bounded reads,
+        depth bookkeeping, manual acks).
 
 All read a queue the broker already holds (the consumer connects once the fill is done), so the
 ratio is the cost of srl's ingest path, not of a producer sharing the two cores. Rates are
@@ -154,7 +155,7 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
 
 
 def measure_transport(backend: str, blobs: list[bytes], rows: int, messages: int, rounds: int,
-                      take: int) -> float:
+                      take: int, prefetch: int) -> float:
     """Transitions/s srl's queue alone hands over (get_many + ack_many, the trainer's read size), no decoding."""
     namespace = f"ingest-q-{uuid.uuid4().hex[:8]}"
     redis_params = RedisParameters(host="127.0.0.1", task_name=namespace)
@@ -170,7 +171,7 @@ def measure_transport(backend: str, blobs: list[bytes], rows: int, messages: int
 
     def open_consumer() -> Any:
         return open_queue(queue_params(backend), namespace=namespace, role="consumer", redis_params=redis_params,
-                          consumer_name="bench", prefetch=take)
+                          consumer_name="bench", prefetch=prefetch)
 
     try:
         drain_s, timed_rows = timed_drains(backend, namespace, redis_params, blobs, messages, rounds, open_consumer,
@@ -287,7 +288,8 @@ def measure_cell(backend: str, rows: int, messages: int, rounds: int,
     srl_result = measure_srl(backend, rows, messages, rounds, options)
     blobs = encoded_batches(rows, messages * (rounds + 1), "raw", options)
     raw = measure_raw(backend, blobs, rows, messages, rounds, options.ingest_max_messages)
-    transport = measure_transport(backend, blobs, rows, messages, rounds, options.ingest_max_messages)
+    transport = measure_transport(backend, blobs, rows, messages, rounds, options.ingest_max_messages,
+                                  options.prefetch)
     lost = srl_result["sent"] - srl_result["received"]
     failed = lost > 0 or srl_result["bad"] > 0 or raw["received"] < rows * messages * rounds
     ratio, queue_ratio = srl_result["rate"] / raw["rate"], transport / raw["rate"]

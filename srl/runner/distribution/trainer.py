@@ -101,7 +101,7 @@ class TrainerOptions(NodeOptions):
     this keeps a very fast trainer from writing params hundreds of times a second)"""
     ingest_max_messages: int = 16
     """batches fetched from the queue per round trip (with the task's message size, this bounds
-    the bytes one read may bring)"""
+    the bytes one read may bring; a broker that pushes may hold twice as many unacked)"""
     count_interval: float = 0.05
     """for queues whose depth actors read from the trainer's counts on the board (MQTT, Pub/Sub): while
     batches keep coming, the counts are written when this many seconds have passed since the last
@@ -118,6 +118,13 @@ class TrainerOptions(NodeOptions):
     """seconds between periodic checkpoints"""
     keep_checkpoints: int = 5
     """periodic checkpoints kept per task (the newest)"""
+
+    @property
+    def prefetch(self) -> int:
+        """Unacked messages a broker that pushes (RabbitMQ, MQTT) may send the trainer: two reads'
+        worth, so the next read's messages come while this read's are inserted, not after its ack
+        (RabbitMQ, 16 rows a message, the queue alone: 35 µs a message instead of 50–57)."""
+        return 2 * self.ingest_max_messages
 
 
 def machine_memory_bytes() -> int:
@@ -405,7 +412,7 @@ class TrainerRun:
         """The task's experience queue, opened as this trainer's consumer."""
         return open_queue(self.queue_params, namespace=self.redis_params.task_name, role="consumer",
                           redis_params=self.redis_params, consumer_name=self.options.uid,
-                          max_read_bytes=self.codec.max_bytes, prefetch=self.options.ingest_max_messages)
+                          max_read_bytes=self.codec.max_bytes, prefetch=self.options.prefetch)
 
     def ingest_once(self, queue: ExperienceQueue) -> int:
         """One step of the ingest path: read what the buffer has room for, decode, validate, insert, then
