@@ -12,6 +12,7 @@ import srl
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.trainer import TrainerOptions
 from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, tiny_config, wait_for
 from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 
@@ -111,8 +112,8 @@ def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
             samples.append(in_flight())
             time.sleep(0.1)
         # RabbitMQ counts what it already pushed to the (paused) trainer as not queued: the trainer keeps
-        # that window to its ingest batch (TrainerOptions.ingest_max_messages = 16)
-        pushed_ahead = 16 if broker.name == "amqp" else 0
+        # that window to two reads (TrainerOptions.prefetch = 2 x ingest_max_messages)
+        pushed_ahead = TrainerOptions().prefetch if broker.name == "amqp" else 0
         assert max(samples) <= capacity + actor_num + pushed_ahead
         nodes[0].signal(signal.SIGCONT)
         client.join(120)
