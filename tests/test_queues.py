@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
 from srl.runner.distribution.queues import (
@@ -415,6 +417,7 @@ def test_a_redis_ack_goes_with_the_next_command_and_survives_a_lost_connection(p
         assert stats["cmdstat_xack"]["calls"] == 1 and stats["cmdstat_xreadgroup"]["calls"] == 1
         assert producer.depth() == 3  # the first two went with that read
         consumer.ack_many(second)
+        consumer._client.set_retry(Retry(NoBackoff(), 0))  # type: ignore[attr-defined]  # srl's own retry, not redis-py's
         raw.client_kill_filter(_type="normal", skipme=True)  # every connection but raw's: the acks are not sent
         third = consumer.get_many(1, timeout=1)  # reconnects; the held acks go with the retried read
         assert producer.depth() == 1 and [m.data for m in first + second + third] == [b"1", b"2", b"3", b"4", b"5"]
@@ -424,6 +427,35 @@ def test_a_redis_ack_goes_with_the_next_command_and_survives_a_lost_connection(p
     with open_queue(private_redis.url, namespace=namespace, role="consumer", consumer_name="next",
                     options={"claim_min_idle_s": 0.1}) as after:
         assert after.get_many(5, timeout=0.5) == []  # nothing acked comes again
+    raw.close()
+
+
+def test_a_refused_redis_ack_is_raised_and_closing_does_not_wait_for_a_redis_that_is_away(
+        private_redis: PrivateRedis, namespace: str) -> None:
+    """An XACK Redis refuses (a user without the right) is an error, not silently dropped: entries never
+    acked would fill the queue. A consumer closed while Redis is down returns at once, acks unsent."""
+    import redis
+
+    raw = redis.Redis.from_url(private_redis.url)
+    raw.acl_setuser("noack", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                    commands=["+@all", "-xack"])
+    url = private_redis.url.replace("redis://", "redis://noack:pw@")
+    with open_queue(private_redis.url, namespace=namespace, role="producer") as producer:
+        producer.put_many([b"1", b"2"])
+    with open_queue(url, namespace=namespace, role="consumer") as consumer:
+        consumer.ack_many(drain(consumer, 1))
+        with pytest.raises(redis.ResponseError, match="no permissions to run the 'xack' command"):
+            consumer.get_many(1, timeout=0.1)
+    with open_queue(private_redis.url, namespace=namespace, role="producer") as producer:
+        producer.put_many([b"3", b"4"])
+    consumer = open_queue(private_redis.url, namespace=namespace, role="consumer")
+    taken = drain(consumer, 2)
+    assert sorted(m.data for m in taken) == [b"3", b"4"]
+    consumer.ack_many(taken)  # held until the next command: close's
+    private_redis.stop()
+    started = time.monotonic()
+    consumer.close()  # once: through the queue's reconnecting path it would wait reconnect_timeout_s (60 s)
+    assert time.monotonic() - started < 2
     raw.close()
 
 

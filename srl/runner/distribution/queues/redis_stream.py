@@ -62,6 +62,8 @@ from typing import Any
 import redis
 from redis._parsers.resp2 import _RESP2Parser
 from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from srl.runner.distribution.board import task_key_prefix
 from srl.runner.distribution.queues.base import (
@@ -272,6 +274,7 @@ class RedisStreamQueue(ExperienceQueue):
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
         self._acks: list[bytes] = []  # ids acked by the caller, sent with the next command
+        self._away = False  # the last command gave up: Redis did not come back
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
         self._closed = False
@@ -349,6 +352,15 @@ class RedisStreamQueue(ExperienceQueue):
                 self._client.xgroup_delconsumer(self.key, self.group, name)
 
     def _call(self, what: str, op: Any) -> Any:
+        try:
+            result = self._reconnector.call(self._recreating(op), what)
+        except BrokerUnavailableError:
+            self._away = True
+            raise
+        self._away = False
+        return result
+
+    def _recreating(self, op: Any) -> Any:
         def run() -> Any:
             try:
                 return op()
@@ -361,7 +373,7 @@ class RedisStreamQueue(ExperienceQueue):
                     return op()
                 raise
 
-        return self._reconnector.call(run, what)
+        return run
 
     # ------------------------------------------------------------ producer
     def put(self, data: bytes) -> None:
@@ -513,10 +525,14 @@ class RedisStreamQueue(ExperienceQueue):
         pipe.execute_command("XACK", self.key, self.group, *ids)
         pipe.execute_command("XDEL", self.key, *ids)
         pipe.execute_command(*command)
-        replies = pipe.execute(raise_on_error=False)
-        # sent: an XACK refused (NOGROUP: the group and its pending entries are gone) has nothing left to ack
-        self._acks = []
-        reply = replies[-1]
+        *ack_replies, reply = pipe.execute(raise_on_error=False)
+        self._acks = []  # sent
+        for error in ack_replies:
+            # NOGROUP (the stream and group were deleted, or Redis restarted empty): nothing is left to
+            # ack, and the command's own NOGROUP creates the group again (see _recreating). Anything else
+            # (NOPERM: a user without XACK or XDEL) is raised: entries never acked would fill the queue.
+            if isinstance(error, Exception) and "NOGROUP" not in str(error):
+                raise error
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -530,7 +546,15 @@ class RedisStreamQueue(ExperienceQueue):
         if self._closed:
             return
         self._closed = True
-        try:  # once, without reconnecting: closing does not wait for a Redis that is away
+        if self._away:
+            logger.info("%s: Redis is away; %d acks and %d unacked entries are left to be delivered again "
+                        "after %.0fs idle", self.source_name, len(self._acks), len(self._held),
+                        self.claim_min_idle_ms / 1000)
+            self._client.close()
+            return
+        # once, without redis-py's retries either: closing does not wait for a Redis that went away
+        self._client.set_retry(Retry(NoBackoff(), 0))
+        try:
             if self._acks:
                 self._with_acks("PING")
             if self.role == "consumer" and self._held:
