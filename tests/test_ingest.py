@@ -13,12 +13,19 @@ import pytest
 import srl
 from srl.base.env import EnvConfig
 from srl.base.rollout import Rollout
+from srl.rl.memories.segments import SegmentBuffer
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader
 from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.task import build_task
-from srl.runner.distribution.trainer import PolicyLag, SeenBatches, TrainerOptions, TrainerRun
+from srl.runner.distribution.trainer import (
+    PolicyLag,
+    SeenBatches,
+    StoppedWhileWaiting,
+    TrainerOptions,
+    TrainerRun,
+)
 from tests.conftest import broker_unavailable, port_open
 from tests.nodes import tiny_config, wait_for
 
@@ -137,6 +144,29 @@ def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, names
         assert queue.depth() == 0  # all six acked, the bad and the duplicate too
     finally:
         run.stop.set("test over")
+        queue.destroy()
+        board.delete_task()
+
+
+def test_rows_waiting_for_room_when_the_run_stops_are_not_counted_bad_nor_acked(redis_url: str,
+                                                                                namespace: str) -> None:
+    """A read whose rows wait for room in a bounded buffer when the run stops leaves the buffer as it
+    was and its messages unacked (delivered again), instead of failing the add and acking them as bad."""
+    board, params, run, batch = trainer_run(redis_url, namespace, None, "redis", TrainerOptions(uid="t", secret=""))
+    producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
+    producer.put_many([batch("a", 0, 0), batch("a", 1, 8)])
+    producer.close()
+    queue = run.open_consumer()
+    try:
+        messages = queue.get_many(2, timeout=5)
+        assert len(messages) == 2
+        run.buffer = SegmentBuffer(20, run.schema)  # 16 rows come; room for 12
+        run.buffer.add({k: np.zeros((8, *c.shape), c.dtype) for k, c in run.schema.columns.items()})
+        run.stop.set("test stops the run")
+        with pytest.raises(StoppedWhileWaiting):
+            run._ingest(messages)
+        assert len(run.buffer) == 8 and run.bad_messages == 0 and not any(m.acked for m in messages)
+    finally:
         queue.destroy()
         board.delete_task()
 

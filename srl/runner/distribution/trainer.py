@@ -192,7 +192,7 @@ class PolicyLag:
     def __init__(self, window: int = 4096, versions_kept: int = 100_000) -> None:
         self.window = window
         self._runs: deque[tuple[int, int, int]] = deque()  # (versions behind, steps behind or -1, rows)
-        self._rows = 0  # rows in _runs: at most window + the newest run's rows
+        self._rows = 0  # rows in _runs: under window + the oldest run's rows
         self._train_at: OrderedDict[int, int] = OrderedDict()
         self._kept = versions_kept
 
@@ -236,6 +236,10 @@ class PolicyLag:
                 out[f"{name}_p95"] = float(np.percentile(known, 95))
                 out[f"{name}_max"] = float(known.max())
         return out
+
+
+class StoppedWhileWaiting(Exception):
+    """The run stopped while a read's rows waited for room in the buffer: the read is not acked."""
 
 
 class TrainerRun:
@@ -467,6 +471,8 @@ class TrainerRun:
                         queue = self.open_consumer()
                     self.ingest_once(queue)
                     delay = 0.1
+                except StoppedWhileWaiting:
+                    break
                 except _WAIT_OUT as e:
                     if self._queue_log.ready():
                         logger.warning("experience queue unavailable (%s); retrying", short(e))
@@ -520,6 +526,8 @@ class TrainerRun:
         for block, columns, priorities in blocks:
             try:
                 kept, refused = self._accept_and_add(block, columns, priorities)
+            except StoppedWhileWaiting:
+                raise
             except Exception as e:  # not a message's fault (they passed every check): count them all bad
                 bad += len(block)
                 for message, _ in block:
@@ -558,14 +566,14 @@ class TrainerRun:
                 for message, frame in group:
                     try:
                         problem = self.schema.problem(*frame.arrays())
-                    except DecodeError as e:
-                        problem = str(e)
-                    if problem is None:
-                        fitting.append((message, frame))
-                    else:
+                        if problem is not None:
+                            raise DecodeError(f"batch from {frame.header.actor_id!r} seq {frame.header.seq}: "
+                                              f"{problem}")
+                    except DecodeError as e:  # arrays() names the batch too
                         unfit += 1
-                        self._note_bad(message, DecodeError(f"batch from {frame.header.actor_id!r} seq "
-                                                            f"{frame.header.seq}: {problem}"))
+                        self._note_bad(message, e)
+                        continue
+                    fitting.append((message, frame))
                 if not fitting:
                     continue
                 group = fitting
@@ -609,7 +617,9 @@ class TrainerRun:
 
     def _add_when_room(self, columns: Columns, priorities: np.ndarray | None) -> None:
         n = len(columns["version"])
-        while (room := self.buffer.room()) is not None and room < n and not self.stop.is_set():
+        while (room := self.buffer.room()) is not None and room < n:
+            if self.stop.is_set():  # the read's messages stay unacked: delivered again, not lost
+                raise StoppedWhileWaiting(f"the run stopped with {n} rows waiting for room in the buffer")
             self.stop.wait(0.005)  # the trainer is taking rows out; we hold the message meanwhile
         self.buffer.add(columns, priorities)
 
