@@ -130,7 +130,9 @@ def test_distributed_run_logs_evaluates_checkpoints_and_resumes(redis_url: str, 
     params = RedisParameters(url=redis_url, task_name=namespace)
     runner = srl.Runner("CartPole-v1", tiny_config(warmup_size=100))
     fast = {"heartbeat_interval": 0.2}
-    runner.train_distribution(params, actor_num=1, max_train_count=1000, progress_interval=0.3, local_processes=True,
+    # long enough for the evaluator (it looks at the train count every 0.5 s) to see a multiple of 300
+    # pass: 1,000 train steps once took under a second and only the final evaluation was written
+    runner.train_distribution(params, actor_num=1, max_train_count=3000, progress_interval=0.3, local_processes=True,
                               log_dir=tmp_path, eval_every=300, eval_episodes=2, checkpoint_interval=0.5,
                               overwrite=True, trainer_options=fast, actor_options=fast)
     history = rows(tmp_path / "history.csv")
@@ -138,20 +140,20 @@ def test_distributed_run_logs_evaluates_checkpoints_and_resumes(redis_url: str, 
     assert {"reward_mean", "loss", "train_per_s", "actor0_env_steps_per_s", "queue_in_flight"} <= history[-1].keys()
     evals = rows(tmp_path / "eval.csv")
     assert len(evals) >= 2 and evals[-1].get("final") == "1"
-    assert int(evals[-1]["train_count"]) == 1000
+    assert int(evals[-1]["train_count"]) == 3000
     board = board_for(redis_url, namespace)
     on_board = board.get_history()
     assert on_board and on_board[-1]["train_count"] == int(history[-1]["train_count"])
     checkpoint = latest_checkpoint(tmp_path)
     assert checkpoint is not None and checkpoint.parent == tmp_path / "checkpoints" / namespace
     meta, arrays = load_arrays(checkpoint)
-    assert meta["train_count"] == 1000 and any(k.startswith("trainer/optimizer/") for k in arrays)
+    assert meta["train_count"] == 3000 and any(k.startswith("trainer/optimizer/") for k in arrays)
     assert (tmp_path / "final.safetensors").exists()
 
     resumed = srl.Runner("CartPole-v1", tiny_config(warmup_size=100))
     resumed.train_distribution(params, actor_num=1, max_train_count=200, progress_interval=None,
                                local_processes=True, log_dir=tmp_path, resume_from=tmp_path, overwrite=True)
-    assert resumed.train_count == 1200  # the budget counts from the checkpoint
+    assert resumed.train_count == 3200  # the budget counts from the checkpoint
     more = rows(tmp_path / "history.csv")
     assert len(more) > len(history) and float(more[-1]["wall_s"]) > float(history[-1]["wall_s"])
     assert any(e.text.startswith("trainer") for e in board.get_events(50))
