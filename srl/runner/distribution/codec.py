@@ -323,15 +323,19 @@ class BatchFrame(NamedTuple):
     """each buffer's offset in ``payload``"""
     payload: bytes | memoryview
 
-    def arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    def arrays(self, schema: Schema | None = None) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
         """The columns and priorities: read-only views of a copy of the payload (aligned: a view into
-        the message itself starts 7 bytes in, where numpy's reductions run at half speed)."""
+        the message itself starts 7 bytes in, where numpy's reductions run at half speed). With
+        ``schema``, DecodeError unless they are its rows (see ``Codec.decode_batch``)."""
         count = self.header.count
         payload = bytes(self.payload) if isinstance(self.payload, memoryview) else self.payload
         columns: dict[str, np.ndarray] = {}
         for entry, start in zip(self.entries, self.starts, strict=True):
             columns[entry[0]] = _array(payload, entry, count, start, self.header)
         priorities = columns.pop("", None)
+        problem = None if schema is None else schema.problem(columns, priorities)
+        if problem is not None:
+            raise DecodeError(f"batch from {self.header.actor_id!r} seq {self.header.seq}: {problem}")
         return columns, priorities
 
 
@@ -567,14 +571,10 @@ class Codec:
         With ``schema`` the columns must be exactly its columns (names, dtypes,
         row shapes, finite, within bounds), and priorities only where it allows
         them: a batch that passes can go into a buffer built from ``schema``.
-        The arrays are read-only views of the message's own bytes (of a private
-        copy when it came as a mutable buffer).
+        The arrays are read-only views of one private copy of the payload.
         """
         frame = self.open_batch(data)
-        columns, priorities = frame.arrays()
-        problem = None if schema is None else schema.problem(columns, priorities)
-        if problem is not None:
-            raise DecodeError(f"batch from {frame.header.actor_id!r} seq {frame.header.seq}: {problem}")
+        columns, priorities = frame.arrays(schema)
         return frame.header, columns, priorities
 
     def open_batch(self, data: bytes | bytearray | memoryview) -> BatchFrame:
