@@ -546,30 +546,28 @@ class RedisStreamQueue(ExperienceQueue):
         if self._closed:
             return
         self._closed = True
-        if self._away:
-            logger.info("%s: Redis is away; %d acks and %d unacked entries are left to be delivered again "
-                        "after %.0fs idle", self.source_name, len(self._acks), len(self._held),
-                        self.claim_min_idle_ms / 1000)
-            self._client.close()
-            return
-        # once, without redis-py's retries either: closing does not wait for a Redis that went away
-        self._client.set_retry(Retry(NoBackoff(), 0))
+        left = "Redis is away" if self._away else ""  # why acks or unacked entries stay behind
         try:
-            if self._acks:
-                self._with_acks("PING")
-            if self.role == "consumer" and self._held:
-                # give the unacked entries back: the next consumer claims them at once
-                self._client.xclaim(
-                    self.key, self.group, self.consumer, 0, list(self._held),
-                    idle=_RELEASED_IDLE_MS, justid=True,
-                )
-                self._held.clear()
+            if not self._away:
+                # once, without redis-py's retries either: closing does not wait for a Redis that went away
+                self._client.set_retry(Retry(NoBackoff(), 0))
+                if self._acks:
+                    self._with_acks("PING")
+                if self.role == "consumer" and self._held:
+                    # give the unacked entries back: the next consumer claims them at once
+                    self._client.xclaim(
+                        self.key, self.group, self.consumer, 0, list(self._held),
+                        idle=_RELEASED_IDLE_MS, justid=True,
+                    )
+                    self._held.clear()
         except _ANY_REDIS_ERROR as e:
-            logger.info("%s: could not send %d acks or release %d unacked entries on close (%s); they are "
-                        "delivered again after %.0fs idle", self.source_name, len(self._acks), len(self._held),
-                        e, self.claim_min_idle_ms / 1000)
+            left = str(e)
         finally:
             self._client.close()
+        if left and (self._acks or self._held):
+            logger.info("%s: %d acks not sent and %d unacked entries not released on close (%s); they are "
+                        "delivered again after %.0fs idle", self.source_name, len(self._acks), len(self._held),
+                        left, self.claim_min_idle_ms / 1000)
 
     def destroy(self) -> None:
         """Delete the stream and its consumer group (end of task)."""
