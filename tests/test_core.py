@@ -59,6 +59,38 @@ def test_multi_discrete_actions_are_the_product_for_dqn() -> None:
         dqn.action_count(EnvSpec("big", (2,), MultiDiscreteActions((100, 100))), 5)
 
 
+def test_obs_affine_maps_bounded_dimensions_onto_unit_range() -> None:
+    pendulum = env_spec(EnvConfig("Pendulum-v1"))  # cos, sin in [-1, 1]; angular velocity in [-8, 8]
+    affine = pendulum.obs_affine()
+    assert affine is not None
+    np.testing.assert_allclose(affine[0], [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(affine[1], [1.0, 1.0, 8.0])
+    cartpole = env_spec(EnvConfig("CartPole-v1"))  # the velocities are unbounded: left as they are
+    affine = cartpole.obs_affine()
+    assert affine is not None
+    np.testing.assert_allclose(affine[1], [4.8, 1.0, 0.41887903, 1.0], rtol=1e-6)
+    skewed = EnvSpec("skewed", (3,), MultiDiscreteActions((2,)), obs_low=np.array([0.0, -np.inf, -1e9], np.float32),
+                     obs_high=np.array([1.0, 5.0, 1e9], np.float32))
+    affine = skewed.obs_affine()
+    assert affine is not None
+    np.testing.assert_allclose(affine[0], [0.5, 0.0, 0.0])
+    np.testing.assert_allclose(affine[1], [0.5, 1.0, 1.0])  # "any float" bounds are no scale
+    assert EnvSpec("onehot", (4,), MultiDiscreteActions((2,)), obs_onehot=4).obs_affine() is None
+    assert env_spec(EnvConfig("FrozenLake-v1")).obs_affine() is None
+
+
+def test_dqn_scales_bounded_obs_inside_its_network_and_publishes_the_same_arrays() -> None:
+    spec = env_spec(EnvConfig("Pendulum-v1"))
+    scaled = dqn.DQNParameter(small_config(), spec, torch.device("cpu"))
+    plain = dqn.DQNParameter(small_config(scale_obs=False), spec, torch.device("cpu"))
+    assert scaled.to_arrays().keys() == plain.to_arrays().keys()  # the map is not part of the params
+    plain.from_arrays(scaled.to_arrays())
+    obs = torch.tensor([[-1.0, 0.1, 6.0], [0.5, -0.8, -2.0]])
+    with torch.no_grad():
+        torch.testing.assert_close(scaled.q(obs), plain.q(obs / torch.tensor([1.0, 1.0, 8.0])))
+        assert not torch.allclose(scaled.q(obs), plain.q(obs))
+
+
 def test_misspelled_env_names_close_ids() -> None:
     with pytest.raises(EnvError, match="Pendulum-v1"):
         EnvConfig("Pendulm-v1").make()

@@ -117,6 +117,10 @@ class Config(RLConfig):
     """rewards are multiplied by this before learning"""
     action_bins: int = 5
     """values per dimension when a Box action space is binned"""
+    scale_obs: bool = True
+    """map each observation dimension with finite bounds onto [-1, 1] before the network (Pendulum's angular
+    velocity, within +-8, next to its cos and sin): a fixed map from the env's observation space, not
+    running statistics, so old transitions keep their targets"""
 
     def validate(self) -> None:
         super().validate()
@@ -233,8 +237,18 @@ def action_table(spec: EnvSpec, action_bins: int) -> np.ndarray | None:
 
 
 class QNetwork(nn.Module):
-    def __init__(self, config: Config, obs_size: int, n_actions: int) -> None:
+    obs_center: torch.Tensor
+    obs_inv_half: torch.Tensor
+
+    def __init__(self, config: Config, obs_size: int, n_actions: int,
+                 obs_affine: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         super().__init__()
+        self.scaled = obs_affine is not None
+        if obs_affine is not None:
+            # not persistent: both ends build it from the env's spec, so the params stay the net's own
+            center, half = obs_affine
+            self.register_buffer("obs_center", torch.from_numpy(center), persistent=False)
+            self.register_buffer("obs_inv_half", torch.from_numpy(1.0 / half), persistent=False)
         self.body, size = config.hidden_block.build(obs_size)
         self.dueling = config.dueling
         if self.dueling:
@@ -244,6 +258,8 @@ class QNetwork(nn.Module):
             self.q = nn.Linear(size, n_actions)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.scaled:
+            obs = (obs - self.obs_center) * self.obs_inv_half
         h = self.body(obs)
         if self.dueling:
             adv = self.advantage(h)
@@ -259,7 +275,8 @@ class DQNParameter(Parameter):
         self.device = device
         self.n_actions = action_count(spec, config.action_bins)
         self.actions = action_table(spec, config.action_bins)
-        self.q = QNetwork(config, spec.obs_shape[0], self.n_actions).to(device)
+        affine = spec.obs_affine() if config.scale_obs else None
+        self.q = QNetwork(config, spec.obs_shape[0], self.n_actions, affine).to(device)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return torch_to_arrays({"q": self.q})

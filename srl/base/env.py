@@ -177,6 +177,27 @@ class EnvSpec:
     actions: ActionSpace
     obs_onehot: int = 0
     """for a Discrete observation space: its size (the obs is one-hot encoded)"""
+    obs_low: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """a Box observation space's lower bounds, flattened like the obs (each may be infinite)"""
+    obs_high: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """its upper bounds"""
+
+    def obs_affine(self, max_range: float = 1e4) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(center, half_range)`` per obs dimension that maps a bounded dimension onto [-1, 1]
+        (``(obs - center) / half_range``); a dimension whose bounds are infinite, equal or further
+        apart than ``max_range`` (a bound that only says "a float") keeps center 0 and half range 1.
+        None when no dimension is bounded that way (or the obs is one-hot)."""
+        if self.obs_low is None or self.obs_high is None or self.obs_onehot:
+            return None
+        low, high = self.obs_low.astype(np.float64), self.obs_high.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            span = high - low
+            use = np.isfinite(low) & np.isfinite(high) & (span > 0) & (span <= max_range)
+            center = np.where(use, (low + high) / 2, 0.0).astype(np.float32)
+        if not use.any():
+            return None
+        half = np.where(use, span / 2, 1.0).astype(np.float32)
+        return center, half
 
     def unsupported(self, algorithm: str, takes: str) -> EnvError:
         """The error an algorithm raises for an action space it does not take."""
@@ -187,8 +208,11 @@ def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
     """Describe ``env``'s spaces; EnvError for a space srl cannot flatten or act in."""
     obs_space, act_space = env.observation_space, env.action_space
     onehot = 0
+    obs_low = obs_high = None
     if isinstance(obs_space, gym.spaces.Box):
         obs_shape: tuple[int, ...] = (int(np.prod(obs_space.shape)),)
+        obs_low = np.asarray(obs_space.low, np.float32).reshape(-1)
+        obs_high = np.asarray(obs_space.high, np.float32).reshape(-1)
     elif isinstance(obs_space, gym.spaces.Discrete):
         onehot = int(obs_space.n)
         obs_shape = (onehot,)
@@ -214,7 +238,7 @@ def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
         raise EnvError(
             f"srl cannot use the action space {act_space} of {env_id!r}: it takes Discrete, Box or MultiDiscrete"
         )
-    return EnvSpec(env_id, obs_shape, actions, onehot)
+    return EnvSpec(env_id, obs_shape, actions, onehot, obs_low, obs_high)
 
 
 class ObsTransform:
