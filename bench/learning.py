@@ -154,6 +154,7 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
     train steps, its rows reach the replay ``chunk`` at a time; one train step per env step as in
     ``Runner.train``. Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
     config, spec = runner.rl_config, runner.spec
+    config.settle(runner.env_config)  # as Runner.train does
     ratio = config.data_path().env_steps_per_train
     if ratio is None:
         raise ValueError(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")

@@ -26,7 +26,7 @@ def test_distributed_run_ends_with_an_evaluation(broker: Broker, redis_url: str,
         pass  # the queue, subscription or persistent session exists, as after a run
     with open_queue(broker.url, namespace=namespace, role="producer", redis_params=redis_params) as leftover:
         leftover.put_many([b"left over by an earlier task"] * 3)
-    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner = srl.Runner("Pendulum-v1", tiny_config(reward_scale=None))
     runner.train_distribution(
         RedisParameters(url=redis_url, task_name=namespace), broker.url, actor_num=2, max_train_count=300,
         progress_interval=None, local_processes=True, actor_options={"batch_size": 64, "batch_max_age": 0.2},
@@ -37,6 +37,7 @@ def test_distributed_run_ends_with_an_evaluation(broker: Broker, redis_url: str,
     counters = board.get_counters()
     assert counters["received_transitions"] >= tiny_config().warmup_size
     assert counters.get("bad_messages", 0) == 0
+    assert board.get_task_config()["rl_config"]["reward_scale"] == 0.1  # settled by the client for every node
     assert runner.train_count == 300
     assert len(runner.evaluate(max_episodes=2)) == 2
     board.delete_task()

@@ -81,14 +81,33 @@ def test_obs_affine_maps_bounded_dimensions_onto_unit_range() -> None:
 
 def test_dqn_scales_bounded_obs_inside_its_network_and_publishes_the_same_arrays() -> None:
     spec = env_spec(EnvConfig("Pendulum-v1"))
-    scaled = dqn.DQNParameter(small_config(), spec, torch.device("cpu"))
-    plain = dqn.DQNParameter(small_config(scale_obs=False), spec, torch.device("cpu"))
+    scaled = dqn.DQNParameter(small_config(scale_obs=True), spec, torch.device("cpu"))
+    plain = dqn.DQNParameter(small_config(), spec, torch.device("cpu"))
     assert scaled.to_arrays().keys() == plain.to_arrays().keys()  # the map is not part of the params
     plain.from_arrays(scaled.to_arrays())
     obs = torch.tensor([[-1.0, 0.1, 6.0], [0.5, -0.8, -2.0]])
     with torch.no_grad():
         torch.testing.assert_close(scaled.q(obs), plain.q(obs / torch.tensor([1.0, 1.0, 8.0])))
         assert not torch.allclose(scaled.q(obs), plain.q(obs))
+
+
+def test_dqn_reward_scale_none_is_settled_from_the_env_before_training() -> None:
+    scale, mean = dqn.probe_reward_scale(EnvConfig("Pendulum-v1"))
+    assert scale == 0.1 and 3.2 < mean < 32  # Pendulum's rewards lie in [-16.3, 0]
+    assert dqn.probe_reward_scale(EnvConfig("CartPole-v1")) == (1.0, 1.0)  # +1 a step: left alone
+    assert dqn.probe_reward_scale(EnvConfig("FrozenLake-v1"))[0] == 1.0  # small rewards are not blown up
+    auto = srl.Runner("Pendulum-v1", small_config(reward_scale=None))
+    assert auto.rl_config.reward_scale is None  # type: ignore[attr-defined]
+    auto.train(max_steps=200, progress_interval=None)
+    assert auto.rl_config.reward_scale == 0.1  # type: ignore[attr-defined]
+    assert auto.task_config()["rl_config"]["reward_scale"] == 0.1  # what a checkpoint or a task carries
+    chosen = srl.Runner("Pendulum-v1", small_config(reward_scale=0.1))
+    chosen.train(max_steps=200, progress_interval=None)
+    for name, value in auto.parameter.to_arrays().items():  # the probe draws on no random state of the run
+        np.testing.assert_array_equal(value, chosen.parameter.to_arrays()[name], err_msg=name)
+    kept = srl.Runner("Pendulum-v1", small_config(reward_scale=0.5))
+    kept.train(max_steps=10, progress_interval=None)
+    assert kept.rl_config.reward_scale == 0.5  # type: ignore[attr-defined]
 
 
 def test_misspelled_env_names_close_ids() -> None:

@@ -101,6 +101,22 @@ def test_a_checkpoint_for_another_network_is_refused_with_the_reason(tmp_path: P
         srl.Runner("CartPole-v1", ppo.Config()).load(path)
 
 
+def test_a_checkpoint_from_before_scale_obs_loads_as_it_was_trained(tmp_path: Path) -> None:
+    runner = srl.Runner("Pendulum-v1", tiny_config(warmup_size=64, scale_obs=False))
+    runner.train(max_steps=200, progress_interval=None)
+    path = tmp_path / "ckpt.safetensors"
+    runner.save(path)
+    meta, arrays = load_arrays(path)
+    del meta["rl_config"]["scale_obs"]  # as written before the setting existed: raw observations
+    save_arrays(tmp_path / "old.safetensors", arrays, meta)
+    old = srl.Runner.from_checkpoint(tmp_path / "old.safetensors")
+    assert old.rl_config.scale_obs is False  # type: ignore[attr-defined]
+    np.testing.assert_allclose(old.evaluate(2, seed=5), runner.evaluate(2, seed=5))
+    with pytest.raises(ValueError, match="trained with scale_obs=False, this config has scale_obs=True"):
+        srl.Runner("Pendulum-v1", tiny_config(warmup_size=64, scale_obs=True)).load(tmp_path / "old.safetensors")
+    srl.Runner("Pendulum-v1", tiny_config(warmup_size=64, scale_obs=False)).load(tmp_path / "old.safetensors")
+
+
 def test_the_final_evaluation_row_is_written_even_when_those_params_were_evaluated_already(
         redis_url: str, namespace: str, tmp_path: Path) -> None:
     board = board_for(redis_url, namespace)

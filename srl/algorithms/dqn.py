@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srl.base.env import BoxActions, DiscreteActions, EnvError, EnvSpec, MultiDiscreteActions
+from srl.base.env import BoxActions, DiscreteActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions
 from srl.base.rl import (
     Buffer,
     Columns,
@@ -52,6 +53,8 @@ from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
 
+logger = logging.getLogger("srl.dqn")
+
 VALUE_BOUND = 1e9
 """observations and returns beyond this are refused as rows (no env of sense produces them)"""
 MAX_ACTIONS = 4096
@@ -64,6 +67,8 @@ class Config(RLConfig):
     """DQN settings. ``hidden_block.set_mlp((64, 64))``, ``memory.set_proportional_memory()``."""
 
     algorithm: ClassVar[str] = "dqn"
+    saved_before: ClassVar[dict[str, Any]] = {"scale_obs": False}
+    weights_depend_on: ClassVar[tuple[str, ...]] = ("scale_obs", "value_rescale")
 
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
     """the layers between observation and Q head"""
@@ -113,14 +118,19 @@ class Config(RLConfig):
     loss's useful range"""
     max_grad_norm: float = 10.0
     """gradient norm clip"""
-    reward_scale: float = 1.0
-    """rewards are multiplied by this before learning"""
+    reward_scale: float | None = 1.0
+    """rewards are multiplied by this before learning. None: set before training to the power of ten nearest
+    1 / (mean |reward| of 1,000 random-action steps of the env), at most 1 (``probe_reward_scale``; Pendulum,
+    mean |reward| 5.8: 0.1; CartPole, Acrobot: 1). On distributed Pendulum 0.1 left 0 of 20 runs stuck near
+    the bottom against about 1 in 10 unscaled, but one process then ended at a median of -163 against -131
+    (README, Benchmarks), so it is not the default"""
     action_bins: int = 5
     """values per dimension when a Box action space is binned"""
-    scale_obs: bool = True
+    scale_obs: bool = False
     """map each observation dimension with finite bounds onto [-1, 1] before the network (Pendulum's angular
-    velocity, within +-8, next to its cos and sin): a fixed map from the env's observation space, not
-    running statistics, so old transitions keep their targets"""
+    velocity, within +-8, next to its cos and sin; MountainCar's velocity, within +-0.07): a fixed map from
+    the env's observation space, not running statistics, so stored transitions keep their targets. On
+    distributed Pendulum it did not make runs more reliable (README, Benchmarks), so it is not the default"""
 
     def validate(self) -> None:
         super().validate()
@@ -141,7 +151,8 @@ class Config(RLConfig):
             check_number(name, getattr(self, name), 0.0, 1.0)
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
-        check_number("reward_scale", self.reward_scale, -1e9, 1e9)
+        if self.reward_scale is not None:
+            check_number("reward_scale", self.reward_scale, -1e9, 1e9)
         if self.loss not in LOSSES:
             close = difflib.get_close_matches(str(self.loss)[:64], list(LOSSES), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -153,6 +164,12 @@ class Config(RLConfig):
                 f"memory.capacity ({self.memory.capacity}) is smaller than warmup_size ({self.warmup_size}); "
                 "training would never start"
             )
+
+    def settle(self, env_config: EnvConfig) -> None:
+        if self.reward_scale is None:
+            self.reward_scale, mean = probe_reward_scale(env_config)
+            logger.info("reward_scale %g: mean |reward| %.3g over %d random-action steps of %r (set reward_scale "
+                        "to choose it)", self.reward_scale, mean, REWARD_PROBE_STEPS, env_config.id)
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
         """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
@@ -198,6 +215,31 @@ class Config(RLConfig):
     def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> DQNTrainer:
         assert isinstance(parameter, DQNParameter) and isinstance(buffer, Memory)
         return DQNTrainer(self, parameter, buffer)
+
+
+REWARD_PROBE_STEPS = 1000
+"""random-action env steps ``probe_reward_scale`` looks at"""
+
+
+def probe_reward_scale(env_config: EnvConfig, steps: int = REWARD_PROBE_STEPS) -> tuple[float, float]:
+    """``(scale, mean |reward|)``: the power of ten nearest 1 / mean |reward| of ``steps`` random-action steps
+    of the env, at most 1 (1 when that mean is 0). Seeded, so an env always gets the same scale."""
+    env = env_config.make()
+    try:
+        env.action_space.seed(0)
+        env.reset(seed=0)
+        total = 0.0
+        for _ in range(steps):
+            _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+            total += abs(float(reward))
+            if terminated or truncated:
+                env.reset()
+    finally:
+        env.close()
+    mean = total / steps
+    if not math.isfinite(mean) or mean <= 0.0:
+        return 1.0, mean
+    return min(1.0, 10.0 ** round(-math.log10(mean))), mean
 
 
 def action_count(spec: EnvSpec, action_bins: int) -> int:
@@ -328,6 +370,7 @@ class DQNWorker(Worker):
         self.config = config
         self.parameter = parameter
         self.epsilon = epsilon
+        self.reward_scale = 1.0 if config.reward_scale is None else config.reward_scale  # None: not settled
         self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
         self.n_actions = parameter.n_actions
@@ -359,7 +402,7 @@ class DQNWorker(Worker):
         if not self.training or self._obs is None:
             return
         version = self.parameter.version
-        scale = self.config.reward_scale
+        scale = self.reward_scale
         for i, window in enumerate(self._windows):
             window.append((self._obs[i], int(self._action[i]), float(reward[i]) * scale, version))
             bootstrap = not terminated[i]

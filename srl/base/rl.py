@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from srl.base.env import EnvSpec
+from srl.base.env import EnvConfig, EnvSpec
 from srl.base.schema import Schema
 
 Columns = dict[str, np.ndarray]
@@ -99,6 +99,12 @@ class RLConfig(ABC):
 
     algorithm: ClassVar[str] = ""
     """registry name of the algorithm (e.g. "dqn")"""
+    saved_before: ClassVar[dict[str, Any]] = {}
+    """fields added after checkpoints of this algorithm were first written, each with the value that a saved
+    config without it meant (how the algorithm behaved before the field existed)"""
+    weights_depend_on: ClassVar[tuple[str, ...]] = ()
+    """fields that change what the weights mean without changing their shapes: weights made under other
+    values are refused on load"""
 
     envs_per_actor: int = 1
     """envs each actor (and Runner.train) steps at once, one batched inference for all of them; an env
@@ -123,6 +129,11 @@ class RLConfig(ABC):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available here; use 'auto' or 'cpu'")
         return device
+
+    def settle(self, env_config: EnvConfig) -> None:
+        """Set the settings this algorithm leaves to the env (``None`` until then) before training. The
+        runner calls it, and for a distributed run the client, so every node gets the same values."""
+        return None
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a setting cannot work (or is beyond any sane bound:

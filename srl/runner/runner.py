@@ -36,7 +36,8 @@ FLUSH_TRANSITIONS = 32
 """transitions a one-process worker gathers before they go into the buffer"""
 CHECKPOINT_FORMAT = "srl-checkpoint"
 CHECKPOINT_VERSION = 3
-"""3: counters and the trainer's state (arrays under ``trainer/``); 2 (weights only) still loads"""
+"""3: counters and the trainer's state (arrays under ``trainer/``); 2 (weights only) still loads. A setting
+added since is read as ``RLConfig.saved_before`` says when a checkpoint's config lacks it"""
 TRAINER_PREFIX = "trainer/"
 
 
@@ -85,6 +86,27 @@ def split_checkpoint(
     if not isinstance(state, dict):
         return weights, None
     return weights, ({k[len(TRAINER_PREFIX):]: v for k, v in arrays.items() if k.startswith(TRAINER_PREFIX)}, state)
+
+
+def saved_rl_config(meta: dict[str, Any], config_cls: type[RLConfig]) -> dict[str, Any]:
+    """A checkpoint's algorithm settings, with the fields added since it was written set to what their
+    absence meant (``config_cls.saved_before``)."""
+    raw = meta.get("rl_config", {})
+    return {**config_cls.saved_before, **(raw if isinstance(raw, dict) else {})}
+
+
+def check_weights_match(meta: dict[str, Any], rl_config: RLConfig, source: str = "checkpoint") -> None:
+    """ValueError when a checkpoint's weights were made under other values of the settings that change
+    what weights mean (``weights_depend_on``) than ``rl_config``'s."""
+    saved = saved_rl_config(meta, type(rl_config))
+    for name in type(rl_config).weights_depend_on:
+        ours = getattr(rl_config, name)
+        if name in saved and saved[name] != ours:
+            raise ValueError(
+                f"{source} was trained with {name}={str(saved[name])[:40]}, this config has {name}={ours!r}: the "
+                f"weights mean something else under it. Set {name} as the checkpoint has it, or rebuild with "
+                "Runner.from_checkpoint"
+            )
 
 
 def reward_summary(rewards: list[float], prefix: str) -> dict[str, float | None]:
@@ -208,6 +230,7 @@ class Runner:
             raise ValueError(f"eval_episodes must be >= 1, got {eval_episodes}")
         ensure_logging()
         config = self.rl_config
+        config.settle(self.env_config)
         parameter = self.parameter
         if self._buffer is None:
             self._buffer = config.make_buffer(self.spec)
@@ -381,6 +404,7 @@ class Runner:
     def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = "checkpoint") -> None:
         """Apply a checkpoint's ``(meta, arrays)`` (see :meth:`load`)."""
         weights, state = split_checkpoint(meta, arrays, self.rl_config.algorithm, source)
+        check_weights_match(meta, self.rl_config, source)
         self.set_parameter_arrays(weights, _count(meta, "version"), _count(meta, "train_count"))
         self.env_steps, self.episodes = _count(meta, "env_steps"), _count(meta, "episodes")
         if state is not None:
@@ -402,7 +426,8 @@ class Runner:
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> Runner:
         """A runner rebuilt from a checkpoint's stored algorithm, settings and env."""
         meta, _ = load_arrays(path)
-        rl_config = config_from_dict(config_class(str(meta.get("algorithm"))), meta.get("rl_config", {}))
+        config_cls = config_class(str(meta.get("algorithm")))
+        rl_config = config_from_dict(config_cls, saved_rl_config(meta, config_cls))
         runner = cls(EnvConfig.from_dict(meta.get("env", {})), rl_config)
         runner.load(path)
         return runner
