@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +58,49 @@ def test_ctrl_c_on_the_client_ends_the_task_as_cancelled(redis_url: str, namespa
     status = board.get_status()
     assert status is not None and status.status == TaskState.END and status.end_reason == "cancelled"
     assert "start one: srl trainer" in log.read_text()
+
+
+LOCAL_CLIENT_SCRIPT = """
+import srl
+from srl.runner.distribution import RedisParameters
+from tests.nodes import tiny_config
+runner = srl.Runner("Pendulum-v1", tiny_config())
+runner.train_distribution(RedisParameters(url={url!r}, task_name={ns!r}), max_train_count=10**9,
+                          local_processes=True, progress_interval=0.5)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waits for its reaper; it no longer runs
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace: str, tmp_path: Path) -> None:
+    log = tmp_path / "client.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", LOCAL_CLIENT_SCRIPT.format(url=redis_url, ns=namespace)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+        try:
+            started = wait_for(lambda: re.search(r"local actor\(s\) \(pids \[([\d, ]+)\]\)", log.read_text()), 60,
+                               "the client to start its local nodes")
+            pids = [int(p) for p in started.group(1).split(",")]
+            board = board_for(redis_url, namespace)
+            wait_for(lambda: (st := board.get_status()) is not None and st.train_count > 0, 60, "training to start")
+            proc.kill()  # no finally, no atexit: only the kernel knows
+            proc.wait(timeout=10)
+            wait_for(lambda: not any(_alive(p) for p in pids), 30, "the local trainer and actor to stop")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for pid in pids if "pids" in locals() else []:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+    board.delete_task()
 
 
 @pytest.mark.slow

@@ -5,6 +5,11 @@ and handing them their parameters as JSON through the environment (not the
 command line, where passwords would show in ``ps``). Plain subprocesses, not
 multiprocessing: spawning would re-import the user's script, which need not
 have an ``if __name__ == "__main__"`` guard.
+
+A child outlives no client: each reads a pipe whose only writer is the
+client, and when the client dies, however it dies (a killed notebook kernel,
+SIGKILL), the kernel closes that pipe and the child stops as on Ctrl-C
+instead of training on until the task's budget with nobody watching.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -25,6 +31,9 @@ from srl.runner.distribution.redis_parameters import RedisParameters
 logger = logging.getLogger("srl.client")
 
 SPEC_ENV = "SRL_LOCAL_NODE"
+PARENT_FD_ENV = "SRL_LOCAL_NODE_PARENT_FD"
+_parent_pipes: dict[int, int] = {}
+"""child pid -> the write end of the pipe that child watches (closed once the child is gone)"""
 _PARAM_TYPES: dict[str, type] = {
     cls.__name__: cls for cls in (RedisParameters, RabbitMQParameters, MQTTParameters, GCPParameters)
 }
@@ -53,8 +62,39 @@ def start(
         "queue": _params_to_data(queue_params),
         "options": options,
     }
-    env = {**os.environ, SPEC_ENV: json.dumps(spec)}
-    return subprocess.Popen([sys.executable, "-m", "srl.runner.distribution.local_nodes"], env=env)
+    read_end, write_end = os.pipe()  # neither end is inherited by anything but what pass_fds names
+    env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_FD_ENV: str(read_end)}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "srl.runner.distribution.local_nodes"], env=env,
+                                pass_fds=(read_end,))
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    _parent_pipes[proc.pid] = write_end
+    return proc
+
+
+def _release(proc: subprocess.Popen[bytes]) -> None:
+    write_end = _parent_pipes.pop(proc.pid, None)
+    if write_end is not None:
+        os.close(write_end)
+
+
+def watch_parent(fd: int) -> None:
+    """Stop this process as Ctrl-C does once the pipe ``fd`` reads end-of-file: its writer, the client, is gone."""
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            return
+        logger.warning("the client that started this local node is gone: stopping")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="srl-parent-watch", daemon=True).start()
 
 
 def start_all(
@@ -90,10 +130,14 @@ def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        _release(p)
 
 
 def main() -> None:
     spec = json.loads(os.environ.pop(SPEC_ENV))
+    parent_fd = os.environ.pop(PARENT_FD_ENV, None)
+    if parent_fd is not None:
+        watch_parent(int(parent_fd))
     redis_params = _params_from_data(spec["redis"])
     queue_params = _params_from_data(spec["queue"])
     if spec["role"] == "trainer":
