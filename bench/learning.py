@@ -153,8 +153,8 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
     """One process on a distributed run's data path: the worker's weights are a copy refreshed every ``lag``
     train steps, its rows reach the replay ``chunk`` at a time; one train step per env step as in
     ``Runner.train``. Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
-    config, spec = runner.rl_config, runner.spec
-    config.settle(runner.env_config)  # as Runner.train does
+    config = runner.rl_config = runner.rl_config.settled(runner.env_config)  # as Runner.train does
+    spec = runner.spec
     ratio = config.data_path().env_steps_per_train
     if ratio is None:
         raise ValueError(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")

@@ -83,8 +83,10 @@ def _alive(pid: int) -> bool:
 def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace: str, tmp_path: Path) -> None:
     log = tmp_path / "client.log"
     with open(log, "wb") as out:
+        # started as a shell's background job is: SIGINT ignored, which the local nodes inherit
         proc = subprocess.Popen([sys.executable, "-c", LOCAL_CLIENT_SCRIPT.format(url=redis_url, ns=namespace)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         try:
             started = wait_for(lambda: re.search(r"local actor\(s\) \(pids \[([\d, ]+)\]\)", log.read_text()), 60,
                                "the client to start its local nodes")
@@ -94,6 +96,7 @@ def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace:
             proc.kill()  # no finally, no atexit: only the kernel knows
             proc.wait(timeout=10)
             wait_for(lambda: not any(_alive(p) for p in pids), 30, "the local trainer and actor to stop")
+            assert log.read_text().count("the client that started this local node is gone: stopping") == len(pids)
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -96,18 +96,34 @@ def test_dqn_reward_scale_none_is_settled_from_the_env_before_training() -> None
     assert scale == 0.1 and 3.2 < mean < 32  # Pendulum's rewards lie in [-16.3, 0]
     assert dqn.probe_reward_scale(EnvConfig("CartPole-v1")) == (1.0, 1.0)  # +1 a step: left alone
     assert dqn.probe_reward_scale(EnvConfig("FrozenLake-v1"))[0] == 1.0  # small rewards are not blown up
-    auto = srl.Runner("Pendulum-v1", small_config(reward_scale=None))
-    assert auto.rl_config.reward_scale is None  # type: ignore[attr-defined]
+    mine = small_config(reward_scale=None)
+    auto = srl.Runner("Pendulum-v1", mine)
     auto.train(max_steps=200, progress_interval=None)
     assert auto.rl_config.reward_scale == 0.1  # type: ignore[attr-defined]
     assert auto.task_config()["rl_config"]["reward_scale"] == 0.1  # what a checkpoint or a task carries
+    assert mine.reward_scale is None  # the runner's copy was settled: the same config may serve another env
+    cartpole = srl.Runner("CartPole-v1", mine)
+    cartpole.train(max_steps=10, progress_interval=None)
+    assert cartpole.rl_config.reward_scale == 1.0  # type: ignore[attr-defined]
     chosen = srl.Runner("Pendulum-v1", small_config(reward_scale=0.1))
     chosen.train(max_steps=200, progress_interval=None)
-    for name, value in auto.parameter.to_arrays().items():  # the probe draws on no random state of the run
+    for name, value in auto.parameter.to_arrays().items():  # the settled run is the run with 0.1 chosen
         np.testing.assert_array_equal(value, chosen.parameter.to_arrays()[name], err_msg=name)
     kept = srl.Runner("Pendulum-v1", small_config(reward_scale=0.5))
     kept.train(max_steps=10, progress_interval=None)
     assert kept.rl_config.reward_scale == 0.5  # type: ignore[attr-defined]
+
+
+def test_a_node_refuses_a_task_whose_reward_scale_no_client_settled() -> None:
+    import json
+
+    from srl.runner.distribution.task import TaskConfigError, build_task
+
+    task = {**srl.Runner("Pendulum-v1", small_config(reward_scale=None)).task_config(), "actor_num": 1}
+    with pytest.raises(TaskConfigError, match=r"reward_scale of dqn.Config are not set"):
+        build_task(json.dumps(task))
+    task["rl_config"]["reward_scale"] = 0.1
+    assert build_task(json.dumps(task)).rl_config.reward_scale == 0.1  # type: ignore[attr-defined]
 
 
 def test_misspelled_env_names_close_ids() -> None:

@@ -20,6 +20,7 @@ schedule ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import itertools
 import logging
@@ -67,7 +68,7 @@ class Config(RLConfig):
     """DQN settings. ``hidden_block.set_mlp((64, 64))``, ``memory.set_proportional_memory()``."""
 
     algorithm: ClassVar[str] = "dqn"
-    saved_before: ClassVar[dict[str, Any]] = {"scale_obs": False}
+    saved_before: ClassVar[dict[str, Any]] = {"scale_obs": False, "value_rescale": False}
     weights_depend_on: ClassVar[tuple[str, ...]] = ("scale_obs", "value_rescale")
 
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
@@ -165,11 +166,16 @@ class Config(RLConfig):
                 "training would never start"
             )
 
-    def settle(self, env_config: EnvConfig) -> None:
-        if self.reward_scale is None:
-            self.reward_scale, mean = probe_reward_scale(env_config)
-            logger.info("reward_scale %g: mean |reward| %.3g over %d random-action steps of %r (set reward_scale "
-                        "to choose it)", self.reward_scale, mean, REWARD_PROBE_STEPS, env_config.id)
+    def settled(self, env_config: EnvConfig) -> Config:
+        if self.reward_scale is not None:
+            return self
+        scale, mean = probe_reward_scale(env_config)
+        logger.info("reward_scale %g: mean |reward| %.3g over %d random-action steps of %r (set reward_scale to "
+                    "choose it)", scale, mean, REWARD_PROBE_STEPS, env_config.id)
+        return dataclasses.replace(self, reward_scale=scale)
+
+    def unsettled(self) -> list[str]:
+        return ["reward_scale"] if self.reward_scale is None else []
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
         """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
@@ -239,7 +245,8 @@ def probe_reward_scale(env_config: EnvConfig, steps: int = REWARD_PROBE_STEPS) -
     mean = total / steps
     if not math.isfinite(mean) or mean <= 0.0:
         return 1.0, mean
-    return min(1.0, 10.0 ** round(-math.log10(mean))), mean
+    exponent = round(-math.log10(mean))
+    return (1.0 if exponent >= 0 else 10.0**exponent), mean
 
 
 def action_count(spec: EnvSpec, action_bins: int) -> int:

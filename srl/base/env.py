@@ -211,8 +211,9 @@ def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
     obs_low = obs_high = None
     if isinstance(obs_space, gym.spaces.Box):
         obs_shape: tuple[int, ...] = (int(np.prod(obs_space.shape)),)
-        obs_low = np.asarray(obs_space.low, np.float32).reshape(-1)
-        obs_high = np.asarray(obs_space.high, np.float32).reshape(-1)
+        with np.errstate(over="ignore"):  # float64 bounds beyond float32 become infinite: "no bound"
+            obs_low = np.asarray(obs_space.low, np.float32).reshape(-1)
+            obs_high = np.asarray(obs_space.high, np.float32).reshape(-1)
     elif isinstance(obs_space, gym.spaces.Discrete):
         onehot = int(obs_space.n)
         obs_shape = (onehot,)

@@ -130,10 +130,15 @@ class RLConfig(ABC):
             raise ValueError(f"device {self.device!r} asked for but CUDA is not available here; use 'auto' or 'cpu'")
         return device
 
-    def settle(self, env_config: EnvConfig) -> None:
-        """Set the settings this algorithm leaves to the env (``None`` until then) before training. The
-        runner calls it, and for a distributed run the client, so every node gets the same values."""
-        return None
+    def settled(self, env_config: EnvConfig) -> RLConfig:
+        """This config with the settings it leaves to the env (``None`` until then) set: a copy when any
+        was, so one config can serve several envs. The runner calls it before training, and for a
+        distributed run the client, so every node gets the same values."""
+        return self
+
+    def unsettled(self) -> list[str]:
+        """The fields :meth:`settled` would still set (a node refuses a task that has any)."""
+        return []
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a setting cannot work (or is beyond any sane bound:

@@ -92,7 +92,9 @@ def saved_rl_config(meta: dict[str, Any], config_cls: type[RLConfig]) -> dict[st
     """A checkpoint's algorithm settings, with the fields added since it was written set to what their
     absence meant (``config_cls.saved_before``)."""
     raw = meta.get("rl_config", {})
-    return {**config_cls.saved_before, **(raw if isinstance(raw, dict) else {})}
+    if not isinstance(raw, dict):
+        raise ValueError(f"checkpoint field 'rl_config' is {type(raw).__name__}, not the algorithm's settings")
+    return {**config_cls.saved_before, **raw}
 
 
 def check_weights_match(meta: dict[str, Any], rl_config: RLConfig, source: str = "checkpoint") -> None:
@@ -229,8 +231,7 @@ class Runner:
         if eval_episodes < 1:
             raise ValueError(f"eval_episodes must be >= 1, got {eval_episodes}")
         ensure_logging()
-        config = self.rl_config
-        config.settle(self.env_config)
+        config = self.rl_config = self.rl_config.settled(self.env_config)
         parameter = self.parameter
         if self._buffer is None:
             self._buffer = config.make_buffer(self.spec)

@@ -114,7 +114,7 @@ def train_distribution(
         raise ValueError(f"actor_num must be >= 1, got {actor_num}")
     ensure_logging()
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
-    runner.rl_config.settle(runner.env_config)  # here, so every node gets the same values
+    runner.rl_config = runner.rl_config.settled(runner.env_config)  # here, so every node gets the same values
     from srl.runner.distribution.embedded import EmbeddedRedis
 
     if eval_episodes < 1:

@@ -32,8 +32,14 @@ logger = logging.getLogger("srl.client")
 
 SPEC_ENV = "SRL_LOCAL_NODE"
 PARENT_FD_ENV = "SRL_LOCAL_NODE_PARENT_FD"
-_parent_pipes: dict[int, int] = {}
-"""child pid -> the write end of the pipe that child watches (closed once the child is gone)"""
+ORPHAN_GRACE_S = 60.0
+"""seconds a local node whose client is gone has to stop as on Ctrl-C before it exits at once"""
+
+
+class LocalNode(subprocess.Popen[bytes]):
+    """A local child and the write end of the pipe it watches (closed by :func:`release`)."""
+
+    parent_pipe: int | None = None
 _PARAM_TYPES: dict[str, type] = {
     cls.__name__: cls for cls in (RedisParameters, RabbitMQParameters, MQTTParameters, GCPParameters)
 }
@@ -65,25 +71,30 @@ def start(
     read_end, write_end = os.pipe()  # neither end is inherited by anything but what pass_fds names
     env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_FD_ENV: str(read_end)}
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "srl.runner.distribution.local_nodes"], env=env,
-                                pass_fds=(read_end,))
+        proc = LocalNode([sys.executable, "-m", "srl.runner.distribution.local_nodes"], env=env, pass_fds=(read_end,))
     except BaseException:
         os.close(write_end)
         raise
     finally:
         os.close(read_end)
-    _parent_pipes[proc.pid] = write_end
+    proc.parent_pipe = write_end
     return proc
 
 
-def _release(proc: subprocess.Popen[bytes]) -> None:
-    write_end = _parent_pipes.pop(proc.pid, None)
+def release(proc: subprocess.Popen[bytes]) -> None:
+    """Close the write end of the pipe ``proc`` watches (once it is gone, or to tell it the client is)."""
+    write_end = getattr(proc, "parent_pipe", None)
     if write_end is not None:
+        proc.parent_pipe = None  # type: ignore[attr-defined]
         os.close(write_end)
 
 
-def watch_parent(fd: int) -> None:
-    """Stop this process as Ctrl-C does once the pipe ``fd`` reads end-of-file: its writer, the client, is gone."""
+def watch_parent(fd: int, grace: float = ORPHAN_GRACE_S) -> None:
+    """Once the pipe ``fd`` reads end-of-file (its writer, the client, is gone), stop this process as Ctrl-C
+    does, and exit at once if that takes longer than ``grace`` seconds."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a child of a background job inherits "ignore"
+    main_thread = threading.main_thread().ident
+    assert main_thread is not None
 
     def watch() -> None:
         try:
@@ -92,7 +103,10 @@ def watch_parent(fd: int) -> None:
         except OSError:
             return
         logger.warning("the client that started this local node is gone: stopping")
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_kill(main_thread, signal.SIGINT)  # to the main thread: a blocking call there returns
+        time.sleep(grace)
+        logger.error("still running %.0f s after its client went: exiting", grace)
+        os._exit(1)
 
     threading.Thread(target=watch, name="srl-parent-watch", daemon=True).start()
 
@@ -107,30 +121,41 @@ def start_all(
 ) -> list[subprocess.Popen[bytes]]:
     """One trainer (first in the list) and ``actor_num`` actors, each serving one task."""
     common = {"run_once": True, **({"secret": secret} if secret else {})}
-    procs = [start("trainer", redis_params, queue_params, {**common, **trainer_options})]
-    procs += [start("actor", redis_params, queue_params, {**common, **actor_options}) for _ in range(actor_num)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(start("trainer", redis_params, queue_params, {**common, **trainer_options}))
+        for _ in range(actor_num):
+            procs.append(start("actor", redis_params, queue_params, {**common, **actor_options}))
+    except BaseException:
+        for p in procs:  # their pipes close: they stop as on Ctrl-C
+            release(p)
+        raise
     logger.info("started a local trainer and %d local actor(s) (pids %s)", actor_num, [p.pid for p in procs])
     return procs
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
-    """Let run-once children finish their task, then interrupt, then kill what is left."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        _release(p)
+    """Let run-once children finish their task, then interrupt, then kill what is left. However this ends
+    (a second Ctrl-C included), their pipes close, so a child left running stops on its own."""
+    try:
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    finally:
+        for p in procs:
+            release(p)
 
 
 def main() -> None:

@@ -98,6 +98,12 @@ def build_task(
         cls = config_class(algorithm)
         rl_config = config_from_dict(cls, data.get("rl_config", {}), where=f"{algorithm}.Config")
         rl_config.validate()
+        unsettled = rl_config.unsettled()
+        if unsettled:
+            raise TaskConfigError(
+                f"task field(s) {', '.join(unsettled)} of {algorithm}.Config are not set: a client sets them from the "
+                "env before writing the task (Runner.train_distribution does; a hand-written task needs them)"
+            )
         env_config = EnvConfig.from_dict(data["env"])
         env_config.check_allowed(allow_modules)
         actor_num = _bounded(data, "actor_num", int, MAX_ACTORS, 1)
