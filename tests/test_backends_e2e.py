@@ -37,7 +37,7 @@ def test_distributed_run_ends_with_an_evaluation(broker: Broker, redis_url: str,
     counters = board.get_counters()
     assert counters["received_transitions"] >= tiny_config().warmup_size
     assert counters.get("bad_messages", 0) == 0
-    assert board.get_task_config()["rl_config"]["reward_scale"] == 0.1  # settled by the client for every node
+    assert board.get_task_config()["rl_config"]["reward_scale"] == 10**-0.5  # settled by the client for every node
     assert runner.train_count == 300
     assert len(runner.evaluate(max_episodes=2)) == 2
     board.delete_task()

@@ -92,22 +92,22 @@ def test_dqn_scales_bounded_obs_inside_its_network_and_publishes_the_same_arrays
 
 
 def test_dqn_reward_scale_none_is_settled_from_the_env_before_training() -> None:
-    scale, mean = dqn.probe_reward_scale(EnvConfig("Pendulum-v1"))
-    assert scale == 0.1 and 3.2 < mean < 32  # Pendulum's rewards lie in [-16.3, 0]
-    assert dqn.probe_reward_scale(EnvConfig("CartPole-v1")) == (1.0, 1.0)  # +1 a step: left alone
+    scale, std = dqn.probe_reward_scale(EnvConfig("Pendulum-v1"))
+    assert scale == 10**-0.5 and 10**0.25 < std < 10**0.75  # Pendulum's rewards lie in [-16.3, 0]
+    assert dqn.probe_reward_scale(EnvConfig("CartPole-v1")) == (1.0, 0.0)  # +1 a step: left alone
     assert dqn.probe_reward_scale(EnvConfig("FrozenLake-v1"))[0] == 1.0  # small rewards are not blown up
     mine = small_config(reward_scale=None)
     auto = srl.Runner("Pendulum-v1", mine)
     auto.train(max_steps=200, progress_interval=None)
-    assert auto.rl_config.reward_scale == 0.1  # type: ignore[attr-defined]
-    assert auto.task_config()["rl_config"]["reward_scale"] == 0.1  # what a checkpoint or a task carries
+    assert auto.rl_config.reward_scale == 10**-0.5  # type: ignore[attr-defined]
+    assert auto.task_config()["rl_config"]["reward_scale"] == 10**-0.5  # what a checkpoint or a task carries
     assert mine.reward_scale is None  # the runner's copy was settled: the same config may serve another env
     cartpole = srl.Runner("CartPole-v1", mine)
     cartpole.train(max_steps=10, progress_interval=None)
     assert cartpole.rl_config.reward_scale == 1.0  # type: ignore[attr-defined]
-    chosen = srl.Runner("Pendulum-v1", small_config(reward_scale=0.1))
+    chosen = srl.Runner("Pendulum-v1", small_config(reward_scale=10**-0.5))
     chosen.train(max_steps=200, progress_interval=None)
-    for name, value in auto.parameter.to_arrays().items():  # the settled run is the run with 0.1 chosen
+    for name, value in auto.parameter.to_arrays().items():  # the settled run is the run with that scale chosen
         np.testing.assert_array_equal(value, chosen.parameter.to_arrays()[name], err_msg=name)
     kept = srl.Runner("Pendulum-v1", small_config(reward_scale=0.5))
     kept.train(max_steps=10, progress_interval=None)

@@ -120,11 +120,11 @@ class Config(RLConfig):
     max_grad_norm: float = 10.0
     """gradient norm clip"""
     reward_scale: float | None = 1.0
-    """rewards are multiplied by this before learning. None: set before training to the power of ten nearest
-    1 / (mean |reward| of 1,000 random-action steps of the env), at most 1 (``probe_reward_scale``; Pendulum,
-    mean |reward| 5.8: 0.1; CartPole, Acrobot: 1). On distributed Pendulum 0.1 left 0 of 20 runs stuck near
-    the bottom against about 1 in 10 unscaled, but one process then ended at a median of -163 against -131
-    (README, Benchmarks), so it is not the default"""
+    """rewards are multiplied by this before learning. None: set before training to 1 / the reward std of
+    1,000 random-action steps of the env, as a power of sqrt(10), at most 1 (``probe_reward_scale``; Pendulum
+    0.316, CartPole and Acrobot 1). On distributed Pendulum, 30 runs each: 0.3 left 1 run stuck below -250
+    where 1.0 left 3, but the median fell from -154.8 to -160.7; 0.1 left none of 20, and one process fell
+    from -130.9 to -163.2 over seeds 0-4 (README, Benchmarks). So it is a setting, not the default"""
     action_bins: int = 5
     """values per dimension when a Box action space is binned"""
     scale_obs: bool = False
@@ -169,9 +169,9 @@ class Config(RLConfig):
     def settled(self, env_config: EnvConfig) -> Config:
         if self.reward_scale is not None:
             return self
-        scale, mean = probe_reward_scale(env_config)
-        logger.info("reward_scale %g: mean |reward| %.3g over %d random-action steps of %r (set reward_scale to "
-                    "choose it)", scale, mean, REWARD_PROBE_STEPS, env_config.id)
+        scale, std = probe_reward_scale(env_config)
+        logger.info("reward_scale %.3g: reward std %.3g over %d random-action steps of %r (set reward_scale to "
+                    "choose it)", scale, std, REWARD_PROBE_STEPS, env_config.id)
         return dataclasses.replace(self, reward_scale=scale)
 
     def unsettled(self) -> list[str]:
@@ -228,25 +228,26 @@ REWARD_PROBE_STEPS = 1000
 
 
 def probe_reward_scale(env_config: EnvConfig, steps: int = REWARD_PROBE_STEPS) -> tuple[float, float]:
-    """``(scale, mean |reward|)``: the power of ten nearest 1 / mean |reward| of ``steps`` random-action steps
-    of the env, at most 1 (1 when that mean is 0). Seeded, so an env always gets the same scale."""
+    """``(scale, std)``: 1 / the standard deviation of the rewards of ``steps`` random-action steps of the env,
+    rounded to a power of sqrt(10) (1, 0.316, 0.1, ...) so that a near value gives the same scale, at most 1
+    (rewards that barely vary, CartPole's +1 a step, are left alone). Seeded: an env always gets one scale."""
     env = env_config.make()
+    rewards = np.empty(steps)
     try:
         env.action_space.seed(0)
         env.reset(seed=0)
-        total = 0.0
-        for _ in range(steps):
+        for i in range(steps):
             _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
-            total += abs(float(reward))
+            rewards[i] = float(reward)
             if terminated or truncated:
                 env.reset()
     finally:
         env.close()
-    mean = total / steps
-    if not math.isfinite(mean) or mean <= 0.0:
-        return 1.0, mean
-    exponent = round(-math.log10(mean))
-    return (1.0 if exponent >= 0 else 10.0**exponent), mean
+    std = float(rewards.std())
+    if not math.isfinite(std) or std <= 0.0:
+        return 1.0, std
+    halves = round(-2.0 * math.log10(std))
+    return (1.0 if halves >= 0 else 10.0 ** (halves / 2)), std
 
 
 def action_count(spec: EnvSpec, action_bins: int) -> int:
