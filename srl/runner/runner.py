@@ -71,16 +71,19 @@ def build_checkpoint(
 
 
 def split_checkpoint(
-    meta: dict[str, Any], arrays: dict[str, np.ndarray], algorithm: str, source: str = "checkpoint"
+    meta: dict[str, Any], arrays: dict[str, np.ndarray], rl_config: RLConfig, source: str = "checkpoint"
 ) -> tuple[dict[str, np.ndarray], tuple[dict[str, np.ndarray], dict[str, Any]] | None]:
-    """The weights and the trainer state (None if it holds none) of a checkpoint of ``algorithm``;
-    ValueError saying what is wrong otherwise."""
+    """The weights and the trainer state (None if it holds none) of a checkpoint made for ``rl_config``'s
+    algorithm under the same settings that change what weights mean; ValueError saying what is wrong
+    otherwise."""
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{source} is not an srl checkpoint (format {str(meta.get('format'))[:40]!r})")
+    algorithm = rl_config.algorithm
     if meta.get("algorithm") != algorithm:
         raise ValueError(f"{source} holds {str(meta.get('algorithm'))[:40]!r} weights; this task is {algorithm!r}")
     for name in ("version", "train_count", "env_steps", "episodes"):
         _count(meta, name)
+    check_weights_match(meta, rl_config, source)
     weights = {k: v for k, v in arrays.items() if not k.startswith(TRAINER_PREFIX)}
     state = meta.get("trainer_state")
     if not isinstance(state, dict):
@@ -404,8 +407,7 @@ class Runner:
 
     def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = "checkpoint") -> None:
         """Apply a checkpoint's ``(meta, arrays)`` (see :meth:`load`)."""
-        weights, state = split_checkpoint(meta, arrays, self.rl_config.algorithm, source)
-        check_weights_match(meta, self.rl_config, source)
+        weights, state = split_checkpoint(meta, arrays, self.rl_config, source)
         self.set_parameter_arrays(weights, _count(meta, "version"), _count(meta, "train_count"))
         self.env_steps, self.episodes = _count(meta, "env_steps"), _count(meta, "episodes")
         if state is not None:

@@ -76,7 +76,7 @@ from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
 from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
 from srl.runner.run_log import write_checkpoint
-from srl.runner.runner import build_checkpoint, check_weights_match, seed_everything, split_checkpoint, task_config
+from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint, task_config
 
 Opened = tuple[Message, BatchFrame]
 """a batch message taken from the queue, and its checked frame (arrays not made yet)"""
@@ -378,8 +378,7 @@ class TrainerRun:
             checkpoint = meta.get("checkpoint")
             if not isinstance(checkpoint, dict):
                 raise DecodeError("the resume message carries no checkpoint meta")
-            weights, state = split_checkpoint(checkpoint, arrays, self.task.rl_config.algorithm, "the resume blob")
-            check_weights_match(checkpoint, self.task.rl_config, "the resume blob")
+            weights, state = split_checkpoint(checkpoint, arrays, self.task.rl_config, "the resume blob")
             self.parameter.from_arrays(weights)
             self.trainer.on_parameters_loaded()
             if state is not None:
