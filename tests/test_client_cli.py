@@ -82,6 +82,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace: str, tmp_path: Path) -> None:
     log = tmp_path / "client.log"
+    board = board_for(redis_url, namespace)
+    pids: list[int] = []
     with open(log, "wb") as out:
         # started as a shell's background job is: SIGINT ignored, which the local nodes inherit
         proc = subprocess.Popen([sys.executable, "-c", LOCAL_CLIENT_SCRIPT.format(url=redis_url, ns=namespace)],
@@ -91,7 +93,6 @@ def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace:
             started = wait_for(lambda: re.search(r"local actor\(s\) \(pids \[([\d, ]+)\]\)", log.read_text()), 60,
                                "the client to start its local nodes")
             pids = [int(p) for p in started.group(1).split(",")]
-            board = board_for(redis_url, namespace)
             wait_for(lambda: (st := board.get_status()) is not None and st.train_count > 0, 60, "training to start")
             proc.kill()  # no finally, no atexit: only the kernel knows
             proc.wait(timeout=10)
@@ -100,7 +101,7 @@ def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace:
         finally:
             if proc.poll() is None:
                 proc.kill()
-            for pid in pids if "pids" in locals() else []:
+            for pid in pids:
                 if _alive(pid):
                     os.kill(pid, signal.SIGKILL)
     board.delete_task()

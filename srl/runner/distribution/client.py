@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -130,7 +129,7 @@ def train_distribution(
         trainer_options.setdefault("checkpoint_interval", checkpoint_interval)
         trainer_options.setdefault("keep_checkpoints", keep_checkpoints)
     resolved, embedded = redis_params.resolve()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[local_nodes.LocalNode] = []
     evaluator: Evaluator | None = None
     try:
         board = Board(resolved.connect(), resolved.task_name)
@@ -226,7 +225,7 @@ def _clear_leftover_experience(queue_params: Any, redis_params: RedisParameters)
         logger.info("removed %d batch(es) an earlier task of this name left in the %s queue", depth, scheme)
 
 
-def _note_totals(board: Board, runner: Runner, procs: list[subprocess.Popen[bytes]], actor_num: int) -> None:
+def _note_totals(board: Board, runner: Runner, procs: list[local_nodes.LocalNode], actor_num: int) -> None:
     """Leave the run's env steps and episodes on the runner, as ``Runner.train`` does. Nodes flush their
     last counts and stats as they stop, then release their leases: wait for that (local processes to
     exit; nodes elsewhere up to ``SETTLE_S``, a dead one's lease lapses meanwhile or is left)."""
@@ -416,7 +415,7 @@ def _watch(
     max_train_count: int | None,
     max_steps: int | None,
     timeout: float | None,
-    procs: list[subprocess.Popen[bytes]],
+    procs: list[local_nodes.LocalNode],
     run_log: RunLog | None = None,
     evaluator: Evaluator | None = None,
 ) -> TaskStatus:

@@ -36,10 +36,14 @@ ORPHAN_GRACE_S = 60.0
 """seconds a local node whose client is gone has to stop as on Ctrl-C before it exits at once"""
 
 
+
+
 class LocalNode(subprocess.Popen[bytes]):
     """A local child and the write end of the pipe it watches (closed by :func:`release`)."""
 
     parent_pipe: int | None = None
+
+
 _PARAM_TYPES: dict[str, type] = {
     cls.__name__: cls for cls in (RedisParameters, RabbitMQParameters, MQTTParameters, GCPParameters)
 }
@@ -61,7 +65,7 @@ def _params_from_data(data: Any) -> Any:
 
 def start(
     role: str, redis_params: RedisParameters, queue_params: Any, options: dict[str, Any]
-) -> subprocess.Popen[bytes]:
+) -> LocalNode:
     spec = {
         "role": role,
         "redis": _params_to_data(redis_params),
@@ -81,12 +85,11 @@ def start(
     return proc
 
 
-def release(proc: subprocess.Popen[bytes]) -> None:
+def release(proc: LocalNode) -> None:
     """Close the write end of the pipe ``proc`` watches (once it is gone, or to tell it the client is)."""
-    write_end = getattr(proc, "parent_pipe", None)
-    if write_end is not None:
-        proc.parent_pipe = None  # type: ignore[attr-defined]
-        os.close(write_end)
+    if proc.parent_pipe is not None:
+        os.close(proc.parent_pipe)
+        proc.parent_pipe = None
 
 
 def watch_parent(fd: int, grace: float = ORPHAN_GRACE_S) -> None:
@@ -118,10 +121,10 @@ def start_all(
     secret: str | None,
     actor_options: dict[str, Any],
     trainer_options: dict[str, Any],
-) -> list[subprocess.Popen[bytes]]:
+) -> list[LocalNode]:
     """One trainer (first in the list) and ``actor_num`` actors, each serving one task."""
     common = {"run_once": True, **({"secret": secret} if secret else {})}
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[LocalNode] = []
     try:
         procs.append(start("trainer", redis_params, queue_params, {**common, **trainer_options}))
         for _ in range(actor_num):
@@ -134,7 +137,7 @@ def start_all(
     return procs
 
 
-def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
+def stop_all(procs: list[LocalNode], grace: float = 15.0) -> None:
     """Let run-once children finish their task, then interrupt, then kill what is left. However this ends
     (a second Ctrl-C included), their pipes close, so a child left running stops on its own."""
     try:
