@@ -191,25 +191,31 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
     return env_steps, trainer.train_count
 
 
-def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10,
-             lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None) -> Run:
+def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, lag: int = 150,
+              chunk: int = 128, changes: dict[str, Any] | None = None) -> tuple[srl.Runner, Run]:
+    """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet)."""
     config = configured(case, changes)
     config.seed = seed
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
     if mode == "lagged":
         env_steps, train_count = train_lagged(runner, lag, chunk, **limits(budget))
-        wall = time.perf_counter() - started
-        evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
-        return Run(case.name, mode, seed, evaluation, wall, env_steps, train_count)
-    if mode == "one":
-        runner.train(progress_interval=None, **limits(budget))
     else:
-        runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
-                                  **limits(budget))
+        if mode == "one":
+            runner.train(progress_interval=None, **limits(budget))
+        else:
+            runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
+                                      **limits(budget))
+        env_steps, train_count = runner.env_steps, runner.train_count
     wall = time.perf_counter() - started
-    evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
-    return Run(case.name, mode, seed, evaluation, wall, runner.env_steps, runner.train_count)
+    return runner, Run(case.name, mode, seed, float("nan"), wall, env_steps, train_count)
+
+
+def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10,
+             lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None) -> Run:
+    runner, run = train_run(case, mode, seed, budget, actors, queue, lag, chunk, changes)
+    run.evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
+    return run
 
 
 def main() -> None:
