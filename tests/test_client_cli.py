@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import srl
+from srl.algorithms import dqn
 from srl.cli import build_parser, field_docs, main
 from srl.runner.distribution import ActorOptions, RedisParameters
 from srl.runner.distribution.board import DeadLetter, TaskExistsError, TaskState
@@ -28,10 +30,17 @@ def test_all_local_run_on_an_embedded_redis() -> None:
     assert runner.train_count == 300
     rewards = runner.evaluate(max_episodes=2)
     assert len(rewards) == 2 and all(np.isfinite(rewards))
+    # the final params carry the greedy average: it lags the online net, it was not rebuilt from it
+    parameter = runner.parameter
+    assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
+    online = torch.cat([p.flatten() for p in parameter.q.parameters()])
+    average = torch.cat([p.flatten() for p in parameter.q_average.parameters()])
+    assert not torch.allclose(online, average)
 
 
 CLIENT_SCRIPT = """
 import srl
+from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
 from tests.nodes import tiny_config
 runner = srl.Runner("Pendulum-v1", tiny_config())
@@ -62,6 +71,7 @@ def test_ctrl_c_on_the_client_ends_the_task_as_cancelled(redis_url: str, namespa
 
 LOCAL_CLIENT_SCRIPT = """
 import srl
+from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
 from tests.nodes import tiny_config
 runner = srl.Runner("Pendulum-v1", tiny_config())

@@ -441,3 +441,69 @@ def test_dqn_learns_cartpole() -> None:
         if best >= 195:
             break
     assert best >= 195
+
+
+# ------------------------------------------------------------------ DQN's greedy average
+def test_greedy_average_is_the_mean_of_the_steps_then_follows_by_tau() -> None:
+    tau = 0.2
+    runner = srl.Runner("CartPole-v1", small_config(greedy_average_tau=tau, warmup_size=16))
+    parameter = runner.parameter
+    assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
+    runner.train(max_train_count=1, progress_interval=None)  # builds the trainer; one step
+    trainer = runner._trainer
+    assert trainer is not None
+    trainer.plan(None, 1_000)  # a quarter of this plan is longer than 1 / tau: tau holds
+    history = [[p.detach().clone() for p in parameter.q.parameters()]]
+    for _ in range(7):
+        trainer.train()
+        history.append([p.detach().clone() for p in parameter.q.parameters()])
+    # steps 1-5: the plain mean of the weights after each step (1 / n >= tau); steps 6-8: tau of the newest
+    expected = [torch.stack(ws[:5]).mean(dim=0) for ws in zip(*history, strict=True)]
+    for step in range(5, 8):
+        expected = [e.lerp(w, tau) for e, w in zip(expected, history[step], strict=True)]
+    for e, a in zip(expected, parameter.q_average.parameters(), strict=True):
+        torch.testing.assert_close(a, e)
+    online = torch.cat([p.flatten() for p in parameter.q.parameters()])
+    average = torch.cat([p.flatten() for p in parameter.q_average.parameters()])
+    assert not torch.allclose(online, average)
+
+
+def test_greedy_average_spans_at_most_a_quarter_of_a_planned_run() -> None:
+    runner = srl.Runner("CartPole-v1", small_config(greedy_average_tau=1e-6, warmup_size=16))
+    parameter = runner.parameter
+    assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
+    runner.train(max_train_count=1, progress_interval=None)
+    trainer = runner._trainer
+    assert trainer is not None
+    trainer.plan(None, 20)  # a quarter: 5 steps, so each step weighs at least 1 / 5
+    history = [[p.detach().clone() for p in parameter.q.parameters()]]
+    for _ in range(7):
+        trainer.train()
+        history.append([p.detach().clone() for p in parameter.q.parameters()])
+    expected = [torch.stack(ws[:5]).mean(dim=0) for ws in zip(*history, strict=True)]
+    for step in range(5, 8):
+        expected = [e.lerp(w, 0.2) for e, w in zip(expected, history[step], strict=True)]
+    for e, a in zip(expected, parameter.q_average.parameters(), strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def test_the_greedy_policy_acts_with_the_average_and_exploring_with_the_online_net() -> None:
+    config = small_config(epsilon=0.0)
+    runner = srl.Runner("CartPole-v1", config)
+    parameter = runner.parameter
+    assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
+    with torch.no_grad():  # the average prefers action 1 everywhere, the online net action 0
+        parameter.q_average.advantage.bias.copy_(torch.tensor([0.0, 1e6]))
+        parameter.q.advantage.bias.copy_(torch.tensor([1e6, 0.0]))
+    worker = config.make_worker(runner.spec, parameter, 0, 1, 0)
+    obs = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    assert worker.act(obs).tolist() == [0] * 8
+    worker.training = False
+    assert worker.act(obs).tolist() == [1] * 8
+
+
+def test_greedy_average_tau_zero_keeps_one_network() -> None:
+    parameter = srl.Runner("CartPole-v1", small_config(greedy_average_tau=0.0)).parameter
+    assert isinstance(parameter, dqn.DQNParameter)
+    assert parameter.q_average is None and parameter.greedy_q is parameter.q
+    assert all(key.startswith("q.") for key in parameter.to_arrays())

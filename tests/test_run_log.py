@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import srl
-from srl.algorithms import impala, ppo
+from srl.algorithms import dqn, impala, ppo
 from srl.base.arrays import load_arrays, save_arrays
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
@@ -205,3 +206,26 @@ def test_srl_plot_writes_pngs_of_a_run_and_says_what_is_missing(tmp_path: Path) 
     assert runner.plot(tmp_path / "run")[0] == tmp_path / "run" / "reward.png"
     with pytest.raises(FileNotFoundError, match=r"history\.csv is missing or empty"):
         main(["plot", str(tmp_path / "nothing")])
+
+
+def test_the_greedy_average_survives_a_checkpoint_and_starts_at_the_online_net_without_one(tmp_path: Path) -> None:
+    runner = srl.Runner("Pendulum-v1", tiny_config(warmup_size=64, greedy_average_tau=0.05))
+    runner.train(max_train_count=50, progress_interval=None)
+    path = tmp_path / "ckpt.safetensors"
+    runner.save(path)
+    again = srl.Runner.from_checkpoint(path)
+    np.testing.assert_allclose(again.evaluate(2, seed=5), runner.evaluate(2, seed=5))
+    meta, arrays = load_arrays(path)
+    for key in [k for k in arrays if k.startswith("q_average.")]:
+        del arrays[key]
+    del meta["rl_config"]["greedy_average_tau"]  # as written before the setting existed: no average
+    save_arrays(tmp_path / "old.safetensors", arrays, meta)
+    old = srl.Runner.from_checkpoint(tmp_path / "old.safetensors")
+    assert old.rl_config.greedy_average_tau == 0.0  # type: ignore[attr-defined]
+    into_new = srl.Runner("Pendulum-v1", tiny_config(warmup_size=64, greedy_average_tau=0.05))
+    into_new.load(tmp_path / "old.safetensors")  # the average starts at the saved online weights
+    parameter = into_new.parameter
+    assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
+    for a, q in zip(parameter.q_average.parameters(), parameter.q.parameters(), strict=True):
+        torch.testing.assert_close(a, q)
+    np.testing.assert_allclose(into_new.evaluate(2, seed=5), old.evaluate(2, seed=5))
