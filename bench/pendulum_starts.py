@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import learning
 
 import srl
+from srl.algorithms import dqn
 
 GRAVITY, MAX_SPEED, MAX_TORQUE, DT = 10.0, 8.0, 2.0, 0.05
 """Pendulum-v1's constants (mass and length 1)"""
@@ -100,12 +101,14 @@ class Measured:
 
 
 def measure(runner: srl.Runner) -> np.ndarray:
+    """Each grid start's return under the runner's greedy policy (the one ``runner.evaluate`` plays)."""
     parameter = runner.parameter
-    if runner.spec.env_id != "Pendulum-v1" or parameter.actions is None:  # type: ignore[attr-defined]
+    if not isinstance(parameter, dqn.DQNParameter) or runner.spec.env_id != "Pendulum-v1":
         raise SystemExit(f"this measures DQN on Pendulum-v1, not {runner.rl_config.algorithm} on "
                          f"{runner.spec.env_id}")
+    assert parameter.actions is not None  # a Box action space: binned
     theta, theta_dot = start_grid()
-    return greedy_returns(parameter.q, parameter.actions, theta, theta_dot)  # type: ignore[attr-defined]
+    return greedy_returns(parameter.greedy_q, parameter.actions, theta, theta_dot)
 
 
 def bar_chance(runs: list[Measured], trials: int = 20_000, seed: int = 0) -> float:

@@ -25,7 +25,7 @@ def test_batched_episodes_equal_gymnasium_episodes() -> None:
     worker.training = False
     theta = np.array([2.72, -1.0, 0.5, 3.0, -3.1])
     theta_dot = np.array([0.0, 0.7, -0.3, 0.9, -1.0])
-    batched = ps.greedy_returns(parameter.q, parameter.actions, theta, theta_dot)
+    batched = ps.greedy_returns(parameter.greedy_q, parameter.actions, theta, theta_dot)  # what the worker acts with
     env = gym.make("Pendulum-v1")
     used: set[float] = set()
     for th, v, expected in zip(theta, theta_dot, batched, strict=True):
