@@ -444,23 +444,27 @@ def test_dqn_learns_cartpole() -> None:
 
 
 # ------------------------------------------------------------------ DQN's greedy average
-def test_greedy_average_is_the_mean_of_the_steps_then_follows_by_tau() -> None:
-    tau = 0.2
+@pytest.mark.parametrize(("tau", "planned", "weight"), [
+    (0.2, 1_000, 0.2),  # a quarter of the plan is longer than 1 / tau: tau holds
+    (1e-6, 20, 0.2),  # a quarter of the plan is 5 steps: each step weighs at least 1 / 5
+])
+def test_greedy_average_is_the_mean_of_the_first_steps_then_an_exponential_one(
+        tau: float, planned: int, weight: float) -> None:
     runner = srl.Runner("CartPole-v1", small_config(greedy_average_tau=tau, warmup_size=16))
     parameter = runner.parameter
     assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
     runner.train(max_train_count=1, progress_interval=None)  # builds the trainer; one step
     trainer = runner._trainer
     assert trainer is not None
-    trainer.plan(None, 1_000)  # a quarter of this plan is longer than 1 / tau: tau holds
+    trainer.plan(None, planned)
     history = [[p.detach().clone() for p in parameter.q.parameters()]]
     for _ in range(7):
         trainer.train()
         history.append([p.detach().clone() for p in parameter.q.parameters()])
-    # steps 1-5: the plain mean of the weights after each step (1 / n >= tau); steps 6-8: tau of the newest
+    # steps 1-5: the plain mean of the weights after each step (1 / n >= weight); steps 6-8: weight of the newest
     expected = [torch.stack(ws[:5]).mean(dim=0) for ws in zip(*history, strict=True)]
     for step in range(5, 8):
-        expected = [e.lerp(w, tau) for e, w in zip(expected, history[step], strict=True)]
+        expected = [e.lerp(w, weight) for e, w in zip(expected, history[step], strict=True)]
     for e, a in zip(expected, parameter.q_average.parameters(), strict=True):
         torch.testing.assert_close(a, e)
     online = torch.cat([p.flatten() for p in parameter.q.parameters()])
@@ -468,27 +472,8 @@ def test_greedy_average_is_the_mean_of_the_steps_then_follows_by_tau() -> None:
     assert not torch.allclose(online, average)
 
 
-def test_greedy_average_spans_at_most_a_quarter_of_a_planned_run() -> None:
-    runner = srl.Runner("CartPole-v1", small_config(greedy_average_tau=1e-6, warmup_size=16))
-    parameter = runner.parameter
-    assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
-    runner.train(max_train_count=1, progress_interval=None)
-    trainer = runner._trainer
-    assert trainer is not None
-    trainer.plan(None, 20)  # a quarter: 5 steps, so each step weighs at least 1 / 5
-    history = [[p.detach().clone() for p in parameter.q.parameters()]]
-    for _ in range(7):
-        trainer.train()
-        history.append([p.detach().clone() for p in parameter.q.parameters()])
-    expected = [torch.stack(ws[:5]).mean(dim=0) for ws in zip(*history, strict=True)]
-    for step in range(5, 8):
-        expected = [e.lerp(w, 0.2) for e, w in zip(expected, history[step], strict=True)]
-    for e, a in zip(expected, parameter.q_average.parameters(), strict=True):
-        torch.testing.assert_close(a, e)
-
-
 def test_the_greedy_policy_acts_with_the_average_and_exploring_with_the_online_net() -> None:
-    config = small_config(epsilon=0.0)
+    config = small_config(epsilon=0.0, greedy_average_tau=0.01)
     runner = srl.Runner("CartPole-v1", config)
     parameter = runner.parameter
     assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
@@ -500,6 +485,14 @@ def test_the_greedy_policy_acts_with_the_average_and_exploring_with_the_online_n
     assert worker.act(obs).tolist() == [0] * 8
     worker.training = False
     assert worker.act(obs).tolist() == [1] * 8
+
+
+def test_greedy_average_tau_none_averages_for_binned_box_actions_only() -> None:
+    box = srl.Runner("Pendulum-v1", small_config()).parameter
+    discrete = srl.Runner("CartPole-v1", small_config()).parameter
+    assert isinstance(box, dqn.DQNParameter) and isinstance(discrete, dqn.DQNParameter)
+    assert box.average_tau == dqn.GREEDY_AVERAGE_TAU_BOX and box.q_average is not None
+    assert discrete.average_tau == 0.0 and discrete.q_average is None
 
 
 def test_greedy_average_tau_zero_keeps_one_network() -> None:
