@@ -60,6 +60,8 @@ logger = logging.getLogger("srl.dqn")
 VALUE_BOUND = 1e9
 """observations and returns beyond this are refused as rows (no env of sense produces them)"""
 MAX_ACTIONS = 4096
+GREEDY_AVERAGE_TAU_BOX = 0.0002
+"""``greedy_average_tau`` when None and the env's actions are a (binned) Box"""
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {"mse": F.mse_loss, "huber": F.smooth_l1_loss}
 """the TD losses ``Config.loss`` names"""
 
@@ -112,15 +114,17 @@ class Config(RLConfig):
     """Ape-X exponent spread across actors"""
     test_epsilon: float = 0.0
     """exploration rate while evaluating"""
-    greedy_average_tau: float = 0.0002
+    greedy_average_tau: float | None = None
     """the greedy policy (``runner.evaluate``, evaluation during training, the final params) acts with an
     average of the online network's weights: their mean over the steps so far, then an exponential average
     moved this far towards them after each gradient step (0.0002: about the last 5,000 steps; never more
-    than the last quarter of a planned run). Exploring actors act with the online network. The greedy
-    policy of one set of weights flickers from step to step: on Pendulum some keep one torque from rest
-    where it balances gravity and stay stuck near the bottom. Over 20 one-process Pendulum runs the average's
-    expected evaluation beat the online net's in 14 (median -148.9 against -155.9) and had stuck starts in 1
-    run where the online net had them in 3 (README, Benchmarks). 0: the online network itself"""
+    than the last quarter of a planned run). Exploring actors act with the online network. 0: the online
+    network itself. None: 0.0002 for a binned Box action space, 0 for Discrete and MultiDiscrete. Why: the
+    greedy choice among binned torques flickers from step to step, and on Pendulum some weights keep one
+    torque from rest where it balances gravity and stay stuck near the bottom; over 20 one-process runs the
+    average's expected evaluation beat the online net's in 14 (median -148.9 against -155.9), with stuck
+    starts in 1 run instead of 3. On CartPole, still improving at 30k steps, it lagged the online net (median
+    of 10 seeds 418 -> 367 at 0.001), and Acrobot did not change (README, Benchmarks)"""
     loss: str = "huber"
     """TD loss: "huber" (smooth L1: squared below an error of 1, linear beyond; Ape-X, SB3) or "mse" (squared
     error throughout; CleanRL). Over 16 Pendulum seeds neither was clearly better (README, Benchmarks)"""
@@ -158,7 +162,8 @@ class Config(RLConfig):
         check_int("n_step", self.n_step, 1, 1000)
         check_int("target_update_interval", self.target_update_interval, 1, 2**62)
         check_number("target_tau", self.target_tau, 0.0, 1.0)
-        check_number("greedy_average_tau", self.greedy_average_tau, 0.0, 1.0)
+        if self.greedy_average_tau is not None:
+            check_number("greedy_average_tau", self.greedy_average_tau, 0.0, 1.0)
         for name in ("epsilon", "apex_epsilon", "test_epsilon"):
             check_number(name, getattr(self, name), 0.0, 1.0)
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
@@ -187,6 +192,12 @@ class Config(RLConfig):
 
     def unsettled(self) -> list[str]:
         return ["reward_scale"] if self.reward_scale is None else []
+
+    def greedy_average(self, spec: EnvSpec) -> float:
+        """``greedy_average_tau``, or its default for ``spec``'s action space when None."""
+        if self.greedy_average_tau is not None:
+            return self.greedy_average_tau
+        return GREEDY_AVERAGE_TAU_BOX if isinstance(spec.actions, BoxActions) else 0.0
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
         """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
@@ -339,8 +350,10 @@ class DQNParameter(Parameter):
         self.actions = action_table(spec, config.action_bins)
         affine = spec.obs_affine() if config.scale_obs else None
         self.q = QNetwork(config, spec.obs_shape[0], self.n_actions, affine).to(device)
+        self.average_tau = config.greedy_average(spec)
+        """how far the greedy average moves towards the online weights after each step (0: no average)"""
         self.q_average: QNetwork | None = None
-        if config.greedy_average_tau > 0.0:
+        if self.average_tau > 0.0:
             self.q_average = copy.deepcopy(self.q)
             self.q_average.requires_grad_(False)
 
@@ -594,7 +607,7 @@ class DQNTrainer(Trainer):
             # the mean of every step's weights until 1 / tau steps, then an exponential average: the
             # untrained weights it starts from are gone after the first step, however small tau is; and
             # never longer than a quarter of a planned run (a short run's early weights would weigh)
-            weight = max(self.config.greedy_average_tau, 1.0 / self.train_count, self._average_floor)
+            weight = max(self.parameter.average_tau, 1.0 / self.train_count, self._average_floor)
             with torch.no_grad():
                 torch._foreach_lerp_(self._average_params, self._online_params, weight)
         tau = self.config.target_tau
