@@ -40,7 +40,6 @@ def test_all_local_run_on_an_embedded_redis() -> None:
 
 CLIENT_SCRIPT = """
 import srl
-from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
 from tests.nodes import tiny_config
 runner = srl.Runner("Pendulum-v1", tiny_config())
@@ -71,7 +70,6 @@ def test_ctrl_c_on_the_client_ends_the_task_as_cancelled(redis_url: str, namespa
 
 LOCAL_CLIENT_SCRIPT = """
 import srl
-from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
 from tests.nodes import tiny_config
 runner = srl.Runner("Pendulum-v1", tiny_config())
