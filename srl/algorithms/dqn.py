@@ -4,8 +4,8 @@ Read top to bottom: ``Config`` (every setting, documented, and the data path:
 n-step transitions into a prioritized replay, params published every
 ``publish_every`` train steps, ``env_steps_per_train`` env steps per train step
 in one process and across actors alike), the Q network, ``Parameter`` (the
-online network and the average of its weights the greedy policy acts with;
-weights <-> arrays), ``Worker`` (acts ε-greedily in E envs with one batched
+online network and, for binned Box actions by default, the average of its
+weights the greedy policy acts with; weights <-> arrays), ``Worker`` (acts ε-greedily in E envs with one batched
 forward pass, greedily with the average; builds n-step transitions per env,
 computes their initial priorities) and ``Trainer`` (samples, learns, moves the
 average, returns priority updates). Must never: know about Redis or queues.
