@@ -5,10 +5,10 @@ n-step transitions into a prioritized replay, params published every
 ``publish_every`` train steps, ``env_steps_per_train`` env steps per train step
 in one process and across actors alike), the Q network, ``Parameter`` (the
 online network and, for binned Box actions by default, the average of its
-weights the greedy policy acts with; weights <-> arrays), ``Worker`` (acts ε-greedily in E envs with one batched
-forward pass, greedily with the average; builds n-step transitions per env,
-computes their initial priorities) and ``Trainer`` (samples, learns, moves the
-average, returns priority updates). Must never: know about Redis or queues.
+weights the greedy policy acts with; weights <-> arrays), ``Worker`` (acts
+ε-greedily in E envs with one batched forward pass, greedily with the average;
+builds n-step transitions per env, computes their initial priorities) and
+``Trainer`` (samples, learns, moves the average, returns priority updates). Must never: know about Redis or queues.
 
 Actions: Discrete natively; a bounded Box is binned into ``action_bins`` values
 per dimension and a MultiDiscrete into its product, both here (the worker maps
@@ -366,11 +366,10 @@ class DQNParameter(Parameter):
         return torch_to_arrays(self._modules())
 
     def from_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        torch_from_arrays({"q": self.q}, arrays)
-        if self.q_average is not None:
+        if self.q_average is not None and not any(key.startswith("q_average.") for key in arrays):
             # weights saved without an average (greedy_average_tau 0, or an older srl) start it at the online net
-            average_saved = any(key.startswith("q_average.") for key in arrays)
-            torch_from_arrays({"q_average": self.q_average} if average_saved else {"q": self.q_average}, arrays)
+            arrays = {**arrays, **{f"q_average.{key[2:]}": v for key, v in arrays.items() if key.startswith("q.")}}
+        torch_from_arrays(self._modules(), arrays)
 
     def _modules(self) -> dict[str, nn.Module]:
         return {"q": self.q} if self.q_average is None else {"q": self.q, "q_average": self.q_average}

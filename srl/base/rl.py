@@ -206,7 +206,9 @@ def torch_to_arrays(modules: dict[str, torch.nn.Module]) -> dict[str, np.ndarray
 
 
 def torch_from_arrays(modules: dict[str, torch.nn.Module], arrays: dict[str, np.ndarray]) -> None:
-    """Load arrays into modules; missing/extra/mis-shaped entries raise ValueError naming them."""
+    """Load arrays into modules; missing or mis-shaped entries raise ValueError naming them, before any
+    module is changed (entries no module names are left alone)."""
+    states: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
     for prefix, module in modules.items():
         current = module.state_dict()
         state: dict[str, torch.Tensor] = {}
@@ -220,6 +222,8 @@ def torch_from_arrays(modules: dict[str, torch.nn.Module], arrays: dict[str, np.
                     f"{tuple(tensor.shape)}: the hidden layers or env differ"
                 )
             state[name] = torch.as_tensor(np.array(arrays[key]), dtype=tensor.dtype)
+        states.append((module, state))
+    for module, state in states:
         module.load_state_dict(state)
 
 
