@@ -89,6 +89,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, group_titl
             help_text += f" (env {ENV_DEFAULTS[f.name]})"
         if f.default is not dataclasses.MISSING:
             help_text += f" (default: {f.default})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %: a "75%" must stay text
         if tp is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
