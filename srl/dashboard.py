@@ -44,6 +44,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
+from srl.base.config import Settings
 from srl.runner.distribution.board import Board, BoardError, TaskState, TaskStatus, list_tasks, task_key_prefix
 from srl.runner.distribution.redis_parameters import RedisParameters
 
@@ -51,7 +52,7 @@ logger = logging.getLogger("srl.dashboard")
 
 
 @dataclass
-class DashboardOptions:
+class DashboardOptions(Settings):
     """Where the dashboard's web server listens (``srl dashboard --bind ... --http-port ...``)."""
 
     bind: str = "127.0.0.1"

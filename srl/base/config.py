@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -19,6 +20,36 @@ _MAX_INT = 2**63 - 1
 
 class ConfigError(ValueError):
     """A configuration cannot be built from the data given."""
+
+
+@functools.cache
+def _setting_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def unknown_setting_message(cls: type, name: str) -> str:
+    """What to say about a setting ``name`` that ``cls`` (a dataclass) does not have."""
+    known = sorted(_setting_names(cls))
+    close = difflib.get_close_matches(name, known, n=1) if len(name) <= 64 else []
+    if not close:  # "lr_typo": a setting with a word stuck to it
+        close = sorted((k for k in known if name.startswith(k + "_") or k.startswith(name + "_")), key=len)[-1:]
+    hint = f"; did you mean {close[0]!r}?" if close else f"; its settings are {', '.join(known)}"
+    owner = cls.__qualname__ if cls.__qualname__ != "Config" else f"{cls.__module__.rpartition('.')[2]}.Config"
+    return f"{owner} has no setting {_short(name, 70)}{hint}"
+
+
+class Settings:
+    """A settings dataclass whose attributes are its fields: assigning any other name (a typo such as
+    ``config.lr_typo = 1`` or ``config.memory.capcity = 10``) raises AttributeError with the closest
+    field, instead of adding an attribute that nothing reads. Names starting with ``_`` stay free."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and dataclasses.is_dataclass(self) \
+                and name not in _setting_names(type(self)):
+            raise AttributeError(unknown_setting_message(type(self), name))
+        super().__setattr__(name, value)
 
 
 def config_to_dict(obj: Any) -> dict[str, Any]:

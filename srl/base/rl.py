@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
+from srl.base.config import Settings
 from srl.base.env import EnvConfig, EnvSpec
 from srl.base.schema import Schema
 
@@ -94,7 +95,7 @@ class DataPath:
 
 
 @dataclass
-class RLConfig(ABC):
+class RLConfig(Settings, ABC):
     """Settings shared by every algorithm; each algorithm's ``Config`` extends it."""
 
     algorithm: ClassVar[str] = ""
@@ -155,7 +156,7 @@ class RLConfig(ABC):
     def copy(self) -> RLConfig:
         return dataclasses.replace(self)
 
-    def check_spec(self, spec: EnvSpec) -> None:  # noqa: B027 - an optional hook
+    def check_spec(self, spec: EnvSpec) -> None:
         """Raise EnvError when this algorithm cannot act in ``spec``'s spaces (say which it takes)."""
 
     @abstractmethod

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from srl.base.config import Settings
+
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "elu": nn.ELU, "silu": nn.SiLU}
 MAX_LAYERS = 16
 MAX_UNITS = 16384
@@ -21,7 +23,7 @@ MAX_WEIGHTS = 50_000_000
 
 
 @dataclass
-class MLPBlockConfig:
+class MLPBlockConfig(Settings):
     """A stack of fully connected layers."""
 
     layer_sizes: tuple[int, ...] = (64, 64)

@@ -13,6 +13,7 @@ import difflib
 import math
 from dataclasses import dataclass
 
+from srl.base.config import Settings
 from srl.base.schema import Schema
 from srl.rl.memories.proportional import ProportionalMemory
 from srl.rl.memories.replay import Memory, ReplayMemory
@@ -23,7 +24,7 @@ MAX_CAPACITY = 1 << 30
 
 
 @dataclass
-class MemoryConfig:
+class MemoryConfig(Settings):
     """Which replay memory the trainer builds, and how big and how prioritized it is."""
 
     kind: str = "proportional"

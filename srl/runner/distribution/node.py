@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from srl.base.config import Settings
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board import Board, BoardError
 from srl.runner.distribution.codec import Codec, short
@@ -56,7 +57,7 @@ class NodeCrashedError(RuntimeError):
 
 
 @dataclass
-class NodeOptions:
+class NodeOptions(Settings):
     """Settings every node (actor or trainer) has."""
 
     heartbeat_interval: float = 1.0

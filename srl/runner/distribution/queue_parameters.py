@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from srl.base.config import Settings
 from srl.runner.distribution.redis_parameters import RedisParameters
 
 MiB = 1024 * 1024
@@ -66,7 +67,7 @@ def _replace(obj: Any, changes: dict[str, Any]) -> Any:
 
 # ---------------------------------------------------------------- RabbitMQ
 @dataclass
-class RabbitMQParameters:
+class RabbitMQParameters(Settings):
     """A RabbitMQ (AMQP 0-9-1) broker holding the experience queue.
 
     Needs ``pip install "srl[rabbitmq]"`` (pika).
@@ -159,7 +160,7 @@ class RabbitMQParameters:
 
 # ---------------------------------------------------------------- MQTT
 @dataclass
-class MQTTParameters:
+class MQTTParameters(Settings):
     """An MQTT broker (e.g. Mosquitto) carrying the experience queue over QoS 1.
 
     Needs ``pip install "srl[mqtt]"`` (paho-mqtt 2.x). One consumer per
@@ -256,7 +257,7 @@ class MQTTParameters:
 
 # ---------------------------------------------------------------- Google Cloud Pub/Sub
 @dataclass
-class GCPParameters:
+class GCPParameters(Settings):
     """A Google Cloud Pub/Sub topic and subscription carrying the experience queue.
 
     Needs ``pip install "srl[gcp]"`` (google-cloud-pubsub). Credentials come

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from srl.base.config import Settings
+
 if TYPE_CHECKING:
     from srl.runner.distribution.embedded import EmbeddedRedis
 
@@ -55,7 +57,7 @@ class ExplainedSSLConnection(redis.SSLConnection):
 
 
 @dataclass
-class RedisParameters:
+class RedisParameters(Settings):
     """Where the Redis blackboard lives.
 
     With neither ``host`` nor ``url`` this means an embedded Redis: a real
