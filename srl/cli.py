@@ -23,9 +23,8 @@ import typing
 from typing import Any, get_type_hints
 
 from srl.dashboard import DashboardOptions
-from srl.runner.distribution.actor import ActorOptions
+from srl.runner.distribution.options import ActorOptions, TrainerOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.trainer import TrainerOptions
 
 SKIP_FIELDS = {"redis_options", "password", "secret"}
 """never options: a password or secret on a command line is visible to every user of the machine (ps);

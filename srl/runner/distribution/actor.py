@@ -25,7 +25,6 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,8 @@ from srl.runner.distribution.codec import (
     short,
     split_columns,
 )
-from srl.runner.distribution.node import CounterDeltas, NodeOptions, apply_overrides, require_remote, serve
+from srl.runner.distribution.node import CounterDeltas, apply_overrides, require_remote, serve
+from srl.runner.distribution.options import ActorOptions
 from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
@@ -54,24 +54,6 @@ from srl.runner.runner import seed_everything
 logger = logging.getLogger("srl.actor")
 
 _BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
-
-
-@dataclass
-class ActorOptions(NodeOptions):
-    """How an actor process behaves (the task itself comes from the board)."""
-
-    batch_size: int = 256
-    """transitions per message sent to the queue (at most the task's message bound; segments go as
-    soon as they are complete)"""
-    batch_max_age: float = 1.0
-    """seconds a partly filled batch may wait before it is sent anyway"""
-    params_poll_interval: float = 0.1
-    """seconds between checks of the params version on the board (one HMGET) while acting"""
-    params_wait_poll_interval: float = 0.01
-    """the same while the actor waits for a version to act with (sync PPO's lockstep, the first
-    params): the wait is idle time, so the new version is picked up within this"""
-    compress: bool = False
-    """zlib-compress batches (helps on slow links, costs CPU)"""
 
 
 class ActorRun:

@@ -23,20 +23,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from srl.base.config import Settings
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board import Board, BoardError
-from srl.runner.distribution.codec import Codec, short
-from srl.runner.distribution.redis_parameters import RedisParameters, read_secret_file
+from srl.runner.distribution.codec import short
+from srl.runner.distribution.options import NodeOptions
+from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
 from srl.runner.distribution.task import (
     QueueMismatchError,
@@ -54,44 +50,6 @@ OptionsT = TypeVar("OptionsT")
 
 class NodeCrashedError(RuntimeError):
     """A node's run failed from a bug (not a message, not an outage); the task was ended FAILED."""
-
-
-@dataclass
-class NodeOptions(Settings):
-    """Settings every node (actor or trainer) has."""
-
-    heartbeat_interval: float = 1.0
-    """seconds between lease renewals (each also reports stats)"""
-    lease_ttl: float = 5.0
-    """seconds a lease stays held without a renewal"""
-    task_poll_interval: float = 1.0
-    """seconds between looks for a task while idle"""
-    secret: str | None = dataclasses.field(default=None, repr=False)
-    """shared secret that signs messages and the task config (default: secret_file, else env
-    SRL_SECRET, else the file named by SRL_SECRET_FILE); never given on a command line"""
-    secret_file: str = ""
-    """file holding the shared secret (its first line)"""
-    allow_env_modules: str = ""
-    """comma-separated modules a 'module:Env' env id may import on this node (also env
-    SRL_ALLOW_ENV_MODULES); by default none: env ids from the board never import code"""
-    run_once: bool = False
-    """return once the task it served has ended, instead of waiting for the next (after losing its
-    lease, e.g. to a pause longer than the TTL, it stands by for the same task)"""
-    uid: str = ""
-    """this process's name on the board (default: role-host-pid-random)"""
-    max_start_s: float = 600.0
-    """seconds a node keeps a just-claimed lease while it builds its run (imports, memory, a CUDA
-    context, params to restore), before its heartbeats start; a start that hangs longer lets the lease
-    lapse, so a standby takes the slot over"""
-
-    def set_default_uid(self, role: str) -> None:
-        if not self.uid:
-            self.uid = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-    def codec(self, task_name: str, **kwargs: Any) -> Codec:
-        """The codec for ``task_name`` with this node's secret."""
-        secret = self.secret if self.secret is not None else read_secret_file(self.secret_file)
-        return Codec(secret=secret, task=task_name, **kwargs)
 
 
 def apply_overrides(options: OptionsT, overrides: dict[str, Any], caller: str) -> OptionsT:

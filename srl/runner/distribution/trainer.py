@@ -43,7 +43,6 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +63,12 @@ from srl.runner.distribution.codec import (
 )
 from srl.runner.distribution.node import (
     CounterDeltas,
-    NodeOptions,
     apply_overrides,
     lease_kept,
     require_remote,
     serve,
 )
+from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
@@ -90,41 +89,6 @@ _WAIT_OUT: tuple[type[BaseException], ...] = (*_BOARD_AWAY, QueueError)
 
 MAX_INITIAL_PRIORITY = 1e6
 """initial priorities from actors are clipped here (one huge value would starve every other row)"""
-
-
-@dataclass
-class TrainerOptions(NodeOptions):
-    """How a trainer process behaves (the task itself comes from the board)."""
-
-    min_publish_interval: float = 0.05
-    """seconds between params publications at least (the algorithm sets the cadence in train steps;
-    this keeps a very fast trainer from writing params hundreds of times a second)"""
-    ingest_max_messages: int = 16
-    """batches fetched from the queue per round trip (with the task's message size, this bounds
-    the bytes one read may bring; a broker that pushes may hold twice as many unacked)"""
-    count_interval: float = 0.05
-    """for queues whose depth actors read from the trainer's counts on the board (MQTT, Pub/Sub): while
-    batches keep coming, the counts are written when this many seconds have passed since the last
-    write or half the queue's capacity was received, and at once whenever the queue runs dry, instead
-    of after every read. Until then actors see the queue a little fuller than it is: they never send
-    past its capacity"""
-    max_buffer_bytes: int = 0
-    """largest buffer (replay memory) this trainer allocates for a task (0: 75% of this machine's
-    memory); a task asking for more ends FAILED with the reason"""
-    checkpoint_dir: str = ""
-    """write checkpoints (weights, optimizer state, counters; safetensors) of each task under
-    CHECKPOINT_DIR/TASK_NAME/ every checkpoint_interval seconds and when the task ends ('': none)"""
-    checkpoint_interval: float = 600.0
-    """seconds between periodic checkpoints"""
-    keep_checkpoints: int = 5
-    """periodic checkpoints kept per task (the newest)"""
-
-    @property
-    def prefetch(self) -> int:
-        """Unacked messages a broker that pushes (RabbitMQ, MQTT) may send the trainer: two reads'
-        worth, so the next read's messages come while this read's are inserted, not after its ack
-        (RabbitMQ, 16 rows a message, the queue alone: 35 µs a message instead of 50–57)."""
-        return 2 * self.ingest_max_messages
 
 
 def machine_memory_bytes() -> int:

@@ -1,0 +1,110 @@
+"""What a node (actor or trainer) may be told on its command line or in its ``*_run_forever`` call.
+
+Owns: ``NodeOptions`` and its two kinds, ``ActorOptions`` and ``TrainerOptions``: typed settings
+with a docstring under each field, which ``srl actor`` / ``srl trainer`` turn into options and the
+client checks before it starts local nodes. Must never: hold a connection or run anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from srl.base.config import Settings
+from srl.runner.distribution.codec import Codec
+from srl.runner.distribution.redis_parameters import read_secret_file
+
+
+@dataclass
+class NodeOptions(Settings):
+    """Settings every node (actor or trainer) has."""
+
+    heartbeat_interval: float = 1.0
+    """seconds between lease renewals (each also reports stats)"""
+    lease_ttl: float = 5.0
+    """seconds a lease stays held without a renewal"""
+    task_poll_interval: float = 1.0
+    """seconds between looks for a task while idle"""
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    """shared secret that signs messages and the task config (default: secret_file, else env
+    SRL_SECRET, else the file named by SRL_SECRET_FILE); never given on a command line"""
+    secret_file: str = ""
+    """file holding the shared secret (its first line)"""
+    allow_env_modules: str = ""
+    """comma-separated modules a 'module:Env' env id may import on this node (also env
+    SRL_ALLOW_ENV_MODULES); by default none: env ids from the board never import code"""
+    run_once: bool = False
+    """return once the task it served has ended, instead of waiting for the next (after losing its
+    lease, e.g. to a pause longer than the TTL, it stands by for the same task)"""
+    uid: str = ""
+    """this process's name on the board (default: role-host-pid-random)"""
+    max_start_s: float = 600.0
+    """seconds a node keeps a just-claimed lease while it builds its run (imports, memory, a CUDA
+    context, params to restore), before its heartbeats start; a start that hangs longer lets the lease
+    lapse, so a standby takes the slot over"""
+
+    def set_default_uid(self, role: str) -> None:
+        if not self.uid:
+            self.uid = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    def codec(self, task_name: str, **kwargs: Any) -> Codec:
+        """The codec for ``task_name`` with this node's secret."""
+        secret = self.secret if self.secret is not None else read_secret_file(self.secret_file)
+        return Codec(secret=secret, task=task_name, **kwargs)
+
+
+@dataclass
+class ActorOptions(NodeOptions):
+    """How an actor process behaves (the task itself comes from the board)."""
+
+    batch_size: int = 256
+    """transitions per message sent to the queue (at most the task's message bound; segments go as
+    soon as they are complete)"""
+    batch_max_age: float = 1.0
+    """seconds a partly filled batch may wait before it is sent anyway"""
+    params_poll_interval: float = 0.1
+    """seconds between checks of the params version on the board (one HMGET) while acting"""
+    params_wait_poll_interval: float = 0.01
+    """the same while the actor waits for a version to act with (sync PPO's lockstep, the first
+    params): the wait is idle time, so the new version is picked up within this"""
+    compress: bool = False
+    """zlib-compress batches (helps on slow links, costs CPU)"""
+
+
+@dataclass
+class TrainerOptions(NodeOptions):
+    """How a trainer process behaves (the task itself comes from the board)."""
+
+    min_publish_interval: float = 0.05
+    """seconds between params publications at least (the algorithm sets the cadence in train steps;
+    this keeps a very fast trainer from writing params hundreds of times a second)"""
+    ingest_max_messages: int = 16
+    """batches fetched from the queue per round trip (with the task's message size, this bounds
+    the bytes one read may bring; a broker that pushes may hold twice as many unacked)"""
+    count_interval: float = 0.05
+    """for queues whose depth actors read from the trainer's counts on the board (MQTT, Pub/Sub): while
+    batches keep coming, the counts are written when this many seconds have passed since the last
+    write or half the queue's capacity was received, and at once whenever the queue runs dry, instead
+    of after every read. Until then actors see the queue a little fuller than it is: they never send
+    past its capacity"""
+    max_buffer_bytes: int = 0
+    """largest buffer (replay memory) this trainer allocates for a task (0: 75% of this machine's
+    memory); a task asking for more ends FAILED with the reason"""
+    checkpoint_dir: str = ""
+    """write checkpoints (weights, optimizer state, counters; safetensors) of each task under
+    CHECKPOINT_DIR/TASK_NAME/ every checkpoint_interval seconds and when the task ends ('': none)"""
+    checkpoint_interval: float = 600.0
+    """seconds between periodic checkpoints"""
+    keep_checkpoints: int = 5
+    """periodic checkpoints kept per task (the newest)"""
+
+    @property
+    def prefetch(self) -> int:
+        """Unacked messages a broker that pushes (RabbitMQ, MQTT) may send the trainer: two reads'
+        worth, so the next read's messages come while this read's are inserted, not after its ack
+        (RabbitMQ, 16 rows a message, the queue alone: 35 µs a message instead of 50–57)."""
+        return 2 * self.ingest_max_messages
