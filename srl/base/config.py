@@ -144,6 +144,16 @@ def _from_data(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """A value for an error message: its repr, cut, with its type where the repr hides it ("'0.001' (a
+    str)", "1000.0 (a float)", "True (a bool)"), so a value that merely looks right says what it is."""
+    text = _short(value, limit)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, float):
+        kind = type(value).__name__
+        text += f" (an {kind})" if kind[:1] in "aeiou" else f" (a {kind})"
+    return text
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """A value's repr, cut (configs may come from an untrusted board)."""
     big = isinstance(value, int) and abs(value) >= 10**30

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from srl.base.config import Settings
+from srl.base.config import Settings, shown
 from srl.base.env import EnvConfig, EnvSpec
 from srl.base.schema import Schema
 
@@ -52,7 +52,7 @@ MAX_ENVS_PER_ACTOR = 1024
 def check_int(name: str, value: object, low: int, high: int) -> None:
     """Raise ValueError unless ``value`` is an int in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {str(value)[:40]}")
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {shown(value)}")
 
 
 def check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
@@ -62,7 +62,7 @@ def check_number(name: str, value: object, low: float, high: float, *, low_open:
         ok = False
     if not ok:
         bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {str(value)[:40]}")
+        raise ValueError(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {shown(value)}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ processes. Must never: spin without telling the user what it waits for.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,11 +21,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from srl.base.config import shown, unknown_setting_message
 from srl.runner.distribution import local_nodes
-from srl.runner.distribution.board import Board, TaskStatus, actor_slot
+from srl.runner.distribution.board import MAX_ACTORS, Board, TaskStatus, actor_slot
 from srl.runner.distribution.codec import Codec, params_message_bytes, short
+from srl.runner.distribution.options import ActorOptions, TrainerOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import with_retry
+from srl.runner.distribution.task import MAX_QUEUE_CAPACITY
 from srl.runner.progress import ensure_logging, eta, format_seconds
 from srl.runner.run_log import CHECKPOINT_DIR, RunLog, latest_checkpoint
 from srl.runner.runner import reward_summary
@@ -107,17 +111,18 @@ def train_distribution(
     here as local processes and stopped at the end. Ctrl-C ends the task as "cancelled"
     and still loads the latest params. A FAILED task raises :class:`TaskFailedError`.
     """
-    if max_train_count is None and max_steps is None and timeout is None:
-        raise ValueError("train_distribution() needs a limit: max_train_count=, max_steps= or timeout=")
-    if actor_num < 1:
-        raise ValueError(f"actor_num must be >= 1, got {actor_num}")
+    _check_arguments(redis_params, queue_params, actor_num=actor_num, max_train_count=max_train_count,
+                     max_steps=max_steps, timeout=timeout, progress_interval=progress_interval,
+                     queue_capacity=queue_capacity, secret=secret, actor_options=actor_options,
+                     trainer_options=trainer_options, eval_interval=eval_interval, eval_every=eval_every,
+                     eval_episodes=eval_episodes, checkpoint_interval=checkpoint_interval,
+                     keep_checkpoints=keep_checkpoints)
+    runner.rl_config.validate()  # it may have changed since the Runner was made (config.lr = "0.001")
     ensure_logging()
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
     runner.rl_config = runner.rl_config.settled(runner.env_config)  # here, so every node gets the same values
     from srl.runner.distribution.embedded import EmbeddedRedis
 
-    if eval_episodes < 1:
-        raise ValueError(f"eval_episodes must be >= 1, got {eval_episodes}")
     resume = _read_resume(runner, resume_from) if resume_from is not None else None
     if resume is not None:  # the budget counts from where the checkpoint got to
         max_train_count = None if max_train_count is None else runner.train_count + max_train_count
@@ -200,6 +205,64 @@ def train_distribution(
         local_nodes.stop_all(procs)
         if isinstance(embedded, EmbeddedRedis):
             embedded.stop()
+
+
+def _check_arguments(redis_params: Any, queue_params: Any, **arguments: Any) -> None:
+    """Every argument of ``train_distribution`` checked before anything is written or started: a wrong
+    type or range says what was expected and what came (with its type: ``1000.0 (a float)``)."""
+    from srl.runner.distribution.queues import describe_queue
+
+    if not isinstance(redis_params, RedisParameters):
+        raise TypeError(f"redis_params must be RedisParameters(...), got {shown(redis_params)}")
+    describe_queue(queue_params)  # a malformed URL or an unknown scheme fails here
+    a = arguments
+    if a["max_train_count"] is None and a["max_steps"] is None and a["timeout"] is None:
+        raise ValueError("train_distribution() needs a limit: max_train_count=, max_steps= or timeout=")
+    _check_count("actor_num", a["actor_num"], 1, MAX_ACTORS)
+    for name in ("max_train_count", "max_steps"):
+        if a[name] is not None and (isinstance(a[name], bool) or not isinstance(a[name], int)):
+            raise TypeError(f"{name} must be an integer or None, got {shown(a[name])}"
+                            + (f": write {int(a[name])}" if isinstance(a[name], float) and a[name].is_integer()
+                               else ""))
+        if a[name] is not None:
+            _check_count(name, a[name], 1, 2**62)
+    for name in ("timeout", "progress_interval", "eval_interval"):
+        _check_seconds(name, a[name], optional=True)
+    _check_seconds("checkpoint_interval", a["checkpoint_interval"], optional=False)
+    _check_count("queue_capacity", a["queue_capacity"], 1, MAX_QUEUE_CAPACITY)
+    _check_count("eval_episodes", a["eval_episodes"], 1, 1_000_000)
+    _check_count("keep_checkpoints", a["keep_checkpoints"], 1, 1_000_000)
+    if a["eval_every"] is not None:
+        _check_count("eval_every", a["eval_every"], 1, 2**62)
+    if a["secret"] is not None and not isinstance(a["secret"], str):
+        raise TypeError(f"secret must be text or None, got {type(a['secret']).__name__}")
+    for name, cls in (("actor_options", ActorOptions), ("trainer_options", TrainerOptions)):
+        options = a[name]
+        if options is None:
+            continue
+        if not isinstance(options, dict):
+            raise TypeError(f"{name} must be a dict of {cls.__name__} fields, got {shown(options)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in options:
+            if key not in known:
+                raise TypeError(f"{name}: {unknown_setting_message(cls, str(key))}")
+
+
+def _check_count(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer in {low}..{high}, got {shown(value)}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value}")
+
+
+def _check_seconds(name: str, value: Any, *, optional: bool) -> None:
+    expected = f"{name} must be a number > 0" + (" or None" if optional else "")
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{expected}, got {shown(value)}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{expected}, got {value}")
 
 
 def _clear_leftover_experience(queue_params: Any, redis_params: RedisParameters) -> None:
