@@ -7,16 +7,22 @@ skipping everything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 import redis
 
 from srl.runner.distribution.board import Board
 from tests.nodes import Node, kill_all
+
+if TYPE_CHECKING:
+    from tests.queue_fixtures import PrivateServer
 
 
 def broker_unavailable(what: str, host: str, port: int) -> None:
@@ -25,6 +31,26 @@ def broker_unavailable(what: str, host: str, port: int) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI is set and {message}")
     pytest.skip(message)
+
+
+ServerT = TypeVar("ServerT", bound="PrivateServer")
+
+
+@contextlib.contextmanager
+def running(server: ServerT) -> Iterator[ServerT]:
+    """A private broker of the test's own, started and removed at the end; one that cannot start skips
+    the test on a developer's machine and fails it when ``CI`` is set (scripts/setup.sh installs them)."""
+    try:
+        server.start()
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        message = f"cannot start a private {server.name}: {e}"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and {message}")
+        pytest.skip(message)
+    try:
+        yield server
+    finally:
+        server.cleanup()
 
 
 def port_open(host: str, port: int, timeout: float = 1.0) -> bool:

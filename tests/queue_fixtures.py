@@ -96,11 +96,13 @@ class PrivateServer:
 class PrivateRedis(PrivateServer):
     name = "redis"
 
-    def __init__(self, binary: str | None = None, persistent: bool = False) -> None:
+    def __init__(self, binary: str | None = None, persistent: bool = False, password: str | None = None) -> None:
         super().__init__()
         self.binary = binary or shutil.which("redis-server") or "redis-server"
         self.persistent = persistent
         """keep data across restart() (append-only file, fsync always)"""
+        self.password = password
+        """requirepass: clients must log in with it"""
 
     @property
     def url(self) -> str:
@@ -108,12 +110,18 @@ class PrivateRedis(PrivateServer):
 
     def command(self) -> list[str]:
         aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
-        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", *aof,
+        auth = ["--requirepass", self.password] if self.password else []
+        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", *aof, *auth,
                 "--dir", str(self.dir)]
 
 
 class PrivateMosquitto(PrivateServer):
     name = "mosquitto"
+
+    def __init__(self, users: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.users = users or {}
+        """user -> password; with any, anonymous clients are refused"""
 
     @property
     def url(self) -> str:
@@ -121,9 +129,17 @@ class PrivateMosquitto(PrivateServer):
 
     def command(self) -> list[str]:
         conf = self.dir / "mosquitto.conf"
+        auth = "allow_anonymous true\n"
+        if self.users:
+            passwords = self.dir / "passwords"
+            for i, (user, password) in enumerate(self.users.items()):
+                subprocess.run(["mosquitto_passwd", "-b", *(["-c"] if i == 0 else []), str(passwords), user, password],
+                               check=True, capture_output=True)
+            os.chmod(passwords, 0o644)  # mosquitto, started as root, reads it as its own user
+            auth = f"allow_anonymous false\npassword_file {passwords}\n"
         conf.write_text(
             f"listener {self.port} 127.0.0.1\n"
-            "allow_anonymous true\n"
+            + auth +
             "max_queued_messages 0\n"
             "set_tcp_nodelay true\n"
             "persistence true\n"

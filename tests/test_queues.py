@@ -25,6 +25,7 @@ import pytest
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
 from srl.runner.distribution.queues import (
     BrokerUnavailableError,
@@ -36,7 +37,7 @@ from srl.runner.distribution.queues import (
     queue_scheme,
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
-from tests.conftest import broker_unavailable, port_open
+from tests.conftest import broker_unavailable, port_open, running
 from tests.nodes import wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis, closed_port, redis_server_binaries
 
@@ -336,24 +337,14 @@ def test_unknown_option_is_named() -> None:
 # ---------------------------------------------------------------- broker restarts (private instances)
 @pytest.fixture()
 def private_redis() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
-    try:
-        server.start()
-    except (OSError, RuntimeError) as e:
-        pytest.skip(f"cannot start a private redis-server: {e}")
-    yield server
-    server.cleanup()
+    with running(PrivateRedis()) as server:
+        yield server
 
 
 @pytest.fixture()
 def private_mosquitto() -> Iterator[PrivateMosquitto]:
-    server = PrivateMosquitto()
-    try:
-        server.start()
-    except (OSError, RuntimeError) as e:
-        pytest.skip(f"cannot start a private mosquitto: {e}")
-    yield server
-    server.cleanup()
+    with running(PrivateMosquitto()) as server:
+        yield server
 
 
 def _put_while_down(queue: ExperienceQueue, data: bytes) -> tuple[threading.Thread, list[BaseException]]:
@@ -433,7 +424,8 @@ def test_a_redis_ack_goes_with_the_next_command_and_survives_a_lost_connection(p
 def test_a_refused_redis_ack_is_raised_and_closing_does_not_wait_for_a_redis_that_is_away(
         private_redis: PrivateRedis, namespace: str) -> None:
     """An XACK Redis refuses (a user without the right) is an error, not silently dropped: entries never
-    acked would fill the queue. A consumer closed while Redis is down returns at once, acks unsent."""
+    acked would fill the queue; a refusal, not an outage, so the trainer stops instead of waiting. A consumer
+    closed while Redis is down returns at once, acks unsent."""
     import redis
 
     raw = redis.Redis.from_url(private_redis.url)
@@ -444,7 +436,7 @@ def test_a_refused_redis_ack_is_raised_and_closing_does_not_wait_for_a_redis_tha
         producer.put_many([b"1", b"2"])
     with open_queue(url, namespace=namespace, role="consumer") as consumer:
         consumer.ack_many(drain(consumer, 1))
-        with pytest.raises(redis.ResponseError, match="no permissions to run the 'xack' command"):
+        with pytest.raises(CredentialsError, match=r"permission denied by Redis .* the 'xack' command"):
             consumer.get_many(1, timeout=0.1)
     with open_queue(private_redis.url, namespace=namespace, role="producer") as producer:
         producer.put_many([b"3", b"4"])

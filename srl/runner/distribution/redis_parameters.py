@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from srl.base.config import Settings
+from srl.runner.distribution.credentials import authentication_failed
 
 if TYPE_CHECKING:
     from srl.runner.distribution.embedded import EmbeddedRedis
@@ -40,6 +41,44 @@ TLS_VERIFY_HINT = (
     "set ssl_ca_certs (RedisParameters.ssl_ca_certs, --ssl-ca-certs, or ?ssl_ca_certs=PATH in the rediss:// URL) "
     "to the CA that signed the server's certificate, and connect by a host name that certificate names"
 )
+
+
+REDIS_CREDENTIALS_HINT = (
+    "the password/user: RedisParameters(password=..., username=...), the user:password in the URL, "
+    "--password-file, or SRL_REDIS_PASSWORD / SRL_REDIS_PASSWORD_FILE"
+)
+
+
+class _RefusedLoginExplained:
+    """Mixed into redis-py's connection classes: a refused login (no password for a server that needs
+    one, a wrong one, a disabled user) is a :class:`CredentialsError` naming the server, at once, not a
+    ConnectionError that redis-py, and then srl, would retry as an outage."""
+
+    host: str
+    port: int
+    db: int
+
+    def on_connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().on_connect_check_health(*args, **kwargs)  # type: ignore[misc]
+        except redis.AuthenticationError as e:
+            self.disconnect()  # type: ignore[attr-defined]
+            where = getattr(self, "path", "") or f"{getattr(self, 'host', '?')}:{getattr(self, 'port', '?')}"
+            given = getattr(self, "password", None) or getattr(self, "credential_provider", None)
+            reason = e if given else "it needs a password and none was given"
+            raise authentication_failed(f"Redis at {where}", reason, REDIS_CREDENTIALS_HINT) from e
+
+
+_EXPLAINED: dict[type, type] = {}
+
+
+def _explained(connection_class: type) -> type:
+    """``connection_class`` with refused logins explained (one subclass per class)."""
+    if issubclass(connection_class, _RefusedLoginExplained):
+        return connection_class
+    if connection_class not in _EXPLAINED:
+        _EXPLAINED[connection_class] = type(connection_class.__name__, (_RefusedLoginExplained, connection_class), {})
+    return _EXPLAINED[connection_class]
 
 
 class ExplainedSSLConnection(redis.SSLConnection):
@@ -159,6 +198,7 @@ class RedisParameters(Settings):
         pool = client.connection_pool
         if pool.connection_class is redis.SSLConnection:
             pool.connection_class = ExplainedSSLConnection
+        pool.connection_class = _explained(pool.connection_class)
         return client
 
     def resolve(self) -> tuple[RedisParameters, EmbeddedRedis | None]:

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import redis
 
+from srl.runner.distribution.credentials import permission_denied
 from srl.runner.distribution.redis_parameters import DEFAULT_SOCKET_TIMEOUT_S
 
 T = TypeVar("T")
@@ -94,6 +95,9 @@ def with_retry(
             if waited:
                 logger.warning("%s: reachable again after %.0fs", what, time.monotonic() - started)
             return result
+        except redis.exceptions.NoPermissionError as e:  # an ACL that lacks a command srl needs
+            raise permission_denied("Redis", e, "the Redis user srl logs in as needs the commands of srl's board and "
+                                    "queue (give it +@all on its task keys, or see the docs' Security section)") from e
         except TRANSIENT_ERRORS as e:
             now = time.monotonic()
             if (max_wait is not None and now - started >= max_wait) or (should_stop is not None and should_stop()):

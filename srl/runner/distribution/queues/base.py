@@ -1,6 +1,8 @@
 """The experience-queue protocol every backend implements, and what they share.
 
-Owns: ``Message``, ``ExperienceQueue``, the queue errors and the reconnect loop.
+Owns: ``Message``, ``ExperienceQueue``, the queue errors and the reconnect loop. A backend raises
+:class:`CredentialsError` (not a queue error: waiting will not cure it) when its broker refuses the
+login or a permission.
 Must never: import a broker's client library (each backend module imports its
 own) or see numpy/torch: a queue moves ``bytes``.
 """
@@ -15,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+from srl.runner.distribution.credentials import CredentialsError
 
 logger = logging.getLogger("srl.queues")
 
@@ -246,7 +250,9 @@ class Reconnector:
     ``transient`` are the exception types that mean "connection lost";
     ``reconnect`` rebuilds the connection (it may raise a transient error too).
     After ``timeout_s`` without success it raises ``BrokerUnavailableError``
-    naming the broker and what to check.
+    naming the broker and what to check. ``refused`` tells a refused login or
+    permission among the errors (a :class:`CredentialsError` to raise at once,
+    or None): some client libraries report those as lost connections.
     """
 
     def __init__(
@@ -258,6 +264,7 @@ class Reconnector:
         timeout_s: float,
         hint: str,
         hint_for: Callable[[BaseException], str] = lambda error: "",
+        refused: Callable[[BaseException], CredentialsError | None] = lambda error: None,
     ) -> None:
         self.broker = broker
         self.transient = transient
@@ -266,12 +273,22 @@ class Reconnector:
         self.hint = hint
         self.hint_for = hint_for
         """more advice for the last error, beyond ``hint``"""
+        self.refused = refused
+
+    def _transient(self, error: Exception) -> Exception:
+        """``error`` when it means a lost connection; raises it (or the refusal it is) otherwise."""
+        refusal = self.refused(error)
+        if refusal is not None:
+            raise refusal from error
+        if not isinstance(error, self.transient):
+            raise error
+        return error
 
     def call(self, op: Callable[[], T], what: str) -> T:
         try:
             return op()
-        except self.transient as e:
-            first_error: BaseException = e
+        except Exception as e:
+            first_error: BaseException = self._transient(e)
         deadline = time.monotonic() + self.timeout_s
         logger.warning(
             "%s: connection lost during %s (%s); reconnecting for up to %.0fs",
@@ -291,8 +308,8 @@ class Reconnector:
             try:
                 self.reconnect()
                 result = op()
-            except self.transient as e:
-                last_error = e
+            except Exception as e:
+                last_error = self._transient(e)
                 continue
             logger.warning("%s: reconnected; %s goes on", self.broker, what)
             return result

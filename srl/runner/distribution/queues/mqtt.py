@@ -60,6 +60,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from srl.runner.distribution.credentials import authentication_failed, permission_denied
 from srl.runner.distribution.queue_parameters import MQTTParameters
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
@@ -91,6 +92,12 @@ def session_client_id_for(namespace: str) -> str:
     return f"srl-{safe_name(namespace)}-trainer"
 
 
+_BAD_LOGIN = 134
+"""CONNACK reason code: bad user name or password"""
+_NOT_AUTHORIZED = 135
+"""CONNACK / SUBACK reason code: not authorized"""
+
+
 class _Connection:
     """One paho client with its network thread, and what its callbacks saw."""
 
@@ -114,6 +121,8 @@ class _Connection:
         self.generation = 0
         self.disconnected_since: float | None = time.monotonic()
         self.refused: str | None = None
+        self.refused_code = 0
+        """the CONNACK reason code of a refused connection (134 bad user name or password, 135 not authorized)"""
         self.stopping = False
         self.server_receive_maximum = 65535
         self.published: dict[int, int] = {}  # mid -> PUBACK reason code value
@@ -174,6 +183,7 @@ class _Connection:
         with self.cond:
             if reason.is_failure:
                 self.refused = str(reason)
+                self.refused_code = int(reason.value)
                 self.cond.notify_all()
                 return
             self.connected = True
@@ -239,6 +249,10 @@ class _Connection:
                 self.cond.wait(0.1)
         if self.refused is not None or not self.connected:
             self.stop()
+            where = f"the MQTT broker at {p.describe()}"
+            if self.refused_code in (_BAD_LOGIN, _NOT_AUTHORIZED):
+                raise authentication_failed(where, self.refused or "", "the user and password of the queue URL or "
+                                            "MQTTParameters (and the broker's password file / ACL)")
             why = self.refused or f"no CONNACK within {_CONNECT_TIMEOUT_S:.0f}s"
             raise BrokerUnavailableError(
                 f"the MQTT broker at {p.describe()} did not accept the connection ({why}); check "
@@ -264,6 +278,9 @@ class _Connection:
                 self.cond.wait(0.1)
             self.subscribed.discard(mid)
             if self.refused is not None:
+                if "Not authorized" in self.refused:
+                    raise permission_denied(f"the MQTT broker at {self.params.describe()}", self.refused,
+                                            f"allow this user to read {topic} (the broker's ACL)")
                 raise QueueError(f"the MQTT broker at {self.params.describe()} refused {topic}: {self.refused}")
 
     def away_for(self) -> float:

@@ -44,6 +44,7 @@ from google.cloud import pubsub_v1
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
 
+from srl.runner.distribution.credentials import CredentialsError, authentication_failed, permission_denied
 from srl.runner.distribution.queue_parameters import GCPParameters
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
@@ -113,6 +114,7 @@ class PubSubQueue(ExperienceQueue):
             timeout_s=params.reconnect_timeout_s,
             hint="check that the emulator runs (scripts/services.sh status) or that the network and "
             "credentials for Google Cloud are fine",
+            refused=self._refusal,
         )
         self.publisher: pubsub_v1.PublisherClient | None = None
         try:
@@ -127,13 +129,9 @@ class PubSubQueue(ExperienceQueue):
                     **self._transport_kwargs(PublisherGrpcTransport),
                 )
             self._ensure_topology(timeout=_OPEN_TIMEOUT_S)
-        except auth_exceptions.DefaultCredentialsError as e:
+        except (auth_exceptions.DefaultCredentialsError, gexc.PermissionDenied, gexc.Unauthenticated) as e:
             self._close_channels()
-            raise BrokerUnavailableError(
-                f"no Google Cloud credentials for {params.describe()} ({e}); set GOOGLE_APPLICATION_CREDENTIALS "
-                "or run `gcloud auth application-default login`, or set emulator_host / PUBSUB_EMULATOR_HOST "
-                "for a local emulator"
-            ) from e
+            raise self._refusal(e) or e from e
         except _TRANSIENT_OR_DEADLINE as e:
             self._close_channels()
             where = f"the Pub/Sub emulator at {self.emulator}" if self.emulator else "Google Cloud Pub/Sub"
@@ -142,17 +140,23 @@ class PubSubQueue(ExperienceQueue):
                 f"{_short(e)}); " + ("is it running? start it (scripts/services.sh start)" if self.emulator
                                      else "check the network, the project id and the credentials")
             ) from e
-        except gexc.PermissionDenied as e:
-            self._close_channels()
-            raise BrokerUnavailableError(
-                f"Pub/Sub refused access to {params.describe()} ({_short(e)}); the credentials need the "
-                "Pub/Sub Editor role (topics and subscriptions are created when missing)"
-            ) from e
         if role == "producer":
             # the subscriber client was only needed to create the subscription
             self.subscriber.close()
 
     # ------------------------------------------------------------ connection
+    def _refusal(self, error: BaseException) -> CredentialsError | None:
+        """Missing or refused Google Cloud credentials, or a role without Pub/Sub rights, as a refusal."""
+        where = f"Pub/Sub {self.params.describe()}"
+        if isinstance(error, (auth_exceptions.DefaultCredentialsError, gexc.Unauthenticated)):
+            return authentication_failed(where, _short(error), "the credentials: GOOGLE_APPLICATION_CREDENTIALS or "
+                                         "`gcloud auth application-default login` (or emulator_host / "
+                                         "PUBSUB_EMULATOR_HOST for a local emulator)")
+        if isinstance(error, gexc.PermissionDenied):
+            return permission_denied(where, _short(error), "the credentials need the Pub/Sub Editor role (topics "
+                                     "and subscriptions are created when missing)")
+        return None
+
     def _transport_kwargs(self, transport_cls: Any) -> dict[str, Any]:
         if not self.emulator:
             return {}

@@ -78,6 +78,7 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
+from srl.runner.distribution.credentials import CredentialsError, authentication_failed, permission_denied
 from srl.runner.distribution.queue_parameters import RabbitMQParameters
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
@@ -191,6 +192,7 @@ class RabbitMQQueue(ExperienceQueue):
             timeout_s=params.reconnect_timeout_s,
             hint="check that rabbitmq-server is running there (scripts/services.sh status), reachable, "
             "and not blocking publishers (rabbitmqctl status: alarms)",
+            refused=self._refusal,
         )
         try:
             self._connect()
@@ -200,17 +202,17 @@ class RabbitMQQueue(ExperienceQueue):
                 "ssl_ca_certs (RabbitMQParameters.ssl_ca_certs, or ?ssl_ca_certs=PATH in the amqps:// URL) to "
                 "the CA that signed the broker's certificate, and connect by a host name that certificate names"
             ) from e
-        except pika.exceptions.ProbableAuthenticationError as e:
-            raise BrokerUnavailableError(
-                f"RabbitMQ at {params.describe()} refused the login ({e}); check username/password "
-                "(the guest user can only log in from localhost)"
-            ) from e
-        except pika.exceptions.ConnectionClosedByBroker as e:
-            raise BrokerUnavailableError(
-                f"RabbitMQ at {params.describe()} closed the connection ({e.reply_code} {e.reply_text}); "
-                f"check the user's permissions on vhost {params.virtual_host!r}"
-            ) from e
-        except _TRANSIENT as e:
+        except _ANY_AMQP_ERROR as e:
+            refusal = self._refusal(e)
+            if refusal is not None:
+                raise refusal from e
+            if isinstance(e, pika.exceptions.ConnectionClosedByBroker):
+                raise BrokerUnavailableError(
+                    f"RabbitMQ at {params.describe()} closed the connection ({e.reply_code} {e.reply_text}); "
+                    f"check the user's permissions on vhost {params.virtual_host!r}"
+                ) from e
+            if not isinstance(e, _TRANSIENT):
+                raise
             raise BrokerUnavailableError(
                 f"cannot reach RabbitMQ at {params.describe()} for the experience queue "
                 f"({type(e).__name__}: {e}); is rabbitmq-server running there? start it "
@@ -223,6 +225,22 @@ class RabbitMQQueue(ExperienceQueue):
         return len(self._unconfirmed) + len(self._unsent)
 
     # ------------------------------------------------------------ connection
+    def _refusal(self, error: BaseException) -> CredentialsError | None:
+        """A refused login (ACCESS_REFUSED), vhost or resource permission, as a refusal."""
+        where = f"RabbitMQ at {self.params.describe()}"
+        if isinstance(error, (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError)):
+            return authentication_failed(where, error, "the user and password of the queue URL or RabbitMQParameters "
+                                         "(RabbitMQ's guest user can log in only from localhost)")
+        if isinstance(error, pika.exceptions.ProbableAccessDeniedError):
+            return permission_denied(where, error, f"give the user access to vhost {self.params.virtual_host!r} "
+                                     "(rabbitmqctl set_permissions)")
+        closed = error if isinstance(error, (pika.exceptions.ConnectionClosedByBroker,
+                                             pika.exceptions.ChannelClosedByBroker)) else None
+        if closed is not None and closed.reply_code == 403:  # ACCESS_REFUSED on a queue or an exchange
+            return permission_denied(where, error, "give the user configure, write and read permissions on "
+                                     "the task's queue (rabbitmqctl set_permissions)")
+        return None
+
     def _connection_parameters(self) -> pika.ConnectionParameters | pika.URLParameters:
         p = self.params
         client_properties = {"connection_name": self.connection_name}

@@ -66,6 +66,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from srl.runner.distribution.board import task_key_prefix
+from srl.runner.distribution.credentials import CredentialsError, permission_denied
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -99,6 +100,7 @@ _ENTRY_SLACK = 4096
 _MAX_ARRAY = 4096
 
 _COMPACT_AT = 1 << 20
+_RECREATE_TRIES = 5
 
 
 class Unread:
@@ -286,18 +288,16 @@ class RedisStreamQueue(ExperienceQueue):
             timeout_s=reconnect_timeout_s,
             hint="check that redis-server is running there (scripts/services.sh status) and reachable",
             hint_for=hint_for,
+            refused=self._refusal,
         )
         try:
             self._client.ping()
             if role == "consumer":
                 self._create_group()
                 self._forget_idle_consumers()
-        except redis.AuthenticationError as e:
+        except redis.exceptions.NoPermissionError as e:
             self._client.close()
-            raise BrokerUnavailableError(
-                f"Redis at {params.describe()} refused the login for the experience queue ({e}); "
-                "check username/password in RedisParameters or the URL"
-            ) from e
+            raise self._refusal(e) or e from e
         except _TRANSIENT as e:
             self._client.close()
             if "TLS certificate verification failed" in str(e):  # the cause is known: say only that
@@ -323,6 +323,14 @@ class RedisStreamQueue(ExperienceQueue):
         for command in ("XAUTOCLAIM", "XREADGROUP"):
             client.set_response_callback(command, lambda response, **options: response)
         return client
+
+    def _refusal(self, error: BaseException) -> CredentialsError | None:
+        """A command the Redis user may not run (an ACL without XADD, XACK, ...), as a refusal."""
+        if isinstance(error, redis.exceptions.NoPermissionError):
+            return permission_denied(f"Redis at {self.params.describe()}", error,
+                                     "the Redis user of the experience queue needs the stream commands (XADD, "
+                                     "XREADGROUP, XACK, XDEL, XAUTOCLAIM, XCLAIM, XGROUP, XINFO, XLEN, DEL)")
+        return None
 
     def _reconnect(self) -> None:
         self._client.connection_pool.disconnect()
@@ -361,17 +369,25 @@ class RedisStreamQueue(ExperienceQueue):
         return result
 
     def _recreating(self, op: Any) -> Any:
+        """``op``, creating the stream and group again should they have vanished (NOGROUP; UNBLOCKED: the
+        stream was deleted while a read waited on it, Redis 7): Redis restarted empty, or a client deleted or
+        replaced the task. A client deletes a task's keys in several passes, so it may vanish again at
+        once; after a few tries the caller hears of it as a broker that is away, never as a crash."""
         def run() -> Any:
-            try:
-                return op()
-            except redis.ResponseError as e:
-                # NOGROUP; UNBLOCKED: the stream was deleted while a read waited on it (Redis 7)
-                if ("NOGROUP" in str(e) or "UNBLOCKED" in str(e)) and self.role == "consumer":
-                    logger.warning("%s: stream or group vanished (Redis restarted? the task deleted?); "
-                                   "creating it again", self.source_name)
-                    self._create_group()
+            for attempt in range(_RECREATE_TRIES):
+                try:
                     return op()
-                raise
+                except redis.ResponseError as e:
+                    if not ("NOGROUP" in str(e) or "UNBLOCKED" in str(e)) or self.role != "consumer":
+                        raise
+                    if attempt == 0:
+                        logger.warning("%s: stream or group vanished (Redis restarted? the task deleted or "
+                                       "replaced?); creating it again", self.source_name)
+                    error = e
+                time.sleep(0.05 * attempt)
+                self._create_group()
+            raise BrokerUnavailableError(f"{self.source_name}: the stream vanished {_RECREATE_TRIES} times in a "
+                                         f"row ({error}); is something deleting it?")
 
         return run
 
