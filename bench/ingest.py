@@ -123,9 +123,11 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
     config_json.update(actor_num=1, max_train_count=10**9, queue={"scheme": backend})
     text = json.dumps(config_json)
     codec = options.codec(task_name)
-    board.create_task(text, signature=codec.config_signature(text))
+    board = board.bound(board.create_task(text, signature=codec.config_signature(text)).task_id)
+    epoch = board.claim_trainer(options.uid, 3_600_000)  # a trainer counts reads on the board as its lease's holder
+    assert epoch is not None
     run = TrainerRun(board, redis_params, queue_params(backend), build_task(*board.get_task_config_raw(), codec),
-                     1, options)
+                     epoch, options)
     blobs = encoded_batches(rows, messages * (rounds + 1), task_name, options)
 
     def handled() -> int:  # rows taken off the queue, whatever became of them

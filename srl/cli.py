@@ -15,6 +15,7 @@ import inspect
 import itertools
 import logging
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -22,7 +23,10 @@ import types
 import typing
 from typing import Any, get_type_hints
 
+import redis
+
 from srl.dashboard import DashboardOptions
+from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.options import ActorOptions, TrainerOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 
@@ -172,18 +176,85 @@ def _warn_if_password_in_argv(argv_values: list[str]) -> None:
                 return
 
 
+class UsageError(Exception):
+    """The command line asks for something that cannot be (a bad task name, URL or queue scheme): exit 2."""
+
+
+RUNTIME_ERRORS: tuple[type[BaseException], ...] = (CredentialsError, ConnectionError, TimeoutError, OSError,
+                                                   redis.RedisError)
+"""what a command meets at run time and says in one line (exit 1): a refused login, an unreachable server"""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from srl.runner.progress import ensure_logging
 
     ensure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # a reader that stopped early (srl status | head): quiet, as command-line tools are
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except UsageError as e:
+        return _error(args, e, 2)
+    except RUNTIME_ERRORS as e:
+        return _error(args, e, 1)
+    except _node_errors() as e:
+        return _error(args, e, 1)
+
+
+def _node_errors() -> tuple[type[BaseException], ...]:
+    from srl.runner.distribution.board import BoardError
+    from srl.runner.distribution.node import NodeCrashedError
+    from srl.runner.distribution.queues import QueueError
+
+    return BoardError, NodeCrashedError, QueueError
+
+
+def _error(args: argparse.Namespace, error: BaseException, code: int) -> int:
+    """One line on stderr (the traceback too with --verbose); the exit code."""
+    if args.verbose:
+        logging.getLogger("srl").exception("srl %s failed", args.command)
+    print(f"srl: {_explained(args, error)}", file=sys.stderr)
+    return code
+
+
+def _explained(args: argparse.Namespace, error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and hasattr(args, "host"):
+        where = args.redis_describe if hasattr(args, "redis_describe") else "the board's Redis"
+        return (f"cannot reach Redis at {where} ({text}); is redis-server running there? check --host/--port or "
+                "--url")
+    return text
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from srl.runner.plot import plot
 
-        for path in plot(args.log_dir):
+        try:
+            paths = plot(args.log_dir)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from e
+        for path in paths:
             print(path)
         return 0
-    redis_params = _redis_params(args)
+    try:
+        redis_params = _redis_params(args)
+        args.redis_describe = redis_params.describe()
+        if args.command in ("actor", "trainer"):
+            from srl.runner.distribution.queues import describe_queue
+
+            describe_queue(args.queue_url)  # an unknown scheme or a malformed URL: now, not when a task comes
+        from srl.runner.distribution.board import Board
+
+        board = Board(redis_params.connect(), redis_params.task_name)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if args.command in ("actor", "trainer"):
+        _terminate_as_interrupt()  # docker stop, kill: the node releases its lease as on Ctrl-C
     if args.command == "actor":
         from srl.runner.distribution.actor import actor_run_forever
 
@@ -202,9 +273,6 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(redis_params, build_dataclass(DashboardOptions, args))
         return 0
-    from srl.runner.distribution.board import Board
-
-    board = Board(redis_params.connect(), redis_params.task_name)
     if args.command == "stop":
         ended = board.end_task("END", "cancelled")
         print("task ended (cancelled)" if ended else "the task was not running")
@@ -212,21 +280,30 @@ def main(argv: list[str] | None = None) -> int:
     return _status(board, redis_params, args.watch, args.events, args.dead_letters)
 
 
+def _terminate_as_interrupt() -> None:
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _status(board: Any, redis_params: RedisParameters, watch: float | None, events: int, dead_letters: int) -> int:
     from srl.runner.distribution.board import BoardError
-    from srl.runner.distribution.client import progress_lines
+    from srl.runner.distribution.client import NodeHints, progress_lines, task_elapsed
 
     while True:
         try:
             status = board.get_status()
+            if status is None:
+                print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
+                return 1
+            queue = board.get_task_config().get("queue")
+            hints = NodeHints.of(redis_params, queue.get("describe") if isinstance(queue, dict) else None)
+            lines = progress_lines(board, status, task_elapsed(board, status), hints=hints)
         except BoardError as e:  # a damaged record is shown, not a traceback
             print(f"task {redis_params.task_name!r} on {redis_params.describe()} cannot be read: {e}")
             return 2
-        if status is None:
-            print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
-            return 1
-        started = status.started_at or status.created_at or time.time()
-        for line in progress_lines(board, status, time.time() - started):
+        for line in lines:
             print(line)
         if status.end_reason:
             print(f"  ended: {status.end_reason}")

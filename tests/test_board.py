@@ -139,16 +139,17 @@ def test_a_node_stopped_mid_claim_releases_the_slot_the_board_granted(board: Boa
     board.create_task({**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "actor_num": 2})
     board.set_active()
 
-    def claim_then_stop(task: object) -> int:
-        assert board.claim_actor_slot("a", 2, 60_000, prefer=1) == 1
+    def claim_then_stop(task_board: Board, task: object) -> int:
+        assert task_board.claim_actor_slot("a", 2, 60_000, prefer=1) == 1
         raise KeyboardInterrupt
 
-    def never_built(task: object, slot: int) -> None:
+    def never_built(task_board: Board, task: object, slot: int) -> None:
         raise AssertionError("the node was stopped before building")
 
     with pytest.raises(KeyboardInterrupt):
         serve("actor", board, "here", NodeOptions(uid="a"), None, claim=claim_then_stop,
-              lease_name=lambda slot: f"actor:{slot}", standby_note=lambda task: "", build_run=never_built)
+              lease_name=lambda slot: f"actor:{slot}", standby_note=lambda task_board, task: "",
+              build_run=never_built)
     assert board.held_leases(2) == []
 
 
@@ -168,8 +169,9 @@ def test_a_node_stopped_before_its_run_reports_releases_its_slot(board: Board) -
 
     with pytest.raises(KeyboardInterrupt):
         serve("actor", board, "here", NodeOptions(uid="a"), None,
-              claim=lambda task: board.claim_actor_slot("a", 2, 60_000), lease_name=lambda slot: f"actor:{slot}",
-              standby_note=lambda task: "", build_run=lambda task, slot: Interrupted())
+              claim=lambda task_board, task: task_board.claim_actor_slot("a", 2, 60_000),
+              lease_name=lambda slot: f"actor:{slot}", standby_note=lambda task_board, task: "",
+              build_run=lambda task_board, task, slot: Interrupted())
     assert board.held_leases(2) == []
 
 
@@ -282,14 +284,14 @@ def test_overwrite_replaces_an_active_task_and_its_leases(board: Board) -> None:
 def test_a_node_failing_an_old_config_does_not_end_the_task_that_replaced_it(
     board: Board, client: redis.Redis
 ) -> None:
-    board.create_task(CONFIG, actor_num=1)
-    old, _ = board.get_task_config_raw()
+    old = board.bound(board.create_task(CONFIG, actor_num=1).task_id)
     newer = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 64}})
-    board.create_task(newer, actor_num=1, overwrite=True)  # while a node was still building the old one
-    assert not board.end_task(TaskState.FAILED, "cannot build", config=old)
+    new = board.bound(board.create_task(newer, actor_num=1, overwrite=True).task_id)  # while a node built the old
+    assert old.task_id != new.task_id
+    assert not old.end_task(TaskState.FAILED, "cannot build")
     status = board.get_status()
     assert status is not None and status.status is TaskState.INIT
-    assert board.end_task(TaskState.FAILED, "cannot build", config=board.get_task_config_raw()[0])
+    assert new.end_task(TaskState.FAILED, "cannot build")
     # a config that is not UTF-8 cannot be named exactly: reading it is a data error, not a guess
     client.hset(board.prefix + "task", "config", b'{"algorithm": "\xff"}')
     with pytest.raises(BoardDataError, match="UTF-8"):
@@ -407,17 +409,17 @@ def test_a_lapsed_trainer_takes_its_own_lease_back_unless_another_took_over(task
     epoch = task.claim_trainer("t1", 10_000)
     assert epoch is not None
     assert task.release_lease("trainer", "t1")  # stands in for the lease expiring during an outage
-    assert task.reclaim_trainer("t1", epoch, 10_000)  # same epoch: its memory and counters stay valid
+    assert task.reclaim_trainer("t1", epoch, 10_000) == "taken"  # same epoch: its memory and counters stay valid
     assert task.lease_holder("trainer")[0] == "t1"
     assert task.publish_params("t1", epoch, 1, b"p", 5)
     assert task.release_lease("trainer", "t1")
     newer = task.claim_trainer("t2", 10_000)
     assert newer == epoch + 1
-    assert not task.reclaim_trainer("t1", epoch, 10_000)  # fenced: another trainer came in between
+    assert task.reclaim_trainer("t1", epoch, 10_000) == "taken over"  # fenced: another trainer came in between
     status = task.get_status()
     assert status is not None and (status.trainer_uid, status.trainer_epoch) == ("t2", newer)
     assert task.release_lease("trainer", "t2")
-    assert not task.reclaim_trainer("t1", epoch, 10_000)  # the epoch moved on: still fenced
+    assert task.reclaim_trainer("t1", epoch, 10_000) == "taken over"  # the epoch moved on: still fenced
 
 
 def test_an_actor_takes_its_own_slot_back_first(task: Board) -> None:
@@ -497,13 +499,16 @@ def test_end_of_run_summary_names_each_node_and_ignores_malformed_stats(board: B
     status = board.get_status()
     assert status is not None
 
-    lines = summary_lines(board, status, elapsed=10.0)
+    lines = summary_lines(board, status, elapsed=10.0, queued=1)
 
     assert lines[0].startswith("run END after 10s (max_train_count 800 reached): train 800 (80/s), "
-                               "env steps 1200 (120/s), episodes 6, batches sent 40 received 39"), lines[0]
-    assert lines[1] == "  trainer trainer-x (epoch 2, cpu): params v0, last loss 0.5"
-    assert lines[2].startswith("  actor 1 actor-b: 700 env steps, 3 episodes, last reward -150.5"), lines[2]
-    assert len(lines) == 3 and "not-a-slot" not in "\n".join(lines)
+                               "env steps 1200 (120/s), episodes 6"), lines[0]
+    assert lines[1] == "  batches: sent 40 = received 39 + refused 0 + still queued 1: all accounted for"
+    assert lines[2] == "  trainer trainer-x (epoch 2, cpu): params v0, last loss 0.5"
+    assert lines[3].startswith("  actor 1 actor-b: 700 env steps, 3 episodes, last reward -150.5"), lines[3]
+    assert len(lines) == 4 and "not-a-slot" not in "\n".join(lines)
+    assert "1 NOT ACCOUNTED FOR" in summary_lines(board, status, elapsed=10.0, queued=0)[1]
+    assert "1 still queued or in flight (this broker does not tell" in summary_lines(board, status, 10.0)[1]
 
 
 def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:
@@ -511,7 +516,7 @@ def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:
     board.end_task("FAILED", "no trainer")
     status = board.get_status()
     assert status is not None
-    assert summary_lines(board, status, elapsed=0.0)[1:] == ["  trainer: never reported", "  actors: none reported"]
+    assert summary_lines(board, status, elapsed=0.0)[2:] == ["  trainer: never reported", "  actors: none reported"]
 
 
 def test_held_leases_lists_who_still_holds_one(board: Board) -> None:

@@ -211,7 +211,7 @@ def test_unknown_algorithm_fails_the_task_with_a_reason(
     from srl.runner.distribution.client import TaskFailedError
 
     runner = srl.Runner("Pendulum-v1", tiny_config())
-    runner.rl_config.algorithm = "dqnn"  # type: ignore[misc]  # what a client of another srl would write
+    object.__setattr__(runner.rl_config, "algorithm", "dqnn")  # what a client of another srl would write
     ns2 = namespace + "-b"
     start(nodes, "trainer", redis_url, ns2, tmp_path)
     with pytest.raises(TaskFailedError, match="no algorithm named 'dqnn'"):

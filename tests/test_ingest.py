@@ -16,7 +16,7 @@ from srl.base.rollout import Rollout
 from srl.rl.memories.segments import SegmentBuffer
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader
-from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.queues import Message, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.task import build_task
 from srl.runner.distribution.trainer import (
@@ -102,8 +102,11 @@ def trainer_run(redis_url: str, namespace: str, queue_url: str | None, scheme: s
     runner = srl.Runner("Pendulum-v1", config)
     params = RedisParameters(url=redis_url, task_name=namespace)
     board = Board(params.connect(), namespace)
-    board.create_task(json.dumps({**runner.task_config(), "actor_num": 2, "queue": {"scheme": scheme}}))
-    run = TrainerRun(board, params, queue_url, build_task(*board.get_task_config_raw()), 1, options)
+    board = board.bound(board.create_task(json.dumps({**runner.task_config(), "actor_num": 2,
+                                                      "queue": {"scheme": scheme}})).task_id)
+    epoch = board.claim_trainer(options.uid, 60_000)  # counts go on the board only from the lease's holder
+    assert epoch is not None
+    run = TrainerRun(board, params, queue_url, build_task(*board.get_task_config_raw()), epoch, options)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
     with Rollout(EnvConfig("Pendulum-v1"), worker, 1, seed=0) as rollout:
         while worker.pending() < 40:
@@ -171,42 +174,37 @@ def test_rows_waiting_for_room_when_the_run_stops_are_not_counted_bad_nor_acked(
         board.delete_task()
 
 
-def test_received_counts_reach_the_board_without_a_write_per_read(redis_url: str, namespace: str) -> None:
-    """Over MQTT (and Pub/Sub) actors take the queue's depth from the trainer's counts on the board.
-    Those are written when the queue runs dry, when half the queue's capacity was received since the
-    last write, or ``count_interval`` after it; not after every read."""
+def test_a_read_is_counted_on_the_board_before_it_is_acked(redis_url: str, namespace: str) -> None:
+    """The trainer writes what a read brought to the board before it acks the read, with the batches of its
+    last reads in its ledger: killed between the two, the read is counted and its redelivery recognised by
+    the next trainer, so the counts add up. Actors on MQTT and Pub/Sub read the queue's depth from them."""
     if not port_open("127.0.0.1", 1883):
         broker_unavailable("Mosquitto", "127.0.0.1", 1883)
     url = "mqtt://127.0.0.1:1883"
-    board, params, run, batch = trainer_run(redis_url, namespace, url, "mqtt",
-                                            TrainerOptions(uid="t", secret="", count_interval=3600.0))
-    assert run.task.queue_capacity == 8  # counts are written every 4 batches at the latest
+    board, params, run, batch = trainer_run(redis_url, namespace, url, "mqtt", TrainerOptions(uid="t", secret=""))
     producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
     queue = run.open_consumer()
     inbox = queue._inbox  # type: ignore[attr-defined]
-    sent = 0
+    acked_when_counted: list[bool] = []
+    original_ack = queue.ack_many
 
-    def send(n: int) -> None:  # n batches, returned once the broker pushed them all to the trainer
-        nonlocal sent
-        producer.put_many([batch("a", sent + i, 0) for i in range(n)])
-        sent += n
-        wait_for(lambda: inbox.qsize() >= n, 10, f"the broker to push {n} batches", interval=0.001)
+    def ack_many(messages: list[Message]) -> None:  # what the board says at the moment of the ack
+        acked_when_counted.append(board.get_counters().get("received_batches", 0.0) == run.received_batches)
+        original_ack(messages)
 
-    def on_board() -> float:
-        return board.get_counters().get("received_batches", 0.0)
-
+    queue.ack_many = ack_many  # type: ignore[method-assign]
     try:
-        send(1)
-        assert run.ingest_once(queue) == 1 and on_board() == 1  # the first count goes out at once
-        send(2)
-        assert run.ingest_once(queue) == 2 and on_board() == 1  # 2 of 4 and the interval not over: later
-        assert run.ingest_once(queue) == 0 and on_board() == 3  # the queue is dry: written now
-        assert run.ingest_once(queue) == 0 and on_board() == 3  # nothing new: nothing written twice
-        send(5)
-        assert run.ingest_once(queue) == 5 and on_board() == 8  # half the capacity: written at once
-        run.options.count_interval = 0.0  # from here on the interval is always over
-        send(2)
-        assert run.ingest_once(queue) == 2 and on_board() == 10  # 2 of 4, not dry: the interval writes them
+        for sent in range(0, 8, 2):
+            producer.put_many([batch("a", sent, 0), batch("b", sent, 8)])
+            wait_for(lambda: inbox.qsize() >= 2, 10, "the broker to push 2 batches", interval=0.001)
+            assert run.ingest_once(queue) == 2
+        assert acked_when_counted == [True] * 4 and board.get_counters()["received_batches"] == 8
+        ledger = board.get_ledgers()["t"]  # the last three reads, by (actor, seq)
+        assert sorted(ledger) == [("a", 2), ("a", 4), ("a", 6), ("b", 2), ("b", 4), ("b", 6)]
+        # a trainer that takes over takes those as duplicates when they come again
+        successor = TrainerRun(board, params, url, run.task, run.epoch, TrainerOptions(uid="t2", secret=""))
+        successor._skip_counted_redeliveries()
+        assert not successor.seen.is_new("a", 6) and successor.seen.is_new("a", 8) and successor.seen.is_new("a", 0)
     finally:
         run.stop.set("test over")
         producer.close()
@@ -220,7 +218,7 @@ def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, name
     its lease until its heartbeats start, so a standby does not take the task over meanwhile."""
     options = TrainerOptions(uid="t", secret="", lease_ttl=1.0, heartbeat_interval=0.1)
     board, _, run, _ = trainer_run(redis_url, namespace, None, "redis", options)
-    assert board.claim_trainer("t", 1000) == 1
+    assert board.release_lease("trainer", "t") and board.claim_lease("trainer", "t", 1000)  # a 1 s lease
     holders: list[str | None] = []
 
     def slow_restore() -> None:

@@ -294,6 +294,15 @@ class Buffer(ABC):
         """Bytes its storage takes when full (checked against what a trainer may allocate)."""
         return 0
 
+    def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+        """The rows it holds (and what sampling them depends on) as arrays and JSON, for a checkpoint that
+        keeps the memory; None when it keeps nothing worth saving (an on-policy buffer)."""
+        return None
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Fill an empty buffer with what ``state_arrays`` wrote; ValueError saying what does not fit."""
+        raise ValueError(f"a {type(self).__name__} keeps no state to load")
+
 
 @dataclass
 class TrainStats:

@@ -39,6 +39,7 @@ CHECKPOINT_VERSION = 3
 """3: counters and the trainer's state (arrays under ``trainer/``); 2 (weights only) still loads. A setting
 added since is read as ``RLConfig.saved_before`` says when a checkpoint's config lacks it"""
 TRAINER_PREFIX = "trainer/"
+MEMORY_PREFIX = "memory/"
 
 
 def task_config(rl_config: RLConfig, env_config: EnvConfig) -> dict[str, Any]:
@@ -49,9 +50,11 @@ def task_config(rl_config: RLConfig, env_config: EnvConfig) -> dict[str, Any]:
 def build_checkpoint(
     parameter: Parameter, trainer: Trainer | None, task_config: dict[str, Any], train_count: int, env_steps: int,
     episodes: int, trainer_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
+    memory: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """What a checkpoint holds: the weights, the trainer's state under ``trainer/`` (from ``trainer``, else
-    ``trainer_state``), and the meta (format, counters, the algorithm, its settings and the env)."""
+    ``trainer_state``), the replay memory under ``memory/`` when given (``Buffer.state_arrays``), and the
+    meta (format, counters, the algorithm, its settings and the env)."""
     arrays = dict(parameter.to_arrays())
     meta: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
@@ -67,6 +70,9 @@ def build_checkpoint(
     if state is not None:
         arrays.update({TRAINER_PREFIX + k: v for k, v in state[0].items()})
         meta["trainer_state"] = state[1]
+    if memory is not None:
+        arrays.update({MEMORY_PREFIX + k: v for k, v in memory[0].items()})
+        meta["memory_state"] = memory[1]
     return arrays, meta
 
 
@@ -84,11 +90,21 @@ def split_checkpoint(
     for name in ("version", "train_count", "env_steps", "episodes"):
         _count(meta, name)
     check_weights_match(meta, rl_config, source)
-    weights = {k: v for k, v in arrays.items() if not k.startswith(TRAINER_PREFIX)}
+    weights = {k: v for k, v in arrays.items() if not k.startswith((TRAINER_PREFIX, MEMORY_PREFIX))}
     state = meta.get("trainer_state")
     if not isinstance(state, dict):
         return weights, None
     return weights, ({k[len(TRAINER_PREFIX):]: v for k, v in arrays.items() if k.startswith(TRAINER_PREFIX)}, state)
+
+
+def checkpoint_memory(
+    meta: dict[str, Any], arrays: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """The replay memory a checkpoint keeps (for ``Buffer.load_state_arrays``), or None when it keeps none."""
+    state = meta.get("memory_state")
+    if not isinstance(state, dict):
+        return None
+    return {k[len(MEMORY_PREFIX):]: v for k, v in arrays.items() if k.startswith(MEMORY_PREFIX)}, state
 
 
 def saved_rl_config(meta: dict[str, Any], config_cls: type[RLConfig]) -> dict[str, Any]:

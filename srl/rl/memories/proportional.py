@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from srl.rl.memories.replay import (
     Sample,
     check_batch_size,
     empty_memory_error,
+    saved_rows,
 )
 from srl.rl.memories.sum_tree import SumTree
 
@@ -153,6 +156,32 @@ class ProportionalMemory(Memory):
     @property
     def beta(self) -> float:
         return self._beta_at(self._sample_calls)
+
+    def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        with self._lock:
+            order = self._ring.oldest_first()
+            arrays = {f"rows/{name}": column for name, column in self._ring.gather(order).items()}
+            arrays["priorities"] = self._tree.get(order)
+            return arrays, {"kind": "proportional", "max_priority": self._max_priority,
+                            "sample_calls": self._sample_calls}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        columns, rest = saved_rows(arrays, meta, "proportional")
+        stored = np.asarray(rest.get("priorities", np.zeros(0)), dtype=np.float64)
+        n = len(next(iter(columns.values())))
+        if stored.shape != (n,) or not (np.isfinite(stored).all() and (stored > 0).all()):
+            raise ValueError(f"the saved memory's priorities are not {n} finite positive numbers")
+        max_priority, calls = meta.get("max_priority"), meta.get("sample_calls")
+        if not isinstance(max_priority, (int, float)) or isinstance(max_priority, bool) \
+                or not (math.isfinite(max_priority) and max_priority > 0):
+            raise ValueError(f"the saved memory's max_priority {str(max_priority)[:40]} is not a positive number")
+        if not isinstance(calls, int) or isinstance(calls, bool) or not 0 <= calls < 2**62:
+            raise ValueError(f"the saved memory's sample_calls {str(calls)[:40]} is not a count")
+        with self._lock:
+            for r in self._ring.restore(columns):
+                self._tree.set_range(r.slot_start, r.slot_stop, stored[r.rows])
+            self._max_priority = max(float(max_priority), float(stored.max()))
+            self._sample_calls = calls
 
     def _beta_at(self, sample_calls: int) -> float:
         if sample_calls >= self.beta_steps:

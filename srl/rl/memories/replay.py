@@ -15,7 +15,7 @@ import threading
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -239,6 +239,25 @@ class ColumnRing:
     def nbytes(self) -> int:
         return sum(int(column.nbytes) for column in self._columns.values())
 
+    def oldest_first(self) -> np.ndarray:
+        """The filled slots, oldest row first."""
+        if self.size < self.capacity:
+            return np.arange(self.size, dtype=np.int64)
+        return (np.arange(self.capacity, dtype=np.int64) + self._cursor) % self.capacity
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The rows held, oldest first, as columns (copies)."""
+        return self.gather(self.oldest_first())
+
+    def restore(self, columns: Mapping[str, np.ndarray]) -> list[WrittenRange]:
+        """Write saved rows (oldest first) into this empty ring, checked like any batch."""
+        if self.size:
+            raise ValueError("a saved memory is loaded into an empty one only")
+        rows = self.conform(columns)
+        if rows.n > self.capacity:
+            raise ValueError(f"the saved memory holds {rows.n} rows; this one holds at most {self.capacity}")
+        return self.write(rows)
+
     def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Copies of the rows at ``indices`` (fancy indexing always copies)."""
         return {name: column[indices] for name, column in self._columns.items()}
@@ -249,6 +268,18 @@ class ColumnRing:
         self._columns = {
             name: np.empty((self.capacity, *shape), dtype=dtype) for name, (shape, dtype) in self._layout.items()
         }
+
+
+def saved_rows(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
+               kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A saved memory's rows (``rows/<column>``) and its other arrays, once its meta says it is a ``kind``
+    memory; ValueError otherwise."""
+    if meta.get("kind") != kind:
+        raise ValueError(f"the saved memory is a {str(meta.get('kind'))[:40]!r} memory; this one is {kind!r}")
+    rows = {k[len("rows/"):]: v for k, v in arrays.items() if k.startswith("rows/")}
+    if not rows:
+        raise ValueError("the saved memory holds no rows")
+    return rows, {k: v for k, v in arrays.items() if not k.startswith("rows/")}
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -311,3 +342,12 @@ class ReplayMemory(Memory):
     @property
     def beta(self) -> float:
         return 1.0
+
+    def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        with self._lock:
+            return {f"rows/{name}": column for name, column in self._ring.state().items()}, {"kind": "replay"}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        columns, _ = saved_rows(arrays, meta, "replay")
+        with self._lock:
+            self._ring.restore(columns)

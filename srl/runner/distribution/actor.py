@@ -42,12 +42,12 @@ from srl.runner.distribution.codec import (
     short,
     split_columns,
 )
-from srl.runner.distribution.node import CounterDeltas, apply_overrides, require_remote, serve
+from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
-from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, open_queue
+from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, describe_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
-from srl.runner.distribution.task import StopFlag, TaskSpec, max_message_rows
+from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
@@ -106,6 +106,7 @@ class ActorRun:
         self.latest_version = -1
         self.latest_train_count = 0
         self.fatal: str | None = None
+        self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self._board_log = Throttle()
         self._fresh_params = threading.Event()
         self.seq = 0
@@ -149,8 +150,11 @@ class ActorRun:
                             self._stats(rate), deltas,
                         )
                     if hb.task_status is None:
-                        self.stop.set("the task vanished from the board (deleted, or Redis restarted "
-                                      "without persistence)")
+                        self.stop.set(TASK_GONE)
+                        self.task_gone = True
+                        break
+                    if hb.replaced:
+                        self.stop.set(TASK_REPLACED)
                         break
                     if not hb.lease_held and not self._take_slot_back(away_since):
                         break
@@ -468,6 +472,8 @@ class ActorRun:
             self._final_report()
             self.rollout.close()
             self.queue.close()
+            if self.task_gone:
+                remove_orphans(self.board)
         if self.fatal:
             raise RuntimeError(self.fatal)
         return self.stop.reason
@@ -504,6 +510,7 @@ def actor_run_forever(
     opts = apply_overrides(options or ActorOptions(), option_overrides, "actor_run_forever")
     opts.set_default_uid("actor")
     require_remote(redis_params, "actor_run_forever")
+    describe_queue(queue_params)  # an unknown scheme or a malformed URL fails now, not when a task comes
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
     logger.info("actor %s ready; waiting for a task on %s", opts.uid, where)
@@ -511,10 +518,12 @@ def actor_run_forever(
     try:
         serve(
             "actor", board, where, opts, queue_params,
-            claim=lambda task: board.claim_actor_slot(opts.uid, task.actor_num, ttl_ms),
+            claim=lambda task_board, task: task_board.claim_actor_slot(opts.uid, task.actor_num, ttl_ms),
             lease_name=lambda slot: f"actor:{slot}",
-            standby_note=lambda task: f"all {task.actor_num} actor slots are held; standing by to take one that frees",
-            build_run=lambda task, slot: ActorRun(board, redis_params, queue_params, task, slot, opts),
+            standby_note=lambda task_board, task: (f"all {task.actor_num} actor slots are held; standing by to take "
+                                                   "one that frees"),
+            build_run=lambda task_board, task, slot: ActorRun(task_board, redis_params, queue_params, task, slot,
+                                                              opts),
         )
     except KeyboardInterrupt:
         logger.info("actor %s interrupted; exiting (any slot it held is released)", opts.uid)

@@ -15,8 +15,9 @@ parsed with bounds; a malformed record raises :class:`BoardDataError` (a
 
 Keys (``P`` = ``srl:{<task_name>}:``)::
 
-    P task            hash   status, times, limits, config JSON + signature, params head
-                             (epoch, version, train_count), the trainer's uid and epoch
+    P task            hash   task_id (the client's, one per submission), status, times, limits,
+                             config JSON + signature, params head (epoch, version, train_count),
+                             the trainer's uid and epoch
     P epoch           string trainer epoch, INCR'd by the script that grants the trainer lease
     P params          hash   epoch, version, train_count, blob, published_at
     P lease:trainer   string owner uid, PX ttl
@@ -26,6 +27,12 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
     P stats:<role_id> string JSON of the latest stats, PX ttl
     P events          list   JSON events, newest first, capped by count; each text capped
     P deadletters     list   JSON notes of refused messages (source, reason, size), capped
+    P refusals        hash   node uid -> JSON {role, reason, ts}: nodes that refuse the task, and why
+    P ledger          hash   trainer uid -> JSON [[actor, seq], ...]: batches it counted and may not
+                             have acked yet (a trainer that takes over skips their redeliveries)
+    P history         list   JSON rows of scalars, one per progress interval, capped
+    P resume          string the checkpoint a new task starts from (a signed PARAMS message)
+    P checkpoint      hash   train_count, blob: the trainer's latest checkpoint (a signed PARAMS message)
     P queue:<name>    (any)  owned by a queue backend, deleted with the task
 
 Times that decide something (a task's start for its timeout, a heartbeat's
@@ -35,9 +42,12 @@ Cost (the system-wide budget is about 0.05 Redis commands per transition):
 an actor's heartbeat — lease renewal, stats, counters and the read of task
 status and params head it needs — is ONE ``EVALSHA``.
 
-Writes that a role may still make after :meth:`Board.delete_task` (heartbeat,
-counters, stats, events, claims) first check that the task exists and are
-dropped otherwise, so a deleted task never grows keys back.
+A task is its name and the ``task_id`` its client's ``create_task`` drew. A
+node's board is bound to the id of the task it serves (:meth:`Board.bound`):
+its writes (heartbeat, counters, stats, events, claims, params) first check
+that the task of that name is still that one, and are dropped otherwise, so a
+deleted task never grows keys back, and a task replaced by another of the
+same name (``overwrite=True``) is never written to by the old task's nodes.
 
 Works with Redis 6.2 (the embedded server) and 7.x. The client must return
 bytes (``decode_responses=False``): params blobs are binary.
@@ -45,27 +55,33 @@ bytes (``decode_responses=False``): params blobs are binary.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
 import re
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import redis
 
-BOARD_FORMAT_VERSION = 2
-"""version of the key layout and field encoding above; bumped on any incompatible change"""
+BOARD_FORMAT_VERSION = 3
+"""version of the key layout and field encoding above; bumped on any incompatible change (3: task ids)"""
 EVENT_LOG_CAP = 1000
 """events kept per task (older ones are trimmed)"""
 EVENT_TEXT_LIMIT = 500
 """characters of an event's text kept (the rest is cut): the log is capped by size too"""
 DEADLETTER_CAP = 100
 """notes of refused messages kept per task"""
+REFUSALS_CAP = 1000
+"""nodes whose refusal of a task is kept (one entry per node: its latest reason)"""
+LEDGER_BYTES = 64 * 1024
+"""largest ledger entry of a trainer read from the board"""
 HISTORY_CAP = 5000
 """history rows (one per progress interval: scalars for curves) kept per task"""
 HISTORY_ROW_BYTES = 16 * 1024
@@ -183,6 +199,8 @@ class TaskStatus:
     trainer_uid: str = ""
     """the uid that took the trainer lease last (with ``trainer_epoch``)"""
     trainer_epoch: int = 0
+    task_id: str = ""
+    """drawn by the client that created the task: a task replacing one of the same name has another"""
 
 
 @dataclass(frozen=True)
@@ -201,6 +219,8 @@ class Heartbeat:
     """the trainer's train count at its latest publish"""
     server_time: float = 0.0
     """Redis TIME when the heartbeat ran"""
+    replaced: bool = False
+    """the task of this name is another one now (a client replaced it): nothing was renewed or written"""
 
     def __bool__(self) -> bool:
         return self.lease_held
@@ -227,6 +247,26 @@ class DeadLetter:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A node that refuses the task, and why (its latest reason)."""
+
+    uid: str
+    role: str
+    reason: str
+    ts: float
+    """Redis TIME of the refusal"""
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """What a node reads to build a task, in one round trip: the config, its signature, the task's id."""
+
+    config_json: str
+    signature: str
+    task_id: str
+
+
+@dataclass(frozen=True)
 class ParamsRecord:
     """The latest params on the board: the hash fields, and the blob they describe."""
 
@@ -239,8 +279,25 @@ class ParamsRecord:
 # ---------------------------------------------------------------- Lua scripts
 # Every script names all the keys it touches in KEYS (cluster-safe). Times come
 # from TIME inside the script (replicated by effects, Redis >= 5) or the caller.
+#
+# A task is its name AND the id its client gave it (``task_id``, written once by create_task):
+# a node's board is bound to the id of the task it serves (Board.bound), and every write it makes
+# first checks that the task of that name is still that one. A task replaced meanwhile (a client
+# with overwrite=True) or deleted (or lost with a Redis restarted empty) is never written to by the
+# nodes of the old one, and its leases are never taken back by them.
 
-_RENEW_LUA = """
+_TASK_IS_LUA = """
+local function task_is(key, id)
+  local found = redis.call('HGET', key, 'task_id')
+  if not found then return 0 end
+  if id ~= '' and found ~= id then return -1 end
+  return 1
+end
+"""
+
+# KEYS: lease, task. ARGV: uid, ttl_ms, task id ('': any task, or none).
+_RENEW_LUA = _TASK_IS_LUA + """
+if ARGV[3] ~= '' and task_is(KEYS[2], ARGV[3]) ~= 1 then return 0 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
@@ -254,12 +311,9 @@ end
 return 0
 """
 
-# Writes that could run after delete_task (a role still finishing) check that the task
-# exists first, so a deleted task never grows keys back.
-
-# KEYS: trainer lease, epoch, task. ARGV: uid, ttl_ms. The epoch is consumed only by the winner.
-_CLAIM_TRAINER_LUA = """
-if redis.call('EXISTS', KEYS[3]) == 0 then return false end
+# KEYS: trainer lease, epoch, task. ARGV: uid, ttl_ms, task id. The epoch is consumed only by the winner.
+_CLAIM_TRAINER_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[3], ARGV[3]) ~= 1 then return false end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local epoch = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[3], 'trainer_uid', ARGV[1], 'trainer_epoch', epoch)
@@ -268,11 +322,14 @@ end
 return false
 """
 
-# KEYS: trainer lease, epoch, task. ARGV: uid, epoch, ttl_ms.
+# KEYS: trainer lease, epoch, task. ARGV: uid, epoch, ttl_ms, task id.
 # A trainer whose lease lapsed (a Redis or network outage longer than the TTL) takes it back,
 # keeping its epoch, when no other trainer took the lease in between (the epoch did not move).
-_RECLAIM_TRAINER_LUA = """
-if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+# Returns 1 taken back, 0 another trainer took over, -1 the task is gone, -2 it was replaced.
+_RECLAIM_TRAINER_LUA = _TASK_IS_LUA + """
+local mine = task_is(KEYS[3], ARGV[4])
+if mine == 0 then return -1 end
+if mine == -1 then return -2 end
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 0 end
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
@@ -286,10 +343,11 @@ end
 return 0
 """
 
-# KEYS: task, then the actor slot leases in order. ARGV: uid, ttl_ms, preferred index (0-based, -1: none).
+# KEYS: task, then the actor slot leases in order. ARGV: uid, ttl_ms, preferred index (0-based, -1: none),
+# start, small ('1'/'0'), task id.
 # A slot this uid already holds is kept; else the preferred slot if free; else the lowest free one.
-_CLAIM_SLOT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+_CLAIM_SLOT_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[1], ARGV[6]) ~= 1 then return -1 end
 local n = #KEYS - 1
 local prefer = tonumber(ARGV[3])
 if prefer >= 0 and prefer < n then
@@ -318,8 +376,9 @@ end
 return -1
 """
 
-# KEYS: trainer lease, epoch, params, task. ARGV: uid, epoch, version, train_count, blob.
-_PUBLISH_PARAMS_LUA = """
+# KEYS: trainer lease, epoch, params, task. ARGV: uid, epoch, version, train_count, blob, task id.
+_PUBLISH_PARAMS_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[4], ARGV[6]) ~= 1 then return 0 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local epoch = tonumber(ARGV[2])
 if epoch ~= tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
@@ -333,9 +392,19 @@ redis.call('HSET', KEYS[4], 'params_epoch', ARGV[2], 'params_version', ARGV[3], 
 return 1
 """
 
+# KEYS: trainer lease, epoch, checkpoint, task. ARGV: uid, epoch, train_count, blob, task id.
+# The trainer's latest checkpoint, fenced like its params: a client far from the trainer keeps it.
+_PUT_CHECKPOINT_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[4], ARGV[5]) ~= 1 then return 0 end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) ~= tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
+redis.call('HSET', KEYS[3], 'train_count', ARGV[3], 'blob', ARGV[4])
+return 1
+"""
+
 # Adds the JSON object of deltas to the JSON totals of a role in a hash; a stored value that is
 # not a JSON object of numbers (damaged, or written by someone else) is started over.
-_ADD_COUNTERS_LUA = """
+_ADD_COUNTERS_LUA = _TASK_IS_LUA + """
 local function add_counters(key, role, deltas_json)
   local totals = {}
   local current = redis.call('HGET', key, role)
@@ -354,36 +423,69 @@ local function add_counters(key, role, deltas_json)
 end
 """
 
-# KEYS: counters, task. ARGV: role_id, deltas_json.
+# KEYS: counters, task. ARGV: role_id, deltas_json, task id.
 _INCR_COUNTERS_LUA = _ADD_COUNTERS_LUA + """
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if task_is(KEYS[2], ARGV[3]) ~= 1 then return 0 end
 add_counters(KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-# KEYS: stats:<role>, roles, task. ARGV: role_id, stats_json, stats_ttl_ms.
-_PUT_STATS_LUA = """
-if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+# The trainer's count of what one read brought, written before the read is acked, with the batches
+# of its last reads whose acks may not have reached the broker (its ledger): a trainer that takes over
+# counts their redelivered copies as duplicates, so nothing is counted twice or lost from the counts.
+# KEYS: trainer lease, counters, task, ledger. ARGV: uid, deltas_json ('' = none), ledger_json, task id.
+# Returns 1 written, 0 the lease is not this trainer's (do not ack: the next holder gets the batches),
+# -1 the task is gone or was replaced.
+_NOTE_RECEIVED_LUA = _ADD_COUNTERS_LUA + """
+if task_is(KEYS[3], ARGV[4]) ~= 1 then return -1 end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' then add_counters(KEYS[2], 'trainer', ARGV[2]) end
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+return 1
+"""
+
+# KEYS: stats:<role>, roles, task. ARGV: role_id, stats_json, stats_ttl_ms, task id.
+_PUT_STATS_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[3], ARGV[4]) ~= 1 then return 0 end
 if not redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'GET') then
   redis.call('SADD', KEYS[2], ARGV[1])
 end
 return 1
 """
 
-# KEYS: list, task. ARGV: entry_json, cap.
-_PUSH_CAPPED_LUA = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+# KEYS: list, task. ARGV: entry_json, cap, task id.
+_PUSH_CAPPED_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[2], ARGV[3]) ~= 1 then return 0 end
 redis.call('LPUSH', KEYS[1], ARGV[1])
 redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[2]) - 1)
 return 1
 """
 
+# KEYS: refusals, task. ARGV: uid, entry_json (without the time), cap, task id.
+# One entry per node that refuses the task (the latest reason), stamped with the server's time.
+_NOTE_REFUSAL_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[2], ARGV[4]) ~= 1 then return 0 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then
+  return 0
+end
+local t = redis.call('TIME')
+local entry = cjson.decode(ARGV[2])
+entry['ts'] = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(entry))
+return 1
+"""
+
 # KEYS: lease, stats:<role>, roles, counters, task.
-# ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none).
+# ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none), task id.
+# Returns {held, status, params epoch, params version, train_count, time s, time us, the task's id};
+# nothing is renewed or written unless the task is the one this node serves.
 _HEARTBEAT_LUA = _ADD_COUNTERS_LUA + """
 local t = redis.call('TIME')
-local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version', 'train_count')
-if not head[1] then return {0, false, false, false, false, t[1], t[2]} end
+local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version', 'train_count', 'task_id')
+if not head[1] then return {0, false, false, false, false, t[1], t[2], false} end
+if ARGV[7] ~= '' and head[5] ~= ARGV[7] then
+  return {0, head[1], false, false, false, t[1], t[2], head[5]}
+end
 local held = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -395,7 +497,7 @@ if ARGV[4] ~= '' then
   end
 end
 if ARGV[6] ~= '' then add_counters(KEYS[4], ARGV[3], ARGV[6]) end
-return {held, head[1], head[2], head[3], head[4], t[1], t[2]}
+return {held, head[1], head[2], head[3], head[4], t[1], t[2], head[5]}
 """
 
 # KEYS: task. ARGV: overwrite ('1'/'0'), then field, value, ...
@@ -409,8 +511,9 @@ redis.call('HSET', KEYS[1], 'created_at', t[1] .. '.' .. string.format('%06d', t
 return 'OK'
 """
 
-# KEYS: task.
-_SET_ACTIVE_LUA = """
+# KEYS: task. ARGV: task id.
+_SET_ACTIVE_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[1], ARGV[1]) ~= 1 then return 0 end
 if redis.call('HGET', KEYS[1], 'status') == 'INIT' then
   local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'status', 'ACTIVE', 'started_at', t[1] .. '.' .. string.format('%06d', t[2]))
@@ -419,12 +522,10 @@ end
 return 0
 """
 
-# KEYS: task. ARGV: status, reason.
-_END_TASK_LUA = """
+# KEYS: task. ARGV: status, reason, task id.
+_END_TASK_LUA = _TASK_IS_LUA + """
+if task_is(KEYS[1], ARGV[3]) ~= 1 then return 0 end
 local status = redis.call('HGET', KEYS[1], 'status')
-if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'config') ~= ARGV[3] then
-  return 0
-end
 if status == 'INIT' or status == 'ACTIVE' then
   local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'end_reason', ARGV[2],
@@ -432,6 +533,15 @@ if status == 'INIT' or status == 'ACTIVE' then
   return 1
 end
 return 0
+"""
+
+# KEYS: task, then keys to remove. Removes them only while no task of this name exists: what nodes of
+# a task that vanished (a Redis restarted empty, FLUSHALL) wrote back under its prefix as they stopped.
+_DELETE_ORPHANS_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local removed = 0
+for i = 2, #KEYS do removed = removed + redis.call('UNLINK', KEYS[i]) end
+return removed
 """
 
 
@@ -508,14 +618,15 @@ def _server_time(sec: Any, usec: Any) -> float:
 _STATUS_FIELDS = (
     "status", "end_reason", "created_at", "started_at", "ended_at", "actor_num", "max_train_count",
     "max_steps", "timeout", "params_epoch", "params_version", "train_count", "format", "srl_version",
-    "trainer_uid", "trainer_epoch",
+    "trainer_uid", "trainer_epoch", "task_id",
 )
 
 
 class Board:
     """The blackboard of task ``task_name`` on ``client`` (a redis-py client with bytes responses).
 
-    One instance per process and task; it is as thread-safe as the client.
+    One instance per process and task; it is as thread-safe as the client. ``task_id`` binds it to
+    one task of that name (see :meth:`bound`); '' (unbound) reads and writes whichever task has it.
     """
 
     def __init__(
@@ -525,6 +636,7 @@ class Board:
         *,
         event_cap: int = EVENT_LOG_CAP,
         stats_ttl_ms: int = DEFAULT_STATS_TTL_MS,
+        task_id: str = "",
     ) -> None:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError(
@@ -536,6 +648,7 @@ class Board:
         self.prefix = task_key_prefix(task_name)
         self.event_cap = event_cap
         self.stats_ttl_ms = stats_ttl_ms
+        self.task_id = task_id
         self._task_key = self.prefix + "task"
         self._epoch_key = self.prefix + "epoch"
         self._params_key = self.prefix + "params"
@@ -545,6 +658,9 @@ class Board:
         self._deadletters_key = self.prefix + "deadletters"
         self._history_key = self.prefix + "history"
         self._resume_key = self.prefix + "resume"
+        self._refusals_key = self.prefix + "refusals"
+        self._ledger_key = self.prefix + "ledger"
+        self._checkpoint_key = self.prefix + "checkpoint"
         # register_script: EVALSHA, and SCRIPT LOAD + retry on NOSCRIPT (a restarted or flushed Redis).
         self._renew = client.register_script(_RENEW_LUA)
         self._release = client.register_script(_RELEASE_LUA)
@@ -559,9 +675,20 @@ class Board:
         self._create = client.register_script(_CREATE_TASK_LUA)
         self._set_active = client.register_script(_SET_ACTIVE_LUA)
         self._end = client.register_script(_END_TASK_LUA)
+        self._note_received = client.register_script(_NOTE_RECEIVED_LUA)
+        self._note_refusal = client.register_script(_NOTE_REFUSAL_LUA)
+        self._delete_orphans = client.register_script(_DELETE_ORPHANS_LUA)
+        self._put_checkpoint = client.register_script(_PUT_CHECKPOINT_LUA)
 
     def __repr__(self) -> str:
-        return f"Board(task_name={self.task_name!r})"
+        return f"Board(task_name={self.task_name!r}" + (f", task_id={self.task_id!r})" if self.task_id else ")")
+
+    def bound(self, task_id: str) -> Board:
+        """This board bound to the task ``task_id`` (same client): its writes land only while the task of
+        this name is that one, and its heartbeats say when it is not (``Heartbeat.replaced``)."""
+        board = copy.copy(self)
+        board.task_id = task_id
+        return board
 
     # ------------------------------------------------------------------ keys
 
@@ -583,7 +710,7 @@ class Board:
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
         keys = {self._task_key, self._epoch_key, self._params_key, self._counters_key, self._roles_key,
                 self._events_key, self._deadletters_key, self._history_key, self._resume_key,
-                self.lease_key("trainer")}
+                self._refusals_key, self._ledger_key, self._checkpoint_key, self.lease_key("trainer")}
         try:
             actor_num = _int(self.client.hget(self._task_key, "actor_num") or 0, "actor_num", 0, MAX_ACTORS)
         except BoardDataError:
@@ -615,6 +742,18 @@ class Board:
                 removed += int(self.client.unlink(*keys[start : start + _SCAN_COUNT]))
         return removed
 
+    def delete_orphans(self) -> int:
+        """Remove what is left under this task's prefix while no task of this name exists (keys a node
+        wrote back as it stopped, after the task vanished); the number removed. Atomic against a client
+        creating a task of this name meanwhile: then nothing is removed."""
+        if self.client.exists(self._task_key):
+            return 0
+        keys = [_str(k) for k in self.client.scan_iter(match=self.prefix + "*", count=_SCAN_COUNT)]
+        removed = 0
+        for start in range(0, len(keys), _SCAN_COUNT):
+            removed += int(self._delete_orphans(keys=[self._task_key, *keys[start:start + _SCAN_COUNT]]))
+        return removed
+
     # ------------------------------------------------------------------ task
 
     def ping(self) -> bool:
@@ -643,7 +782,8 @@ class Board:
         to the config's keys of those names (actor_num: 1). ``signature``: the
         config's HMAC (``Codec.config_signature``), which nodes with a secret
         demand. Refuses (TaskExistsError) while a task of that name is INIT or
-        ACTIVE, unless ``overwrite``; an old task's keys are removed first.
+        ACTIVE, unless ``overwrite``; an old task's keys are removed first. The status returned carries
+        the new task's ``task_id``: bind the board to it (:meth:`bound`) to write for this task only.
         """
         if isinstance(config, str):
             try:
@@ -669,8 +809,9 @@ class Board:
             raise self._exists_error(state)
         if state is not None:
             self.delete_task()
+        task_id = uuid.uuid4().hex[:16]
         fields: list[str] = [
-            "status", TaskState.INIT.value, "end_reason", "",
+            "task_id", task_id, "status", TaskState.INIT.value, "end_reason", "",
             "started_at", "", "ended_at", "", "actor_num", str(actor_num),
             "max_train_count", _field(max_train_count), "max_steps", _field(max_steps),
             "timeout", _field(timeout), "params_epoch", "0", "params_version", "0", "train_count", "0",
@@ -718,6 +859,7 @@ class Board:
             srl_version=_text(raw["srl_version"], 64) or "",
             trainer_uid=_text(raw["trainer_uid"], 128) or "",
             trainer_epoch=_int(raw["trainer_epoch"] or 0, "trainer_epoch"),
+            task_id=_text(raw["task_id"], 64) or "",
         )
 
     def _check_format(self, raw: bytes | str | None) -> None:
@@ -731,7 +873,14 @@ class Board:
 
     def get_task_config_raw(self) -> tuple[str, str]:
         """``(config JSON text, signature)`` as stored; the caller verifies and parses."""
-        raw_config, raw_format, raw_sig = self.client.hmget(self._task_key, "config", "format", "config_sig")
+        record = self.get_task_record()
+        return record.config_json, record.signature
+
+    def get_task_record(self) -> TaskRecord:
+        """The task's config JSON, its signature and the task's id, as stored (one round trip); the caller
+        verifies and parses."""
+        raw_config, raw_format, raw_sig, raw_id = self.client.hmget(self._task_key, "config", "format", "config_sig",
+                                                                     "task_id")
         if raw_config is None:
             raise TaskNotFoundError(
                 f"no task {self.task_name!r} on this Redis; submit it first (Runner.train_distribution)"
@@ -744,7 +893,7 @@ class Board:
         except UnicodeDecodeError as e:
             raise BoardDataError(f"task {self.task_name!r} config is not UTF-8 text ({e.reason} at byte {e.start})") \
                 from None
-        return config_text, _text(raw_sig, 256) or ""
+        return TaskRecord(config_text, _text(raw_sig, 256) or "", _text(raw_id, 64) or "")
 
     def get_task_config(self) -> dict[str, Any]:
         """The task's config (JSON object), unverified: for display. Nodes verify the signature first."""
@@ -755,18 +904,17 @@ class Board:
         return config
 
     def set_active(self) -> bool:
-        """INIT -> ACTIVE (the trainer started it), at the server's time; False if it was not INIT."""
-        return bool(self._set_active(keys=[self._task_key]))
+        """INIT -> ACTIVE (the client started it), at the server's time; False if it was not INIT."""
+        return bool(self._set_active(keys=[self._task_key], args=[self.task_id]))
 
-    def end_task(self, status: TaskState | str, reason: str, *, config: str = "") -> bool:
-        """Mark the task END or FAILED with ``reason``; False if it had already ended (first one wins).
-
-        ``config``: end it only while the task's config is this text (a node failing the config it
-        read never ends a newer task that replaced it meanwhile)."""
+    def end_task(self, status: TaskState | str, reason: str) -> bool:
+        """Mark the task END or FAILED with ``reason``; False if it had already ended (first one wins), or,
+        on a bound board, if the task of this name is another one now (a node failing the task it read
+        never ends a newer task that replaced it meanwhile)."""
         state = TaskState(status)
         if not state.finished:
             raise ValueError(f"end_task takes END or FAILED, found {state.value}")
-        return bool(self._end(keys=[self._task_key], args=[state.value, _text(reason, 2000) or "", config]))
+        return bool(self._end(keys=[self._task_key], args=[state.value, _text(reason, 2000) or "", self.task_id]))
 
     # ---------------------------------------------------------------- leases
 
@@ -775,8 +923,10 @@ class Board:
         return bool(self.client.set(self.lease_key(name), owner_uid, nx=True, px=_ttl(ttl_ms)))
 
     def renew_lease(self, name: str, owner_uid: str, ttl_ms: int) -> bool:
-        """Extend the lease if ``owner_uid`` still holds it; False means it is lost: stop working on it."""
-        return bool(self._renew(keys=[self.lease_key(name)], args=[owner_uid, _ttl(ttl_ms)]))
+        """Extend the lease if ``owner_uid`` still holds it (of this board's task); False means it is lost:
+        stop working on it."""
+        return bool(self._renew(keys=[self.lease_key(name), self._task_key],
+                                args=[owner_uid, _ttl(ttl_ms), self.task_id]))
 
     def release_lease(self, name: str, owner_uid: str) -> bool:
         """Give the lease up if ``owner_uid`` holds it."""
@@ -817,21 +967,24 @@ class Board:
         small = actor_num <= SMALL_TASK_SLOTS
         start = 0 if small else random.randrange(actor_num)
         args: list[str | int] = [owner_uid, _ttl(ttl_ms), -1 if prefer is None else int(prefer), start,
-                                 1 if small else 0]
+                                 1 if small else 0, self.task_id]
         slot = int(self._claim_slot(keys=keys, args=args))
         return None if slot < 0 else slot
 
     def claim_trainer(self, owner_uid: str, ttl_ms: int) -> int | None:
         """Take the trainer lease; the new epoch (fencing token) if taken, None if someone holds it."""
         keys = [self.lease_key("trainer"), self._epoch_key, self._task_key]
-        epoch = self._claim_trainer(keys=keys, args=[owner_uid, _ttl(ttl_ms)])
+        epoch = self._claim_trainer(keys=keys, args=[owner_uid, _ttl(ttl_ms), self.task_id])
         return None if epoch is None else int(epoch)
 
-    def reclaim_trainer(self, owner_uid: str, epoch: int, ttl_ms: int) -> bool:
-        """Take back the trainer lease that lapsed while ``owner_uid`` held it at ``epoch`` (an outage);
-        False when another trainer took over since (the epoch moved) or holds it now."""
+    def reclaim_trainer(self, owner_uid: str, epoch: int, ttl_ms: int) -> Literal["taken", "taken over", "gone",
+                                                                                "replaced"]:
+        """Take back the trainer lease that lapsed while ``owner_uid`` held it at ``epoch`` (an outage):
+        "taken" back, "taken over" by another trainer since (the epoch moved, or it holds it now), or the
+        task is "gone" from the board or "replaced" by another of its name."""
         keys = [self.lease_key("trainer"), self._epoch_key, self._task_key]
-        return int(self._reclaim_trainer(keys=keys, args=[owner_uid, str(epoch), _ttl(ttl_ms)])) == 1
+        answer = int(self._reclaim_trainer(keys=keys, args=[owner_uid, str(epoch), _ttl(ttl_ms), self.task_id]))
+        return {1: "taken", -1: "gone", -2: "replaced"}.get(answer, "taken over")  # type: ignore[return-value]
 
     def heartbeat(
         self,
@@ -848,8 +1001,9 @@ class Board:
         deltas_json = _deltas_json(counter_deltas)
         keys = [self.lease_key(lease_name), self.stats_key(role_id), self._roles_key, self._counters_key,
                 self._task_key]
-        held, status, epoch, version, train_count, sec, usec = self._heartbeat(
-            keys=keys, args=[owner_uid, _ttl(ttl_ms), role_id, stats_json, self.stats_ttl_ms, deltas_json]
+        held, status, epoch, version, train_count, sec, usec, task_id = self._heartbeat(
+            keys=keys, args=[owner_uid, _ttl(ttl_ms), role_id, stats_json, self.stats_ttl_ms, deltas_json,
+                             self.task_id]
         )
         state = _text(status, 16)
         try:
@@ -863,6 +1017,7 @@ class Board:
             params_version=_int(version or 0, "params_version"),
             train_count=_int(train_count or 0, "train_count"),
             server_time=_server_time(sec, usec),
+            replaced=bool(self.task_id and state is not None and _text(task_id, 64) != self.task_id),
         )
 
     # ---------------------------------------------------------------- params
@@ -871,7 +1026,7 @@ class Board:
         """Store params atomically; False (nothing written) unless ``owner_uid`` holds the trainer
         lease and ``epoch`` is the current trainer epoch, not older than the stored params' epoch."""
         keys = [self.lease_key("trainer"), self._epoch_key, self._params_key, self._task_key]
-        args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob]
+        args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob, self.task_id]
         return bool(self._publish(keys=keys, args=args))
 
     def get_params_version(self) -> tuple[int, int] | None:
@@ -904,6 +1059,29 @@ class Board:
             raise BoardDataError(f"params blob is {len(blob)} bytes, over the {max_bytes} this network needs")
         return ParamsRecord(_int(epoch, "epoch"), _int(version, "version"), _int(train_count, "train_count"), blob)
 
+    def put_checkpoint(self, owner_uid: str, epoch: int, train_count: int, blob: bytes) -> bool:
+        """Keep the trainer's latest checkpoint on the board (for a client far from the trainer); False
+        (nothing written) unless ``owner_uid`` holds the trainer lease at ``epoch`` of this task."""
+        keys = [self.lease_key("trainer"), self._epoch_key, self._checkpoint_key, self._task_key]
+        return bool(self._put_checkpoint(keys=keys, args=[owner_uid, str(epoch), str(train_count), blob,
+                                                          self.task_id]))
+
+    def get_checkpoint_train_count(self) -> int | None:
+        """The train_count of the checkpoint on the board (one HGET); None when there is none."""
+        raw = self.client.hget(self._checkpoint_key, "train_count")
+        return None if raw is None else _int(raw, "checkpoint train_count")
+
+    def get_checkpoint(self, max_bytes: int) -> tuple[int, bytes] | None:
+        """``(train_count, blob)`` of the checkpoint on the board; a larger blob is a BoardDataError (its
+        length is read first, so a huge forged one is never fetched)."""
+        size = int(self.client.hstrlen(self._checkpoint_key, "blob"))
+        if size > max_bytes:
+            raise BoardDataError(f"the checkpoint on the board is {size} bytes, over the {max_bytes} expected")
+        train_count, blob = self.client.hmget(self._checkpoint_key, "train_count", "blob")
+        if train_count is None or not isinstance(blob, bytes) or len(blob) > max_bytes:
+            return None
+        return _int(train_count, "checkpoint train_count"), blob
+
     def set_resume(self, blob: bytes | None) -> None:
         """The checkpoint a new task starts from (a PARAMS message with the trainer's state), or none."""
         if blob is None:
@@ -931,7 +1109,8 @@ class Board:
         """Add ``deltas`` (sent_batches=1, backpressure_wait_s=0.3, ...) to ``role_id``'s totals."""
         deltas_json = _deltas_json(deltas)
         if deltas_json:
-            self._incr(keys=[self._counters_key, self._task_key], args=[_check_role(role_id), deltas_json])
+            self._incr(keys=[self._counters_key, self._task_key],
+                       args=[_check_role(role_id), deltas_json, self.task_id])
 
     def get_role_counters(self) -> dict[str, dict[str, float]]:
         """Running totals per role id (records that are not JSON objects of numbers are skipped)."""
@@ -954,6 +1133,65 @@ class Board:
                 totals[name] = totals.get(name, 0.0) + value
         return totals
 
+    def note_received(self, owner_uid: str, deltas: Mapping[str, int | float],
+                      ledger: list[tuple[str, int]]) -> Literal["noted", "not held", "not ours"]:
+        """The trainer's count of one read, before it acks the read, and its ledger: the ``(actor, seq)`` of
+        the batches of its last reads whose acks may not have reached the broker yet. "not held": this
+        trainer does not hold the lease (do not ack); "not ours": the task is gone or was replaced."""
+        ledger_json = json.dumps(ledger, separators=(",", ":"))
+        keys = [self.lease_key("trainer"), self._counters_key, self._task_key, self._ledger_key]
+        answer = int(self._note_received(keys=keys, args=[owner_uid, _deltas_json(deltas), ledger_json,
+                                                          self.task_id]))
+        return {1: "noted", 0: "not held"}.get(answer, "not ours")  # type: ignore[return-value]
+
+    def get_ledgers(self) -> dict[str, list[tuple[str, int]]]:
+        """Each trainer's ledger (see :meth:`note_received`); malformed entries are skipped."""
+        out: dict[str, list[tuple[str, int]]] = {}
+        for uid, raw in self.client.hgetall(self._ledger_key).items():
+            if raw is None or len(raw) > LEDGER_BYTES:
+                continue
+            try:
+                entries = json.loads(raw)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(entries, list):
+                out[_str(uid)[:128]] = [
+                    (e[0][:128], e[1]) for e in entries
+                    if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int)
+                    and not isinstance(e[1], bool) and 0 <= e[1] < 2**63
+                ]
+        return out
+
+    # -------------------------------------------------------------- refusals
+
+    def note_refusal(self, uid: str, role: str, reason: str) -> None:
+        """Note that node ``uid`` (a ``role``) refuses the task, and why: the client shows it where it would
+        say the role is missing. One entry per node (its latest reason); dropped if the task is gone."""
+        entry = json.dumps({"role": role[:16], "reason": _text(reason, EVENT_TEXT_LIMIT)})
+        self._note_refusal(keys=[self._refusals_key, self._task_key],
+                           args=[_check_role(uid), entry, REFUSALS_CAP, self.task_id])
+
+    def clear_refusal(self, uid: str) -> None:
+        """Node ``uid`` no longer refuses the task (it took a lease)."""
+        self.client.hdel(self._refusals_key, uid)
+
+    def get_refusals(self, max_age_s: float | None = None) -> list[Refusal]:
+        """Nodes refusing the task (those noted within ``max_age_s`` of the server's clock), oldest first."""
+        raw = self.client.hgetall(self._refusals_key)
+        if not raw:
+            return []
+        now = self.server_time()
+        found = []
+        for uid, value in raw.items():
+            item = _json_object(value, 4 * EVENT_TEXT_LIMIT)
+            ts = item.get("ts") if item is not None else None
+            if item is None or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+                continue
+            if max_age_s is None or now - float(ts) <= max_age_s:
+                found.append(Refusal(_str(uid)[:128], str(item.get("role", ""))[:16],
+                                     str(item.get("reason", ""))[:EVENT_TEXT_LIMIT], float(ts)))
+        return sorted(found, key=lambda r: r.ts)
+
     # ----------------------------------------------------------------- stats
 
     def put_stats(self, role_id: str, stats: Mapping[str, Any]) -> None:
@@ -962,7 +1200,7 @@ class Board:
         They expire ``stats_ttl_ms`` after this write.
         """
         keys = [self.stats_key(role_id), self._roles_key, self._task_key]
-        self._put_stats(keys=keys, args=[role_id, _stats_json(stats), self.stats_ttl_ms])
+        self._put_stats(keys=keys, args=[role_id, _stats_json(stats), self.stats_ttl_ms, self.task_id])
 
     def get_all_stats(self, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Latest stats per live role id (expired ones are absent; older than ``max_age_s`` too;
@@ -990,7 +1228,7 @@ class Board:
         The text is cut to ``EVENT_TEXT_LIMIT`` characters."""
         event = json.dumps({"ts": time.time(), "level": level[:16], "text": _text(text, EVENT_TEXT_LIMIT),
                             "source": source[:128]})
-        self._push_capped(keys=[self._events_key, self._task_key], args=[event, self.event_cap])
+        self._push_capped(keys=[self._events_key, self._task_key], args=[event, self.event_cap, self.task_id])
 
     def get_events(self, n: int = 100) -> list[Event]:
         """The latest ``n`` events, oldest first (malformed entries are skipped)."""
@@ -1018,7 +1256,7 @@ class Board:
         for letter in letters[-DEADLETTER_CAP:]:
             entry = json.dumps({"ts": letter.ts, "source": letter.source[:300], "reason": letter.reason[:300],
                                 "size": letter.size})
-            self._push_capped(keys=[self._deadletters_key, self._task_key], args=[entry, DEADLETTER_CAP],
+            self._push_capped(keys=[self._deadletters_key, self._task_key], args=[entry, DEADLETTER_CAP, self.task_id],
                               client=pipe)
         pipe.execute()
 
@@ -1029,7 +1267,7 @@ class Board:
                          default=str)
         if len(raw) > HISTORY_ROW_BYTES:
             raise ValueError(f"a history row is {len(raw)} bytes; at most {HISTORY_ROW_BYTES}")
-        self._push_capped(keys=[self._history_key, self._task_key], args=[raw, HISTORY_CAP])
+        self._push_capped(keys=[self._history_key, self._task_key], args=[raw, HISTORY_CAP, self.task_id])
 
     def get_history(self, n: int = HISTORY_CAP) -> list[dict[str, float | int | str | None]]:
         """The latest ``n`` history rows, oldest first; only finite numbers, short strings and nulls are

@@ -9,13 +9,17 @@ processes. Must never: spin without telling the user what it waits for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,15 +27,31 @@ import numpy as np
 
 from srl.base.config import shown, unknown_setting_message
 from srl.runner.distribution import local_nodes
-from srl.runner.distribution.board import MAX_ACTORS, Board, TaskStatus, actor_slot
-from srl.runner.distribution.codec import Codec, params_message_bytes, short
+from srl.runner.distribution.board import (
+    MAX_ACTORS,
+    Board,
+    BoardError,
+    Refusal,
+    TaskExistsError,
+    TaskNotFoundError,
+    TaskStatus,
+    actor_slot,
+)
+from srl.runner.distribution.codec import (
+    Codec,
+    DecodeError,
+    checkpoint_message_bytes,
+    params_message_bytes,
+    short,
+)
 from srl.runner.distribution.options import ActorOptions, TrainerOptions
+from srl.runner.distribution.queues import BrokerUnavailableError, describe_queue, open_queue, queue_scheme
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import with_retry
-from srl.runner.distribution.task import MAX_QUEUE_CAPACITY
+from srl.runner.distribution.retry import Throttle, with_retry
+from srl.runner.distribution.task import MAX_QUEUE_CAPACITY, TASK_GONE, TASK_REPLACED
 from srl.runner.progress import ensure_logging, eta, format_seconds
-from srl.runner.run_log import CHECKPOINT_DIR, RunLog, latest_checkpoint
-from srl.runner.runner import reward_summary
+from srl.runner.run_log import RunLog, latest_checkpoint, write_checkpoint
+from srl.runner.runner import reward_summary, split_checkpoint
 
 if TYPE_CHECKING:
     from srl.runner.runner import Runner
@@ -50,8 +70,6 @@ class TaskFailedError(RuntimeError):
 
 
 def _describe_queue(queue_params: Any) -> dict[str, Any]:
-    from srl.runner.distribution.queues import describe_queue, queue_scheme
-
     return {"scheme": queue_scheme(queue_params), "describe": describe_queue(queue_params)}
 
 
@@ -66,6 +84,7 @@ def train_distribution(
     timeout: float | None = None,
     progress_interval: float | None = 5.0,
     overwrite: bool = False,
+    attach: bool | None = None,
     queue_capacity: int = 8,
     secret: str | None = None,
     local_processes: bool | None = None,
@@ -78,6 +97,7 @@ def train_distribution(
     eval_episodes: int = 5,
     checkpoint_interval: float = 600.0,
     keep_checkpoints: int = 5,
+    checkpoint_memory: bool = False,
     resume_from: str | os.PathLike[str] | None = None,
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
@@ -89,7 +109,12 @@ def train_distribution(
         max_train_count, max_steps, timeout: the end rule (at least one); the trainer applies it:
             gradient steps, env steps (all actors together), seconds.
         progress_interval: seconds between progress lines (None: quiet).
-        overwrite: replace a task of the same name that is still INIT/ACTIVE.
+        overwrite: replace a task of the same name that is still INIT/ACTIVE (its nodes drop it and
+            serve the new one).
+        attach: watch a task of this name that runs already, to its end, and load its final params,
+            instead of submitting one. None (default): attach when it runs this very config (the same
+            call again, after a client was killed), else refuse (TaskExistsError). True: attach, or load
+            the final params of a task of this config that ended; there must be one. False: never.
         queue_capacity: batches allowed in the queue before actors wait (backpressure). How fast
             actors may go otherwise is the algorithm's data path (DQN: ``env_steps_per_train``).
         secret: shared secret signing every message (default: env SRL_SECRET).
@@ -98,9 +123,12 @@ def train_distribution(
         delete_task: remove every key of the task at the end (default: keep, so ``srl status``
             shows how it ended; a new task of the same name replaces an ended one).
         log_dir: keep ``history.csv`` (a row per progress interval: counters, rewards, losses, rates,
-            lag, stalls), ``eval.csv``, TensorBoard events and ``final.safetensors`` there; a local
-            trainer also writes ``checkpoints/<task>/`` every ``checkpoint_interval`` seconds (the
-            newest ``keep_checkpoints``); a remote one does with ``--checkpoint-dir``.
+            lag, stalls), ``eval.csv``, TensorBoard events and ``final.safetensors`` there, and the
+            trainer's checkpoints (``checkpoints/<task>/``, every ``checkpoint_interval`` seconds and at
+            the end, the newest ``keep_checkpoints``): they come through the board, whichever machine
+            trains, so ``resume_from=log_dir`` works after the trainer's disk is gone.
+        checkpoint_memory: the checkpoints carry the replay memory too (a resumed run goes on without
+            refilling it), when it fits the board's bound.
         eval_interval, eval_every: evaluate the latest params every so many seconds / train steps,
             here in the client (the trainer is not slowed), ``eval_episodes`` episodes each time.
         resume_from: a checkpoint file (or a log_dir holding checkpoints: the newest) to start from:
@@ -108,7 +136,7 @@ def train_distribution(
             ``max_steps`` count from there.
 
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
-    here as local processes and stopped at the end. Ctrl-C ends the task as "cancelled"
+    here as local processes and stopped at the end. Ctrl-C or SIGTERM ends the task as "cancelled"
     and still loads the latest params. A FAILED task raises :class:`TaskFailedError`.
     """
     _check_arguments(redis_params, queue_params, actor_num=actor_num, max_train_count=max_train_count,
@@ -128,75 +156,97 @@ def train_distribution(
         max_train_count = None if max_train_count is None else runner.train_count + max_train_count
         max_steps = None if max_steps is None else runner.env_steps + max_steps
     run_log = RunLog(log_dir) if log_dir is not None else None
-    trainer_options = dict(trainer_options or {})
-    if log_dir is not None:
-        trainer_options.setdefault("checkpoint_dir", str(Path(log_dir) / CHECKPOINT_DIR))
-        trainer_options.setdefault("checkpoint_interval", checkpoint_interval)
-        trainer_options.setdefault("keep_checkpoints", keep_checkpoints)
     resolved, embedded = redis_params.resolve()
     procs: list[local_nodes.LocalNode] = []
     evaluator: Evaluator | None = None
+    board: Board | None = None
+    codec = Codec(secret=secret, task=resolved.task_name)
     try:
-        board = Board(resolved.connect(), resolved.task_name)
-        task = {
-            **runner.task_config(),
-            "actor_num": actor_num,
-            "max_train_count": max_train_count,
-            "max_steps": max_steps,
-            "timeout": timeout,
-            "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
-        }
-        with_retry(lambda: board.ping(), f"connecting to {resolved.describe()}", max_wait=10)
-        codec = Codec(secret=secret, task=resolved.task_name)
-        config_json = json.dumps(task, separators=(",", ":"))
-        board.create_task(config_json, overwrite=overwrite, signature=codec.config_signature(config_json))
-        _clear_leftover_experience(queue_params, resolved)
-        if resume is not None:
-            board.set_resume(_resume_blob(codec, runner, *resume))
-            board.incr_counters("client", env_steps=runner.env_steps, episodes=runner.episodes)
-        start_local = embedded is not None if local_processes is None else local_processes
-        if start_local:
-            procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
-                                          trainer_options or {})
-        board.set_active()
-        board.log_event(f"task submitted: {task['algorithm']} on {runner.env_config}, {actor_num} actor(s)",
-                        source="client")
-        logger.info("task %r submitted to %s: %s on %s, %d actor(s)", resolved.task_name, resolved.describe(),
-                    task["algorithm"], runner.env_config, actor_num)
-        if eval_interval is not None or eval_every is not None:
-            evaluator = Evaluator(runner, board, codec, eval_interval, eval_every, eval_episodes, run_log)
-            evaluator.start()
-        watch_started = time.monotonic()
-        status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs, run_log,
-                        evaluator)
-        if evaluator is not None:
-            evaluator.stop()
-        _load_final_params(board, runner, codec)
-        if resume is not None:  # the board's counters went on from the checkpoint's
-            runner.env_steps = runner.episodes = 0
-        _note_totals(board, runner, procs, actor_num)
-        _record_history(board, run_log, evaluator)  # where it ended
-        if progress_interval is not None:
-            for line in summary_lines(board, status, time.monotonic() - watch_started):
-                logger.info("%s", line)
-        if run_log is not None:
+        with _sigterm_as_interrupt():
+            unbound = Board(resolved.connect(), resolved.task_name)
+            task = {
+                **runner.task_config(),
+                "actor_num": actor_num,
+                "max_train_count": max_train_count,
+                "max_steps": max_steps,
+                "timeout": timeout,
+                "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
+                "checkpoints": {"interval": checkpoint_interval, "memory": checkpoint_memory} if run_log else None,
+            }
+            with_retry(unbound.ping, f"connecting to {resolved.describe()}", max_wait=10)
+            config_json = json.dumps(task, separators=(",", ":"))
+            board = _attach(unbound, task, overwrite, attach)
+            attached = board is not None
+            if board is None:
+                _check_queue(queue_params, resolved)  # a refused login or an unreachable broker: before submitting
+                status = unbound.create_task(config_json, overwrite=overwrite,
+                                             signature=codec.config_signature(config_json))
+                board = unbound.bound(status.task_id)
+                _clear_leftover_experience(queue_params, resolved)
+                if resume is not None:
+                    board.set_resume(_resume_blob(codec, runner, *resume))
+                    board.incr_counters("client", env_steps=runner.env_steps, episodes=runner.episodes)
+            elif resume is not None:
+                logger.warning("resume_from is not used: the client attached to a task that runs already")
+            start_local = embedded is not None if local_processes is None else local_processes
+            if start_local:
+                procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
+                                              trainer_options or {})
+            if attached:
+                board.log_event("a client attached to the task", source="client")
+            else:
+                board.set_active()
+                board.log_event(f"task submitted: {task['algorithm']} on {runner.env_config}, {actor_num} actor(s)",
+                                source="client")
+                logger.info("task %r submitted to %s: %s on %s, %d actor(s)", resolved.task_name,
+                            resolved.describe(), task["algorithm"], runner.env_config, actor_num)
+            if eval_interval is not None or eval_every is not None:
+                evaluator = Evaluator(runner, board, codec, eval_interval, eval_every, eval_episodes, run_log)
+                evaluator.start()
+            hints = NodeHints.of(resolved, None if queue_params is None else describe_queue(queue_params))
+            checkpoints = (BoardCheckpoints(board, codec, runner, run_log, keep_checkpoints, checkpoint_memory)
+                           if run_log is not None else None)
+            status = _watch(board, runner, progress_interval, max_train_count, max_steps, timeout, procs, run_log,
+                            evaluator, hints, checkpoints)
             if evaluator is not None:
-                evaluator.evaluate_now(final=True)
-            runner.save(run_log.dir / "final.safetensors")
-        if status.status == "FAILED":
-            raise TaskFailedError(f"task {resolved.task_name!r} FAILED: {status.end_reason}")
-        logger.info("task %r ended: %s", resolved.task_name, status.end_reason)
-        if delete_task:
-            local_nodes.stop_all(procs)  # let local nodes see END before their keys vanish
-            procs = []
-            board.delete_task()
-    except KeyboardInterrupt:
-        logger.warning("interrupted: ending task %r as cancelled", resolved.task_name)
-        try:
-            board.end_task("END", "cancelled")
+                evaluator.stop()
             _load_final_params(board, runner, codec)
-        finally:
-            raise
+            if resume is not None:  # the board's counters went on from the checkpoint's
+                runner.env_steps = runner.episodes = 0
+            _note_totals(board, runner, procs, actor_num)
+            if checkpoints is not None:
+                checkpoints.fetch(now=True)  # the trainer's final one
+            _record_history(board, run_log, evaluator)  # where it ended
+            if progress_interval is not None:
+                for line in summary_lines(board, status, task_elapsed(board, status),
+                                          _queue_depth(queue_params, resolved)):
+                    logger.info("%s", line)
+            if run_log is not None:
+                if evaluator is not None:
+                    evaluator.evaluate_now(final=True)
+                runner.save(run_log.dir / "final.safetensors")
+            if status.status == "FAILED":
+                raise TaskFailedError(f"task {resolved.task_name!r} FAILED: {status.end_reason}")
+            logger.info("task %r ended: %s", resolved.task_name, status.end_reason)
+            if delete_task:
+                local_nodes.stop_all(procs)  # let local nodes see END before their keys vanish
+                procs = []
+                board.delete_task()
+    except KeyboardInterrupt as interrupt:
+        terminated = isinstance(interrupt, Terminated)
+        if board is not None:
+            logger.warning("%s: ending task %r as cancelled", "terminated (SIGTERM)" if terminated else "interrupted",
+                           resolved.task_name)
+            try:
+                board.end_task("END", "cancelled")
+                _load_final_params(board, runner, codec)
+                if run_log is not None:
+                    runner.save(run_log.dir / "final.safetensors")
+            except Exception as e:  # a board that is away: the interrupt still ends this client
+                logger.warning("could not end the task as cancelled: %s", short(e))
+        if terminated:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     finally:
         if evaluator is not None:
             evaluator.stop()
@@ -207,11 +257,71 @@ def train_distribution(
             embedded.stop()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached a client (``timeout``, ``kill``, ``docker stop``, a closed notebook): it ends the task
+    as Ctrl-C does, then the process exits with 143."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the block runs in the main thread, SIGTERM raises :class:`Terminated` there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _attach(board: Board, task: dict[str, Any], overwrite: bool, attach: bool | None) -> Board | None:
+    """The board bound to a task of this name to watch instead of submitting one (see ``attach``), or None
+    to submit. Raises TaskExistsError / TaskNotFoundError / ValueError saying what to do."""
+    status = with_retry(board.get_status, "reading the task", max_wait=10)
+    if status is None:
+        if attach:
+            raise TaskNotFoundError(f"no task {board.task_name!r} on this Redis to attach to; drop attach=True to "
+                                    "submit one")
+        return None
+    if overwrite or attach is False or (status.status.finished and not attach):
+        return None  # create_task refuses a running one unless overwrite
+    differs = _config_differences(board.get_task_config(), task)
+    if differs:
+        if status.status.finished:  # attach=True
+            raise ValueError(f"the task {board.task_name!r} that ended ({status.status.value}) ran another config "
+                             f"({differs}): its params do not fit this runner; drop attach=True to submit a new one")
+        raise TaskExistsError(
+            f"task {board.task_name!r} is {status.status.value} with another config ({differs}); wait for it to "
+            "end, pick another task_name, or pass overwrite=True to replace it (its actors and trainer drop it "
+            "and serve the new one)"
+        )
+    logger.info("task %r is %s with this very config: attaching to it (overwrite=True would replace it)",
+                board.task_name, status.status.value)
+    return board.bound(status.task_id)
+
+
+def _config_differences(running: dict[str, Any], ours: dict[str, Any]) -> str:
+    """The top-level fields (and the algorithm's settings) in which two task configs differ, as text."""
+    names = []
+    for key in sorted(set(running) | set(ours)):
+        if running.get(key) == ours.get(key):
+            continue
+        mine, theirs = ours.get(key), running.get(key)
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            names += [f"{key}.{k}" for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        else:
+            names.append(key)
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
 def _check_arguments(redis_params: Any, queue_params: Any, **arguments: Any) -> None:
     """Every argument of ``train_distribution`` checked before anything is written or started: a wrong
     type or range says what was expected and what came (with its type: ``1000.0 (a float)``)."""
-    from srl.runner.distribution.queues import describe_queue
-
     if not isinstance(redis_params, RedisParameters):
         raise TypeError(f"redis_params must be RedisParameters(...), got {shown(redis_params)}")
     describe_queue(queue_params)  # a malformed URL or an unknown scheme fails here
@@ -265,13 +375,79 @@ def _check_seconds(name: str, value: Any, *, optional: bool) -> None:
         raise ValueError(f"{expected}, got {value}")
 
 
+QUEUE_CHECK_S = 10.0
+"""how long the client waits for an experience queue that does not answer before it gives up submitting"""
+
+
+def _check_queue(queue_params: Any, redis_params: RedisParameters) -> None:
+    """The experience queue answers and takes this client's credentials: checked before the task is written,
+    so a wrong password or an unreachable broker fails here, not on every node after submitting."""
+    deadline = time.monotonic() + QUEUE_CHECK_S
+    while True:
+        try:
+            with open_queue(queue_params, namespace=redis_params.task_name, role="producer",
+                            redis_params=redis_params):
+                return
+        except BrokerUnavailableError:  # CredentialsError is not one: it is raised at once
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
+class BoardCheckpoints:
+    """Keeps in ``log_dir`` the checkpoints the trainer puts on the board, wherever the trainer runs (a
+    notebook's disk vanishes with it): ``log_dir/checkpoints/<task>/ckpt-<train_count>.safetensors``, the
+    newest ``keep``. Each is checked like a resume (bounded, signed when a secret is set, weights that fit
+    this runner) before it is written."""
+
+    def __init__(self, board: Board, codec: Codec, runner: Runner, run_log: RunLog, keep: int,
+                 with_memory: bool) -> None:
+        self.board = board
+        self.runner = runner
+        self.directory = run_log.checkpoint_dir / board.task_name
+        self.keep = keep
+        self.max_bytes = checkpoint_message_bytes(runner.parameter.to_arrays(), with_memory)
+        self.codec = codec.with_max_bytes(self.max_bytes)
+        self.kept = -1  # train_count of the last one written (or refused)
+        self._look = Throttle(1.0)
+        self._complaint = Throttle()
+
+    def fetch(self, now: bool = False) -> Path | None:
+        """Write the board's checkpoint if it is newer than the last one kept (looked for once a second
+        unless ``now``); its path, or None."""
+        if not (now or self._look.ready()):
+            return None
+        try:
+            head = self.board.get_checkpoint_train_count()
+            if head is None or head == self.kept:
+                return None
+            found = self.board.get_checkpoint(self.max_bytes)
+            if found is None:
+                return None
+            train_count, blob = found
+            self.kept = train_count
+            envelope, arrays = self.codec.decode_params(blob)
+            meta = envelope.get("checkpoint")
+            if not isinstance(meta, dict):
+                raise DecodeError("the checkpoint message carries no checkpoint meta")
+            split_checkpoint(meta, arrays, self.runner.rl_config, "the trainer's checkpoint")
+            path = write_checkpoint(self.directory, train_count, arrays, meta, self.keep)
+        except (DecodeError, BoardError, ValueError, OSError) as e:  # a damaged or forged one: the next may do
+            self._complain(e)
+            return None
+        logger.info("kept the trainer's checkpoint of train_count %d: %s", train_count, path)
+        return path
+
+    def _complain(self, error: BaseException) -> None:
+        if self._complaint.ready():
+            logger.warning("the trainer's checkpoint on the board cannot be kept: %s", short(error))
+
+
 def _clear_leftover_experience(queue_params: Any, redis_params: RedisParameters) -> None:
     """A new task starts with an empty queue. A Redis stream left without its task record, a RabbitMQ
     queue, a Pub/Sub topic or an MQTT session outlives its task, and batches actors sent after an
     earlier task of this name ended would otherwise reach the new trainer (accepted when the schema
     matches: same columns, and without a secret nothing tells the tasks apart)."""
-    from srl.runner.distribution.queues import open_queue, queue_scheme
-
     scheme = queue_scheme(queue_params)
     # MQTT queues for the trainer's persistent session: ending that session (as its consumer) drops them
     role: Literal["producer", "consumer"] = "consumer" if scheme == "mqtt" else "producer"
@@ -333,7 +509,7 @@ def _read_resume(runner: Runner, path: str | os.PathLike[str]) -> tuple[dict[str
 
 
 def _resume_blob(codec: Codec, runner: Runner, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
-    bound = 8 * params_message_bytes(runner.parameter.to_arrays()) + (1 << 20)  # the trainer's bound too
+    bound = checkpoint_message_bytes(runner.parameter.to_arrays(), with_memory=True)  # the trainer's bound too
     envelope = {"epoch": 0, "version": runner.parameter.version, "train_count": runner.train_count,
                 "checkpoint": meta}
     return codec.with_max_bytes(bound).encode_params(arrays, envelope)
@@ -481,6 +657,8 @@ def _watch(
     procs: list[local_nodes.LocalNode],
     run_log: RunLog | None = None,
     evaluator: Evaluator | None = None,
+    hints: NodeHints | None = None,
+    checkpoints: BoardCheckpoints | None = None,
 ) -> TaskStatus:
     start = time.monotonic()
     next_line = start + (progress_interval or 0)
@@ -488,26 +666,68 @@ def _watch(
     next_row = start + log_every
     while True:
         status = with_retry(board.get_status, "watching the task")
-        if status is None:
-            raise TaskFailedError("the task vanished from the board (deleted, or Redis restarted without persistence)")
+        if status is None or status.task_id != board.task_id:
+            raise TaskFailedError(TASK_GONE if status is None else TASK_REPLACED)
         if status.status in ("END", "FAILED"):
             return status
         if procs and procs[0].poll() not in (None, 0):
             board.end_task("FAILED", f"the local trainer process exited with code {procs[0].returncode}")
             continue
         now = time.monotonic()
-        if timeout is not None and now - start > timeout + TIMEOUT_GRACE_S:
+        if timeout is not None and task_elapsed(board, status) > timeout + TIMEOUT_GRACE_S:
             # the trainer applies the timeout; with no trainer alive to do it, the client does
             board.end_task("END", f"timeout {timeout:g}s reached (ended by the client: no trainer ended it)")
             continue
         if progress_interval is not None and now >= next_line:
             next_line = now + progress_interval
-            for line in progress_lines(board, status, now - start, max_train_count, max_steps, timeout):
+            for line in progress_lines(board, status, task_elapsed(board, status), max_train_count, max_steps,
+                                       timeout, hints):
                 logger.info("%s", line)
         if now >= next_row:  # the history: on the board for dashboards, in log_dir when there is one
             next_row = now + log_every
             _record_history(board, run_log, evaluator)
+        if checkpoints is not None:
+            checkpoints.fetch()
         time.sleep(0.2)
+
+
+def task_elapsed(board: Board, status: TaskStatus) -> float:
+    """Seconds the task has run (since it became ACTIVE, or was created), by the Redis server's clock:
+    to its end once it ended."""
+    began = status.started_at or status.created_at
+    until = status.ended_at if status.status.finished and status.ended_at else board.server_time()
+    return max(0.0, until - began)
+
+
+@dataclass(frozen=True)
+class NodeHints:
+    """How to start a node that reaches this task, for the lines that say one is missing."""
+
+    board_args: str
+    queue_args: str = ""
+
+    @classmethod
+    def of(cls, redis_params: RedisParameters, queue_describe: str | None = None) -> NodeHints:
+        """From the board's parameters and the task's queue (its ``describe()``; None: the board's Redis)."""
+        if redis_params.url is not None:
+            board = f"--url {redis_params.describe()}"
+        else:
+            board = f"--host {redis_params.host or 'HOST'}"
+            if redis_params.port != 6379:
+                board += f" --port {redis_params.port}"
+            if redis_params.db:
+                board += f" --db {redis_params.db}"
+        if redis_params.task_name != "srl":
+            board += f" --task-name {redis_params.task_name}"
+        if redis_params.password is not None or redis_params.password_file is not None:
+            board += " --password-file FILE"
+        queue = ""
+        if queue_describe and "://" in queue_describe:
+            queue = f" --queue-url {queue_describe}"
+        return cls(board, queue)
+
+    def command(self, role: str) -> str:
+        return f"srl {role} {self.board_args}{self.queue_args}"
 
 
 def _record_history(board: Board, run_log: RunLog | None, evaluator: Evaluator | None) -> None:
@@ -526,70 +746,102 @@ def progress_lines(
     max_train_count: int | None = None,
     max_steps: int | None = None,
     timeout: float | None = None,
+    hints: NodeHints | None = None,
 ) -> list[str]:
-    """The client's (and ``srl status``') view of a task: one line for the task, one per node."""
+    """The client's (and ``srl status``') view of a task: one line for the task, one per node. A node
+    missing from a running task is said so with how to start one, or with why the nodes that tried
+    refuse the task; an ended task's nodes are not asked for."""
     stats = board.get_all_stats()
     counters = board.get_counters()
     task_config = board.get_task_config()
     actor_num = int(task_config.get("actor_num", 1))
+    ended = status.status.finished
     trainer = stats.get("trainer", {})
     train_count = int(trainer.get("train_count", 0) or 0)
     env_steps = int(counters.get("env_steps", 0))
     etas = [eta(train_count, max_train_count, elapsed), eta(env_steps, max_steps, elapsed),
             None if timeout is None else timeout - elapsed]
     known = [e for e in etas if e is not None]
-    sent, received = counters.get("sent_batches", 0), counters.get("received_batches", 0)
+    # actors report what they sent at their heartbeats, the trainer what it received as it comes: a batch
+    # received was sent, whatever the counts say yet
+    received, refused = counters.get("received_batches", 0), counters.get("bad_messages", 0)
+    sent = max(counters.get("sent_batches", 0), received)
     stale = counters.get("stale_rows", 0)
+    when = f"ended after {format_seconds(elapsed)}" if ended else (
+        f"{format_seconds(elapsed)} elapsed, ETA {format_seconds(min(known) if known else None)}")
     lines = [
-        f"task {status.status.value} {format_seconds(elapsed)} elapsed, "
-        f"ETA {format_seconds(min(known) if known else None)}"
+        f"task {status.status.value} {when}"
         f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
         f" | batches sent {sent:.0f} received {received:.0f} (in flight ~{max(0.0, sent - received):.0f})"
-        f" | bad {counters.get('bad_messages', 0):.0f}" + (f" | stale rows refused {stale:.0f}" if stale else "")
+        f" | bad {refused:.0f}" + (f" | stale rows refused {stale:.0f}" if stale else "")
         + (f" | eval {_g(evaluation.get('eval_mean'))} at train {_g(evaluation.get('train_count'))}"
            if (evaluation := stats.get("evaluator")) else "")
     ]
+    hints = hints or NodeHints("--host HOST")
+    refusals = {"trainer": [], "actor": []} if ended else _refusals_by_role(board)
+
+    def missing(role: str, key: str, label: str) -> str:
+        if ended:
+            return f"  {label}: none (the task has ended)"
+        waited = f"MISSING for {format_seconds(_missing_for(stats, key, elapsed))}"
+        if refusals[role]:
+            refusal = refusals[role].pop(0)
+            return f"  {label}: {waited} — {refusal.uid} refuses the task: {refusal.reason}"
+        return f"  {label}: {waited} — start one: {hints.command(role)} (or {role}_run_forever(...))"
+
     holder, _ = board.lease_holder("trainer")
     latest_version = int(trainer.get("params_version", 0) or 0)
-    if holder is None:
-        lines.append(f"  trainer: MISSING for {format_seconds(_missing_for(stats, 'trainer', elapsed))} — "
-                     "start one: srl trainer --host HOST (or trainer_run_forever(...))")
+    if holder is None and not (ended and trainer):
+        lines.append(missing("trainer", "trainer", "trainer"))
     else:
         lag = ""
         if "lag_steps_p50" in trainer or "lag_p50" in trainer:
             lag = (f", policy lag {_g(trainer.get('lag_steps_p50'))}/{_g(trainer.get('lag_steps_p95'))} train steps "
                    f"(p50/p95; {_g(trainer.get('lag_p50'))}/{_g(trainer.get('lag_p95'))} versions)")
         waiting = f" — WAITING for segments from actor slot(s) {trainer['waiting_for']}" \
-            if trainer.get("waiting_for") else ""
+            if trainer.get("waiting_for") and not ended else ""
         lines.append(
-            f"  trainer {holder} (epoch {trainer.get('epoch', '?')}, {trainer.get('device', '?')}): "
-            f"{trainer.get('train_per_s', 0)} train/s, buffer {trainer.get('memory', 0)}, "
+            f"  trainer {holder or trainer.get('uid', '?')} (epoch {trainer.get('epoch', '?')}, "
+            f"{trainer.get('device', '?')}): {trainer.get('train_per_s', 0)} train/s, "
+            f"buffer {trainer.get('memory', 0)}, "
             f"ingest {trainer.get('received_per_s', 0)} rows/s, loss {trainer.get('loss', '-')}, "
             f"params v{trainer.get('params_version', 0)}{lag}{waiting}"
         )
     for i in range(actor_num):
         holder, _ = board.lease_holder(f"actor:{i}")
         s = stats.get(f"actor:{i}", {})
-        if holder is None:
-            lines.append(f"  actor {i}: MISSING for {format_seconds(_missing_for(stats, f'actor:{i}', elapsed))} — "
-                         "start one: srl actor --host HOST (or actor_run_forever(...))")
+        if holder is None and not (ended and s):
+            lines.append(missing("actor", f"actor:{i}", f"actor {i}"))
             continue
         versions_behind = max(0, latest_version - int(s.get("params_version", 0) or 0))
         stalled_now = float(s.get("stalled_now_s", 0) or 0)
-        waiting = f" — WAITING on a full queue for {format_seconds(stalled_now)}" if stalled_now >= 1 else ""
+        waiting = f" — WAITING on a full queue for {format_seconds(stalled_now)}" if stalled_now >= 1 and not ended \
+            else ""
         sync = f", sync-waited {s.get('sync_wait_s')}s" if s.get("sync_wait_s") else ""
         lines.append(
-            f"  actor {i} {holder}: {s.get('env_steps_per_s', 0)} steps/s ({s.get('envs', 1)} env(s)), "
-            f"{s.get('episodes', 0)} episodes, reward {s.get('reward') or '-'}, params v{s.get('params_version', '?')} "
-            f"({versions_behind} behind), stalled {s.get('backpressure_wait_s', 0)}s, "
+            f"  actor {i} {holder or s.get('uid', '?')}: {s.get('env_steps_per_s', 0)} steps/s ({s.get('envs', 1)} "
+            f"env(s)), {s.get('episodes', 0)} episodes, reward {s.get('reward') or '-'}, params "
+            f"v{s.get('params_version', '?')} ({versions_behind} behind), stalled {s.get('backpressure_wait_s', 0)}s, "
             f"rate-limited {s.get('rate_limited_s', 0)}s{sync}{waiting}"
         )
     return lines
 
 
-def summary_lines(board: Board, status: TaskStatus, elapsed: float) -> list[str]:
-    """The end of a run in a few lines: totals and rates over the whole run, then each node as it last
-    reported (its id, what it did), so even a run shorter than one progress interval says who did what."""
+REFUSAL_SHOWN_S = 30.0
+"""a node's refusal of the task is shown while it is this fresh (nodes renew theirs while they refuse)"""
+
+
+def _refusals_by_role(board: Board) -> dict[str, list[Refusal]]:
+    found: dict[str, list[Refusal]] = {"trainer": [], "actor": []}
+    for refusal in board.get_refusals(max_age_s=REFUSAL_SHOWN_S):
+        found.setdefault(refusal.role, []).append(refusal)
+    return found
+
+
+def summary_lines(board: Board, status: TaskStatus, elapsed: float, queued: int | None = None) -> list[str]:
+    """The end of a run in a few lines: totals and rates over the whole run, the batches accounted for
+    (sent = received + refused + still queued), then each node as it last reported (its id, what it
+    did), so even a run shorter than one progress interval says who did what."""
     stats = board.get_all_stats()
     counters = board.get_counters()
     trainer = stats.get("trainer", {})
@@ -600,9 +852,9 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float) -> list[str]
     lines = [
         f"run {status.status.value} after {format_seconds(elapsed)} ({status.end_reason or 'no reason given'}): "
         f"train {train_count} ({train_count * per_s:.0f}/s), env steps {env_steps} ({env_steps * per_s:.0f}/s), "
-        f"episodes {counters.get('episodes', 0):.0f}, batches sent {counters.get('sent_batches', 0):.0f} "
-        f"received {counters.get('received_batches', 0):.0f}, bad {counters.get('bad_messages', 0):.0f}, "
-        f"duplicates {counters.get('duplicates', 0):.0f}, stale rows refused {counters.get('stale_rows', 0):.0f}"
+        f"episodes {counters.get('episodes', 0):.0f}, duplicates {counters.get('duplicates', 0):.0f}, "
+        f"stale rows refused {counters.get('stale_rows', 0):.0f}",
+        "  " + batch_accounts(counters, queued),
     ]
     if trainer:
         lag = (f", policy lag p50 {_g(trainer.get('lag_steps_p50'))} train steps"
@@ -623,6 +875,42 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float) -> list[str]
     if not actors:
         lines.append("  actors: none reported")
     return lines
+
+
+def batch_accounts(counters: dict[str, float], queued: int | None) -> str:
+    """Where every batch the actors sent went: ``sent = received + refused + still queued``, or what does not
+    add up, named. ``queued``: the queue's depth when the broker tells it (None: it cannot, and the rest
+    is what the queue still holds or had in flight)."""
+    sent = int(counters.get("sent_batches", 0))
+    received = int(counters.get("received_batches", 0))
+    refused = int(counters.get("bad_messages", 0))
+    if queued is None:
+        rest = sent - received - refused
+        if rest >= 0:
+            return (f"batches: sent {sent} = received {received} + refused {refused} + {rest} still queued or in "
+                    "flight (this broker does not tell its queue's depth)")
+        return (f"batches: sent {sent}, received {received} + refused {refused}: {-rest} more arrived than the "
+                "actors counted as sent (an actor stopped before reporting its last sends)")
+    missing = sent - received - refused - queued
+    text = f"batches: sent {sent} = received {received} + refused {refused} + still queued {queued}"
+    if missing == 0:
+        return text + ": all accounted for"
+    if missing > 0:
+        return (f"batches: sent {sent}, received {received} + refused {refused} + still queued {queued}: "
+                f"{missing} NOT ACCOUNTED FOR")
+    return (f"batches: sent {sent}, received {received} + refused {refused} + still queued {queued}: {-missing} "
+            "more than the actors counted as sent (an actor stopped before reporting its last sends)")
+
+
+def _queue_depth(queue_params: Any, redis_params: RedisParameters) -> int | None:
+    """Batches left in the task's queue, where the broker can tell (None where it cannot, or is away)."""
+    try:
+        with open_queue(queue_params, namespace=redis_params.task_name, role="producer",
+                        redis_params=redis_params) as queue:
+            return queue.depth()
+    except Exception as e:  # the summary goes on without it
+        logger.debug("could not read the queue's depth: %s", e)
+        return None
 
 
 def _g(value: Any) -> str:

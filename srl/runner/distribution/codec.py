@@ -211,6 +211,17 @@ def params_message_bytes(arrays: Mapping[str, np.ndarray]) -> int:
     return sum(int(a.nbytes) for a in arrays.values()) + PARAMS_HEADER_MARGIN
 
 
+MAX_CHECKPOINT_MEMORY_BYTES = 256 * 1024 * 1024
+"""most bytes of replay memory a checkpoint on the board carries (a larger memory stays out of it)"""
+
+
+def checkpoint_message_bytes(weights: Mapping[str, np.ndarray], with_memory: bool = False) -> int:
+    """An upper bound on the size of a PARAMS message carrying a checkpoint of a network with ``weights``:
+    the weights, a target net, two optimizer moments and meta (eight times the weights, and 1 MiB), and with
+    ``with_memory`` the replay memory's rows (at most ``MAX_CHECKPOINT_MEMORY_BYTES``)."""
+    return 8 * params_message_bytes(weights) + (1 << 20) + (MAX_CHECKPOINT_MEMORY_BYTES if with_memory else 0)
+
+
 def split_columns(
     columns: Mapping[str, np.ndarray], priorities: np.ndarray | None, max_rows: int
 ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
@@ -701,5 +712,5 @@ class Codec:
         if not hmac.compare_digest(self.config_signature(config_json), signature):
             raise DecodeError(
                 "task config signature does not match: it was changed on the board after the client "
-                "signed it, or signed with another secret"
+                f"signed it, or signed with another secret: is {SECRET_ENV} the same everywhere?"
             )

@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board import Board, BoardError
 from srl.runner.distribution.codec import short
+from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.options import NodeOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
@@ -44,6 +45,11 @@ from srl.runner.distribution.task import (
 )
 
 logger = logging.getLogger("srl.node")
+
+_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
+
+REFUSAL_NOTE_INTERVAL_S = 10.0
+"""while a node refuses a task, how often it renews its note on the board (the client shows recent ones)"""
 
 OptionsT = TypeVar("OptionsT")
 
@@ -171,25 +177,47 @@ def serve(
     where: str,
     options: NodeOptions,
     queue_params: Any,
-    claim: Callable[[TaskSpec], int | None],
+    claim: Callable[[Board, TaskSpec], int | None],
     lease_name: Callable[[int], str],
-    standby_note: Callable[[TaskSpec], str],
-    build_run: Callable[[TaskSpec, int], Run],
+    standby_note: Callable[[Board, TaskSpec], str],
+    build_run: Callable[[Board, TaskSpec, int], Run],
 ) -> None:
-    """Wait for an ACTIVE task, claim a lease with ``claim``, build and run, repeat (or return once)."""
+    """Wait for an ACTIVE task, claim a lease with ``claim``, build and run, repeat (or return once).
+
+    ``claim``, ``standby_note`` and ``build_run`` get the board bound to the task they serve (its id):
+    a run whose task was replaced by another of the same name stops, and the next loop builds the new one.
+    Refused credentials (a password, a permission) end the node with :class:`CredentialsError`; the task
+    stays for nodes that can serve it."""
     note = _Notes()
     codec = options.codec(board.task_name)
     allow_modules = allowed_env_modules(options.allow_env_modules)
-    refused = ""  # the config last refused (one event for it, not one per poll)
+    refused = ""  # the task and reason last refused (one event for them, not one per poll)
+    refusal_note = Throttle(REFUSAL_NOTE_INTERVAL_S)
     uid = options.uid
 
-    def fail(reason: str, config_json: str) -> None:
+    def fail(task_board: Board, reason: str) -> None:
         logger.error("%s", reason)
-        # only the task whose config this was: a client may have replaced it meanwhile
-        if not with_retry(lambda: board.end_task("FAILED", reason, config=config_json), "ending the task FAILED"):
+        # only the task this was (the bound board): a client may have replaced it meanwhile
+        if not with_retry(lambda: task_board.end_task("FAILED", reason), "ending the task FAILED"):
             return
         with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-            board.log_event(f"task FAILED: {reason}", level="ERROR", source=uid)
+            task_board.log_event(f"task FAILED: {reason}", level="ERROR", source=uid)
+
+    def refuse(task_board: Board, reason: str) -> None:
+        """Say on the board that this node refuses the task and why: the client shows it."""
+        nonlocal refused
+        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            if f"{task_board.task_id} {reason}" != refused:
+                refused = f"{task_board.task_id} {reason}"
+                task_board.log_event(f"{role} {uid} refuses the task: {reason}", level="ERROR", source=uid)
+                refusal_note.ready()
+            elif not refusal_note.ready():
+                return
+            task_board.note_refusal(uid, role, reason)
+
+    def release(task_board: Board, claimed: int) -> None:
+        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            task_board.release_lease(lease_name(claimed), uid)  # free it now, not when it expires
 
     while True:
         try:
@@ -204,21 +232,19 @@ def serve(
             time.sleep(options.task_poll_interval)
             continue
         try:
-            config_json, signature = with_retry(board.get_task_config_raw, "reading the task config")
-            task = build_task(config_json, signature, codec, allow_modules)
+            record = with_retry(board.get_task_record, "reading the task config")
+            task_board = board.bound(record.task_id)
+            task = build_task(record.config_json, record.signature, codec, allow_modules)
             check_queue_matches(task, queue_params, role)
         except (TaskTrustError, QueueMismatchError) as e:
             # not the client's config, not our secret, or not the queue this node was given: whether the
             # task or this node is wrong, running it would do harm: refuse, say so, wait for a good one
             note(f"refused: {e}", "%s %s refuses the task on %s: %s", role, uid, where, e, level=logging.ERROR)
-            if config_json != refused:
-                refused = config_json
-                with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                    board.log_event(f"{role} {uid} refuses the task: {e}", level="ERROR", source=uid)
+            refuse(task_board, str(e))
             time.sleep(options.task_poll_interval)
             continue
         except TaskConfigError as e:  # unknown algorithm, bad field: no node could run it
-            fail(f"{role} {uid} cannot build the task: {e}", config_json)
+            fail(task_board, f"{role} {uid} cannot build the task: {e}")
             if options.run_once:
                 return
             continue
@@ -227,52 +253,72 @@ def serve(
             time.sleep(options.task_poll_interval)
             continue
         try:
-            claimed = with_retry(lambda: claim(task), f"claiming a {role} lease")  # noqa: B023 - called at once
+            claimed = with_retry(lambda: claim(task_board, task), f"claiming a {role} lease")  # noqa: B023
         except BaseException:  # stopped mid-claim: the board may have granted a lease this node never learned of
             with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                board.release_leases_of(uid, task.actor_num)
+                task_board.release_leases_of(uid, task.actor_num)
             raise
         if claimed is None:
-            note("standby", "%s", standby_note(task))
+            note("standby", "%s", standby_note(task_board, task))
             time.sleep(min(options.task_poll_interval, options.lease_ttl / 4))
             continue
         try:
             note.reset()
+            refused = ""
             with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
-            with lease_kept(board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval,
+                task_board.clear_refusal(uid)
+                task_board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
+            with lease_kept(task_board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval,
                             options.max_start_s):
-                run = build_run(task, claimed)
+                run = build_run(task_board, task, claimed)
+        except CredentialsError as e:  # the queue refused this node: the task is fine, this node is not
+            release(task_board, claimed)
+            refuse(task_board, f"cannot log in to the experience queue: {e}")
+            raise
         except Exception as e:  # an env, network, memory or device this task cannot have here
-            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                board.release_lease(lease_name(claimed), uid)
+            release(task_board, claimed)
             logger.debug("building the run failed", exc_info=True)
-            fail(f"{role} {uid} cannot build the task: {type(e).__name__}: {short(e, 400)}", config_json)
+            fail(task_board, f"{role} {uid} cannot build the task: {type(e).__name__}: {short(e, 400)}")
             if options.run_once:
                 return
             continue
         except BaseException:
-            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                board.release_lease(lease_name(claimed), uid)  # free it now, not when it expires
+            release(task_board, claimed)
             raise
         try:
             reason = run.run()
+        except CredentialsError as e:  # a password changed or a permission revoked mid-run
+            release(task_board, claimed)
+            refuse(task_board, str(e))
+            raise
         except Exception as e:  # a bug: say so loudly, end the task, stop this process
             logger.exception("%s %s crashed", role, uid)
             message = f"{role} {uid} crashed: {type(e).__name__}: {short(e, 400)}"
-            fail(message, config_json)
+            fail(task_board, message)
             raise NodeCrashedError(message) from e
         except BaseException:  # Ctrl-C, also before the run's own end-of-run release (a trainer restoring)
-            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-                board.release_lease(lease_name(claimed), uid)
+            release(task_board, claimed)
             raise
         logger.info("%s %s stopped: %s (%s)", role, uid, reason, run.summary())
         with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
-            board.log_event(f"{role} {uid} stopped: {reason} ({run.summary()})", source=uid)
+            task_board.log_event(f"{role} {uid} stopped: {reason} ({run.summary()})", source=uid)
         if options.run_once and _task_over(board):
             return
-        # run_once still serves the same task after losing a lease (a pause longer than the TTL)
+        # run_once still serves the same task after losing a lease (a pause longer than the TTL), and the
+        # task that replaced it
         time.sleep(options.task_poll_interval)
+
+
+def remove_orphans(board: Board) -> None:
+    """After a run whose task vanished from the board: remove what it (and its queue, where that lives in
+    the board's Redis) wrote back under the task's prefix as it stopped, unless a new task took the name."""
+    try:
+        removed = board.delete_orphans()
+    except _BOARD_AWAY as e:
+        logger.warning("could not remove the keys left of the vanished task %r: %s", board.task_name, short(e))
+        return
+    if removed:
+        logger.info("removed %d key(s) written back under the vanished task %r", removed, board.task_name)
 
 
 def _task_over(board: Board) -> bool:

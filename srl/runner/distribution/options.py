@@ -85,18 +85,17 @@ class TrainerOptions(NodeOptions):
     ingest_max_messages: int = 16
     """batches fetched from the queue per round trip (with the task's message size, this bounds
     the bytes one read may bring; a broker that pushes may hold twice as many unacked)"""
-    count_interval: float = 0.05
-    """for queues whose depth actors read from the trainer's counts on the board (MQTT, Pub/Sub): while
-    batches keep coming, the counts are written when this many seconds have passed since the last
-    write or half the queue's capacity was received, and at once whenever the queue runs dry, instead
-    of after every read. Until then actors see the queue a little fuller than it is: they never send
-    past its capacity"""
     max_buffer_bytes: int = 0
     """largest buffer (replay memory) this trainer allocates for a task (0: 75% of this machine's
     memory); a task asking for more ends FAILED with the reason"""
+    train_ahead: float = 2.0
+    """an off-policy trainer makes at most this many times the train steps its data path's replay ratio
+    gives the rows it received (then waits for new rows): a queue or board that stops delivering, or actors
+    that are gone, do not make it replay the same memory without end"""
     checkpoint_dir: str = ""
     """write checkpoints (weights, optimizer state, counters; safetensors) of each task under
-    CHECKPOINT_DIR/TASK_NAME/ every checkpoint_interval seconds and when the task ends ('': none)"""
+    CHECKPOINT_DIR/TASK_NAME/ every checkpoint_interval seconds and when the task ends ('': none); a client
+    with a log_dir receives them through the board whatever this is"""
     checkpoint_interval: float = 600.0
     """seconds between periodic checkpoints"""
     keep_checkpoints: int = 5

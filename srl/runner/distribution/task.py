@@ -24,6 +24,11 @@ from srl.runner.distribution.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, 
 
 MAX_QUEUE_CAPACITY = 1_000_000
 """most batches a task may allow in its queue"""
+TASK_GONE = ("the task is gone from the board: deleted, or Redis restarted without persistence (run it with "
+             "appendonly yes for long tasks)")
+"""why a node stops when its task vanished"""
+TASK_REPLACED = "the task was replaced by a new task of the same name (a client submitted with overwrite=True)"
+"""why a node stops when another task took its task's name"""
 
 
 class TaskConfigError(ValueError):
@@ -46,6 +51,10 @@ class TaskSpec:
     timeout: float | None
     queue: dict[str, Any]
     """scheme and description of the experience queue the client chose, and its capacity"""
+    checkpoint_interval: float | None = None
+    """seconds between the checkpoints the trainer keeps on the board for the client (None: none)"""
+    checkpoint_memory: bool = False
+    """those checkpoints carry the replay memory too (when it fits)"""
 
     @property
     def queue_capacity(self) -> int:
@@ -118,6 +127,9 @@ def build_task(
         for key in ("scheme", "describe"):
             if key in queue and not (isinstance(queue[key], str) and len(queue[key]) <= 300):
                 raise TaskConfigError(f"task field 'queue.{key}' must be short text")
+        checkpoints = data.get("checkpoints") or {}
+        if not isinstance(checkpoints, dict) or not isinstance(checkpoints.get("memory", False), bool):
+            raise TaskConfigError("task field 'checkpoints' must be an object {interval: seconds, memory: bool}")
         return TaskSpec(
             rl_config=rl_config,
             env_config=env_config,
@@ -126,6 +138,8 @@ def build_task(
             max_steps=_bounded(data, "max_steps", int, 2**62),
             timeout=_bounded(data, "timeout", float, 1e9),
             queue=queue,
+            checkpoint_interval=_bounded(checkpoints, "interval", float, 1e9),
+            checkpoint_memory=checkpoints.get("memory", False),
         )
     except KeyError as e:
         raise TaskConfigError(

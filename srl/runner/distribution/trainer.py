@@ -54,28 +54,39 @@ from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
 from srl.runner.distribution.board import Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import (
+    MAX_CHECKPOINT_MEMORY_BYTES,
     BatchFrame,
     DecodeError,
     batch_message_bytes,
+    checkpoint_message_bytes,
     join_frames,
     params_message_bytes,
     short,
 )
+from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.node import (
     CounterDeltas,
     apply_overrides,
     lease_kept,
+    remove_orphans,
     require_remote,
     serve,
 )
 from srl.runner.distribution.options import TrainerOptions
-from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, open_queue
+from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, describe_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
-from srl.runner.distribution.task import StopFlag, TaskConfigError, TaskSpec, max_message_rows
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.task import (
+    TASK_GONE,
+    TASK_REPLACED,
+    StopFlag,
+    TaskConfigError,
+    TaskSpec,
+    max_message_rows,
+)
 from srl.runner.progress import ensure_logging
 from srl.runner.run_log import write_checkpoint
-from srl.runner.runner import build_checkpoint, seed_everything, split_checkpoint, task_config
+from srl.runner.runner import build_checkpoint, checkpoint_memory, seed_everything, split_checkpoint, task_config
 
 Opened = tuple[Message, BatchFrame]
 """a batch message taken from the queue, and its checked frame (arrays not made yet)"""
@@ -85,10 +96,14 @@ Block = tuple[list[Opened], Columns, "np.ndarray | None"]
 logger = logging.getLogger("srl.trainer")
 
 _BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
+_BOARD_AWAY_OR_TOO_BIG: tuple[type[BaseException], ...] = (*_BOARD_AWAY, ValueError)  # ValueError: over a bound
 _WAIT_OUT: tuple[type[BaseException], ...] = (*_BOARD_AWAY, QueueError)
 
 MAX_INITIAL_PRIORITY = 1e6
 """initial priorities from actors are clipped here (one huge value would starve every other row)"""
+LEDGER_READS = 3
+"""reads whose batches a trainer names in its ledger: the one it counts, and the two before, whose acks
+may still be on their way to the broker (Redis sends an ack with the next read; AMQP does not wait)"""
 
 
 def machine_memory_bytes() -> int:
@@ -247,10 +262,12 @@ class TrainerRun:
         self.seen = SeenBatches()
         self.lag = PolicyLag()
         self.counters = CounterDeltas()
-        self._uncounted = 0  # batches received over a queue without depth, not yet counted on the board
-        self._counted_at = -math.inf
-        # actors stop at queue_capacity batches in flight: counting every half of it keeps them going
-        self._count_every = max(1, task.queue_capacity // 2)
+        # the (actor, seq) of the batches of the last reads, counted on the board before their acks: a
+        # trainer that takes over after this one dies counts their redeliveries as duplicates
+        self._ledger: deque[list[tuple[str, int]]] = deque(maxlen=LEDGER_READS)
+        self._rows_base = 0  # rows this run started with in its buffer (a checkpoint's memory)
+        self._memory_log = Throttle(3600.0)
+        self._train_base = 0  # train_count when this run began
         self.received_batches = 0
         self.received_transitions = 0
         self.bad_messages = 0
@@ -267,6 +284,8 @@ class TrainerRun:
         self._last_rates = (0.0, 0.0)  # train steps/s, rows received/s at the last heartbeat
         self.task_started_at: float | None = None
         self.fatal: str | None = None
+        self.refused_by: CredentialsError | None = None  # the queue refused this trainer's login
+        self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
         # publishing: the main thread hands blobs over, the board thread writes them
@@ -324,13 +343,33 @@ class TrainerRun:
         logger.info("trainer at epoch %d restored the params of epoch %d version %d: train_count continues from %d",
                     self.epoch, record.epoch, record.version, record.train_count)
 
+    def _skip_counted_redeliveries(self) -> None:
+        """Batches that trainers before this one counted, and may not have acked before they died, come
+        again: mark them seen, so they count as duplicates here, not as received twice."""
+        try:
+            ledgers = with_retry(self.board.get_ledgers, "reading the trainers' ledgers")
+        except BoardError as e:
+            logger.warning("the trainers' ledgers cannot be read (%s): batches a dead trainer counted may be "
+                           "counted again", short(e))
+            return
+        marked = 0
+        for uid, taken in ledgers.items():
+            if uid == self.options.uid:
+                continue
+            for actor_id, seq in taken:
+                self.seen.mark(actor_id, seq)
+                marked += 1
+        if marked:
+            logger.info("%d batch(es) an earlier trainer counted are taken as duplicates if they come again",
+                        marked)
+
     def _resume(self) -> bool:
         """A new task (no params yet): start from the checkpoint the client put on the board, if any.
         Treated as hostile: bounded, signed when a secret is set, every array checked against this
         network and optimizer; one that does not fit is a TaskConfigError (the task ends FAILED)."""
         if with_retry(self.board.get_params_version, "reading the params version") is not None:
             return False  # a takeover: restore() continues from the board's params
-        bound = 8 * self.max_params_bytes + (1 << 20)  # weights, a target net, two optimizer moments, meta
+        bound = checkpoint_message_bytes(self.parameter.to_arrays(), with_memory=True)
         try:
             blob = with_retry(lambda: self.board.get_resume(bound), "reading the checkpoint to resume from")
         except BoardError as e:
@@ -349,6 +388,15 @@ class TrainerRun:
                 self.trainer.load_state_arrays(*state)
         except (DecodeError, ValueError, KeyError, TypeError) as e:
             raise TaskConfigError(f"the checkpoint to resume from does not fit this task: {short(e)}") from None
+        memory = checkpoint_memory(checkpoint, arrays)
+        if memory is not None:
+            try:
+                self.buffer.load_state_arrays(*memory)
+                self._rows_base = len(self.buffer)
+                logger.info("the checkpoint's replay memory is back: %d rows", len(self.buffer))
+            except (ValueError, TypeError) as e:  # another capacity or columns: the run refills it
+                logger.warning("the checkpoint's replay memory does not fit this task (%s); starting with an "
+                               "empty one", short(e))
         self.trainer.train_count = int(checkpoint["train_count"])
         self.version = self._published_version = self.parameter.version = int(checkpoint["version"])
         self.lag.published(self.version, self.trainer.train_count)
@@ -358,22 +406,54 @@ class TrainerRun:
         return True
 
     # ------------------------------------------------------------ checkpoints
-    def checkpoint(self) -> Path | None:
-        """Write a checkpoint under ``checkpoint_dir/<task>/`` (None when no directory is set)."""
-        opts = self.options
-        if not opts.checkpoint_dir:
+    def checkpoint(self, *, local: bool = True, on_board: bool = True) -> Path | None:
+        """Keep a checkpoint: under ``checkpoint_dir/<task>/`` when a directory is set (``local``), and on the
+        board when the task asks for one (``on_board``: a client with a log_dir keeps it there, wherever this
+        trainer runs). The local file's path, or None. Neither a full disk nor a board that is away stops
+        training."""
+        opts, task = self.options, self.task
+        to_dir = local and bool(opts.checkpoint_dir)
+        to_board = on_board and task.checkpoint_interval is not None
+        if not (to_dir or to_board):
             return None
-        task = self.task
+        memory = self._memory_state() if to_board and task.checkpoint_memory else None
         arrays, meta = build_checkpoint(self.parameter, self.trainer, task_config(task.rl_config, task.env_config),
-                                        self.trainer.train_count, self.env_steps_total, 0)
-        directory = Path(opts.checkpoint_dir) / self.board.task_name
-        try:
-            path = write_checkpoint(directory, self.trainer.train_count, arrays, meta, opts.keep_checkpoints)
-        except OSError as e:  # a full disk must not stop training
-            logger.error("could not write a checkpoint in %s: %s", directory, e)
-            return None
-        logger.info("checkpoint %s (train_count %d)", path, self.trainer.train_count)
+                                        self.trainer.train_count, self.env_steps_total, 0, memory=memory)
+        path = None
+        if to_dir:
+            directory = Path(opts.checkpoint_dir) / self.board.task_name
+            try:
+                path = write_checkpoint(directory, self.trainer.train_count, arrays, meta, opts.keep_checkpoints)
+                logger.info("checkpoint %s (train_count %d)", path, self.trainer.train_count)
+            except OSError as e:  # a full disk must not stop training
+                logger.error("could not write a checkpoint in %s: %s", directory, e)
+        if to_board:
+            self._checkpoint_on_board(arrays, meta, memory is not None)
         return path
+
+    def _memory_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+        """The replay memory for a checkpoint on the board, when it keeps one and it fits the board's bound."""
+        state = self.buffer.state_arrays()
+        if state is None:
+            return None
+        size = sum(int(a.nbytes) for a in state[0].values())
+        if size > MAX_CHECKPOINT_MEMORY_BYTES:
+            if self._memory_log.ready():
+                logger.warning("the replay memory (%.0f MiB) is over the %d MiB a checkpoint on the board carries: "
+                               "checkpoints go without it", size / 2**20, MAX_CHECKPOINT_MEMORY_BYTES >> 20)
+            return None
+        return state
+
+    def _checkpoint_on_board(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], with_memory: bool) -> None:
+        codec = self.codec.with_max_bytes(checkpoint_message_bytes(self.parameter.to_arrays(), with_memory))
+        try:
+            blob = codec.encode_params(arrays, {"epoch": self.epoch, "version": self.version,
+                                                "train_count": self.trainer.train_count, "checkpoint": meta})
+            if self.board.put_checkpoint(self.options.uid, self.epoch, self.trainer.train_count, blob):
+                logger.info("checkpoint on the board (train_count %d, %.1f MiB)", self.trainer.train_count,
+                            len(blob) / 2**20)
+        except _BOARD_AWAY_OR_TOO_BIG as e:
+            logger.error("could not put a checkpoint on the board: %s", short(e))
 
     # ------------------------------------------------------------ ingest thread
     def open_consumer(self) -> ExperienceQueue:
@@ -383,47 +463,48 @@ class TrainerRun:
                           max_read_bytes=self.codec.max_bytes, prefetch=self.options.prefetch)
 
     def ingest_once(self, queue: ExperienceQueue) -> int:
-        """One step of the ingest path: read what the buffer has room for, decode, validate, insert, then
-        ack; the number of messages read (0 when none came within the read timeout or there is no room)."""
+        """One step of the ingest path: read what the buffer has room for, decode, validate, insert, count
+        on the board, then ack; the number of messages read (0 when none came within the read timeout or
+        there is no room)."""
         room = self.buffer.room()
         count = self.options.ingest_max_messages
         if room is not None:  # a full buffer is not read into: the queue fills, actors wait
             count = min(count, room // self.max_message_rows)
             if count < 1:
                 queue.send_acks()  # the next read may be a while: actors see the room they made
-                self._count_on_board(now=True)
                 self.stop.wait(0.005)
                 return 0
-        # with counts not yet on the board, wait as little as the backend can (MQTT only looks; a Pub/Sub
-        # pull waits 0.1 s at least): a dry queue gets them written before the long wait
-        messages = queue.get_many(count, timeout=0.0 if self._uncounted else 0.2)
+        messages = queue.get_many(count, timeout=0.2)
         if not messages:
-            self._count_on_board(now=True)
             return 0
-        counts = self._ingest(messages)
-        queue.ack_many(messages)  # after every message is in the buffer (or refused)
+        counts, taken = self._ingest(messages)
+        self._count(counts, taken)
+        queue.ack_many(messages)  # after every message is in the buffer (or refused) and counted
         self.data_arrived.set()
-        self.counters.add(**counts)
-        if not queue.reports_depth:  # actors read the queue's depth from these counts
-            self._uncounted += len(messages)
-            self._count_on_board(now=self._uncounted >= self._count_every)
         return len(messages)
 
-    def _count_on_board(self, *, now: bool) -> None:
-        """Write what was received to the board, if the queue's depth is read from it: ``now`` (the
-        queue is dry, the buffer is full, or half the queue's capacity was taken since the last write,
-        so actors held back by it see room), or once ``count_interval`` has passed since the last write
-        (the heartbeat writes them too). A write per read costs a board round trip per message where
-        messages come one at a time and the queue never runs dry."""
-        if not self._uncounted:
-            return
-        if not now and time.monotonic() - self._counted_at < self.options.count_interval:
-            return
-        with self.counters.taken() as deltas:
-            with_retry(lambda: self.board.incr_counters("trainer", **deltas),
-                       "counting received batches", should_stop=self.stop.is_set)
-        self._uncounted = 0
-        self._counted_at = time.monotonic()
+    def _count(self, counts: dict[str, float], taken: list[tuple[str, int]]) -> None:
+        """Count a read on the board before it is acked (one round trip), with the ledger of the last reads.
+        Killed between the two, this trainer leaves the read counted and named: the next trainer counts its
+        redelivery as duplicates. Counted after the ack, a killed trainer would lose the read from the
+        counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
+        from these counts, so they see room as soon as it is made."""
+        self._ledger.append(taken)
+        ledger = [key for read in self._ledger for key in read]
+        uid = self.options.uid
+        while True:
+            try:
+                answer = with_retry(lambda: self.board.note_received(uid, counts, ledger),
+                                    "counting received batches", should_stop=self.stop.is_set)
+            except BoardUnreachableError:  # stopping while the board is away
+                answer = "not held"
+            if answer == "noted":
+                return
+            if self.stop.is_set():  # the read stays unacked: delivered again, to whoever holds the lease
+                raise StoppedWhileWaiting(f"the run stopped before its read of {len(taken)} batches was counted")
+            # the lease lapsed (an outage) or the task is another one: the board thread takes the lease back
+            # or stops the run
+            self.stop.wait(0.05)
 
     def _ingest_loop(self) -> None:
         queue = None
@@ -436,6 +517,11 @@ class TrainerRun:
                     self.ingest_once(queue)
                     delay = 0.1
                 except StoppedWhileWaiting:
+                    break
+                except CredentialsError as e:  # this trainer may not read the queue: it stops, the task stays
+                    logger.error("%s", e)
+                    self.refused_by = e
+                    self.stop.set(f"the experience queue refused this trainer: {e}")
                     break
                 except _WAIT_OUT as e:
                     if self._queue_log.ready():
@@ -453,9 +539,9 @@ class TrainerRun:
             if queue is not None:
                 _close_quietly(queue)
 
-    def _ingest(self, messages: list[Message]) -> dict[str, float]:
+    def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[tuple[str, int]]]:
         """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
-        board. Never raises for a message.
+        board and the ``(actor, seq)`` of the batches received. Never raises for a message.
 
         Each message is opened (frame, signature, head, sizes) and deduplicated alone; the good ones'
         rows are then made as one block per layout, checked against the schema, filtered and added
@@ -487,6 +573,7 @@ class TrainerRun:
         blocks, unfit = self._valid_blocks(opened)
         bad += unfit
         received = rows = stale = 0
+        taken: list[tuple[str, int]] = []
         for block, columns, priorities in blocks:
             try:
                 kept, refused = self._accept_and_add(block, columns, priorities)
@@ -499,6 +586,7 @@ class TrainerRun:
                 continue
             for _, frame in block:
                 self.seen.mark(frame.header.actor_id, frame.header.seq)
+                taken.append((frame.header.actor_id, frame.header.seq))
             received += len(block)
             rows += kept
             stale += refused
@@ -508,7 +596,7 @@ class TrainerRun:
         self.duplicates += dups
         self.stale_rows += stale
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
-                "duplicates": dups, "stale_rows": stale}
+                "duplicates": dups, "stale_rows": stale}, taken
 
     def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
         """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
@@ -669,7 +757,10 @@ class TrainerRun:
             hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, deltas)
         self._server_time = (hb.server_time, time.monotonic())
         if hb.task_status is None:
-            self.stop.set("the task vanished from the board")
+            self._task_lost(TASK_GONE, gone=True)
+            return
+        if hb.replaced:
+            self._task_lost(TASK_REPLACED)
             return
         if not hb.lease_held and not self._take_lease_back():
             return
@@ -681,10 +772,24 @@ class TrainerRun:
             return
         self.env_steps_total = int(board.get_counters().get("env_steps", 0))
 
+    def _task_lost(self, reason: str, *, gone: bool = False) -> None:
+        """The task this run serves is no longer on the board: stop (a final checkpoint is still written)."""
+        self.task_gone = self.task_gone or gone
+        if not self.stop.is_set():
+            logger.error("%s", reason)
+        self.stop.set(reason)
+
     def _take_lease_back(self) -> bool:
         """The lease lapsed: take it back if no other trainer took over (else stop, fenced)."""
         opts = self.options
-        if self.board.reclaim_trainer(opts.uid, self.epoch, int(opts.lease_ttl * 1000)):
+        answer = self.board.reclaim_trainer(opts.uid, self.epoch, int(opts.lease_ttl * 1000))
+        if answer == "gone":
+            self._task_lost(TASK_GONE, gone=True)
+            return False
+        if answer == "replaced":
+            self._task_lost(TASK_REPLACED)
+            return False
+        if answer == "taken":
             away = 0.0 if self._lease_lost_at is None else time.monotonic() - self._lease_lost_at
             text = (f"trainer {opts.uid} took its lapsed lease back (epoch {self.epoch}, {away:.0f}s without the "
                     f"board); buffer ({len(self.buffer)} rows) and train_count {self.trainer.train_count} kept")
@@ -692,7 +797,8 @@ class TrainerRun:
             self.board.log_event(text, level="WARNING", source=opts.uid)
             return True
         status = self.board.get_status()
-        newer = "another trainer" if status is None else f"trainer {status.trainer_uid} (epoch {status.trainer_epoch})"
+        newer = ("another trainer" if status is None or not status.trainer_uid
+                 else f"trainer {status.trainer_uid} (epoch {status.trainer_epoch})")
         self.stop.set(f"fenced off: {newer} took the trainer lease over from epoch {self.epoch}")
         self.board.log_event(f"trainer {opts.uid} (epoch {self.epoch}) fenced off by {newer}", level="WARNING",
                              source=opts.uid)
@@ -788,13 +894,25 @@ class TrainerRun:
                     self.request_publish()
                     self._waiting_since = None
         else:
-            stats = self.trainer.train()
-            if stats is not None and self._publish_due():
+            stats = None if self._ahead_of_data() else self.trainer.train()
+            if self._publish_due():  # waiting for rows too: actors pace themselves by the published train_count
                 self.request_publish()
         if stats is None:
             return False
         self.last_stats = {k: v for k, v in stats.scalars().items() if k != "gradient_steps"}
         return True
+
+    def _ahead_of_data(self) -> bool:
+        """Off-policy: this run made ``train_ahead`` times the train steps the replay ratio gives the rows it
+        received (after the warmup's), and one publication interval more: it waits for new rows instead of
+        replaying the same memory without end (a queue or board that stopped delivering, actors gone).
+        Actors keep to the ratio itself, so a trainer they keep up with never waits here."""
+        path = self.data_path
+        if path.sync or path.env_steps_per_train is None:
+            return False
+        rows = self._rows_base + self.received_transitions - path.warmup_rows
+        allowed = self.options.train_ahead * max(0, rows) / path.env_steps_per_train + max(1, path.publish_every)
+        return self.trainer.train_count - self._train_base >= allowed
 
     def _publish_due(self) -> bool:
         every = self.data_path.publish_every
@@ -815,6 +933,8 @@ class TrainerRun:
             self.task_started_at = status.started_at if status is not None else None
             self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
             self.restore()
+            self._skip_counted_redeliveries()
+        self._train_base = self.trainer.train_count
         ingest = threading.Thread(target=self._ingest_loop, name="srl-trainer-ingest", daemon=True)
         board_thread = threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True)
         ingest.start()
@@ -827,7 +947,9 @@ class TrainerRun:
         every = max(1, self.data_path.publish_every)
         self._next_publish = (self.trainer.train_count // every + 1) * every
         end_reason: str | None = None
-        next_checkpoint = time.monotonic() + opts.checkpoint_interval
+        next_local = time.monotonic() + opts.checkpoint_interval if opts.checkpoint_dir else math.inf
+        board_every = None if self.task.checkpoint_interval is None else max(1.0, self.task.checkpoint_interval)
+        next_on_board = math.inf if board_every is None else time.monotonic() + board_every
         try:
             while not self.stop.is_set():
                 end_reason = self._limit_reached()
@@ -836,9 +958,13 @@ class TrainerRun:
                 if not self._update():
                     self.data_arrived.wait(0.05)
                     self.data_arrived.clear()
-                if opts.checkpoint_dir and time.monotonic() >= next_checkpoint:
-                    self.checkpoint()
-                    next_checkpoint = time.monotonic() + opts.checkpoint_interval
+                now = time.monotonic()
+                if now >= next_local or now >= next_on_board:
+                    self.checkpoint(local=now >= next_local, on_board=now >= next_on_board)
+                    if now >= next_local:
+                        next_local = time.monotonic() + opts.checkpoint_interval
+                    if board_every is not None and now >= next_on_board:
+                        next_on_board = time.monotonic() + board_every
             self.checkpoint()  # whatever ended the task, keep where it got to
             # final params first, then END: a client that sees END finds them
             if end_reason and not self.stop.is_set() and self.publish_and_wait():
@@ -856,6 +982,10 @@ class TrainerRun:
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, short(e))
+            if self.task_gone:
+                remove_orphans(self.board)
+        if self.refused_by is not None:
+            raise self.refused_by
         if self.fatal:
             raise RuntimeError(self.fatal)
         return self.stop.reason
@@ -889,23 +1019,25 @@ def trainer_run_forever(
     opts.run_once = opts.run_once or run_once
     opts.set_default_uid("trainer")
     require_remote(redis_params, "trainer_run_forever")
+    describe_queue(queue_params)  # an unknown scheme or a malformed URL fails now, not when a task comes
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
     logger.info("trainer %s ready (cuda available: %s); waiting for a task on %s", opts.uid,
                 torch.cuda.is_available(), where)
     ttl_ms = int(opts.lease_ttl * 1000)
 
-    def standby(task: TaskSpec) -> str:
-        holder = with_retry(lambda: board.lease_holder("trainer"), "reading the trainer lease")[0]
+    def standby(task_board: Board, task: TaskSpec) -> str:
+        holder = with_retry(lambda: task_board.lease_holder("trainer"), "reading the trainer lease")[0]
         return f"trainer lease held by {holder}; standing by to take over"
 
     try:
         serve(
             "trainer", board, where, opts, queue_params,
-            claim=lambda task: board.claim_trainer(opts.uid, ttl_ms),
+            claim=lambda task_board, task: task_board.claim_trainer(opts.uid, ttl_ms),
             lease_name=lambda epoch: "trainer",
             standby_note=standby,
-            build_run=lambda task, epoch: TrainerRun(board, redis_params, queue_params, task, epoch, opts),
+            build_run=lambda task_board, task, epoch: TrainerRun(task_board, redis_params, queue_params, task, epoch,
+                                                                 opts),
         )
     except KeyboardInterrupt:
         logger.info("trainer %s interrupted; exiting (its lease, if any, is released)", opts.uid)
