@@ -169,14 +169,19 @@ def test_redis_requires_a_password_from_the_environment() -> None:
         f"redis's SRL_REDIS_PASSWORD is {password!r}, expected ${{SRL_REDIS_PASSWORD:?...}}")
 
 
-def test_redis_bounds_values_and_keeps_nothing_on_disk() -> None:
+def test_redis_bounds_values_and_keeps_its_tasks_across_a_restart() -> None:
     redis = services()["redis"]
     confs = [path for target, path in mounted_files(redis).items() if target.endswith(".conf")]
     assert confs, f"redis mounts no config file from this repository (volumes: {redis.get('volumes')})"
     settings = {words[0].lower(): words[1:] for words in config_lines(confs[0])}
     assert settings.get("proto-max-bulk-len") == ["64mb"], f"{confs[0]}: proto-max-bulk-len 64mb expected"
     assert settings.get("save") == ['""'], f"{confs[0]}: save \"\" expected (no RDB snapshots)"
-    assert settings.get("appendonly") == ["no"], f"{confs[0]}: appendonly no expected"
+    # a restarted Redis without its data loses every task on it (README, Watching and operating)
+    assert settings.get("appendonly") == ["yes"], f"{confs[0]}: appendonly yes expected"
+    assert settings.get("dir") == ["/data"], f"{confs[0]}: dir /data expected (the AOF in a volume)"
+    data = [str(v) for v in redis.get("volumes") or [] if str(v).split(":")[1:2] == ["/data"]]
+    assert data and data[0].split(":")[0] in (compose().get("volumes") or {}), (
+        f"redis keeps /data in no named volume (volumes: {redis.get('volumes')})")
     assert "requirepass" not in settings, f"{confs[0]} holds a literal requirepass; it comes from SRL_REDIS_PASSWORD"
 
 

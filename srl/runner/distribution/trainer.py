@@ -37,6 +37,7 @@ between (the epoch moved) fences it off, and the log names that trainer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -489,6 +490,9 @@ class TrainerRun:
         redelivery as duplicates. Counted after the ack, a killed trainer would lose the read from the
         counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
         from these counts, so they see room as soon as it is made."""
+        if counts.get("bad_messages"):  # their notes are on the board by the time the count says they came
+            with contextlib.suppress(*_BOARD_AWAY):  # else the next heartbeat writes them
+                self._flush_dead_letters()
         self._ledger.append(taken)
         ledger = [key for read in self._ledger for key in read]
         uid = self.options.uid
@@ -672,6 +676,16 @@ class TrainerRun:
             self.stop.wait(0.005)  # the trainer is taking rows out; we hold the message meanwhile
         self.buffer.add(columns, priorities)
 
+    def _flush_dead_letters(self) -> None:
+        """Put the notes of refused messages taken since the last flush on the board (kept on failure)."""
+        letters = [self._dead_letters.popleft() for _ in range(len(self._dead_letters))]
+        if letters:
+            try:
+                self.board.add_dead_letters(letters)
+            except BaseException:
+                self._dead_letters.extendleft(reversed(letters))
+                raise
+
     def _note_bad(self, message: Message, error: BaseException) -> None:
         source = short(getattr(message, "source", "?"), 200)
         reason = short(error if isinstance(error, DecodeError) else f"{type(error).__name__}: {error}")
@@ -746,13 +760,7 @@ class TrainerRun:
             board.log_event(f"{self.bad_messages - self._bad_reported} bad message(s) skipped; last from "
                             f"{self.last_bad}", level="WARNING", source=opts.uid)
             self._bad_reported = self.bad_messages
-        letters = [self._dead_letters.popleft() for _ in range(len(self._dead_letters))]
-        if letters:
-            try:
-                board.add_dead_letters(letters)
-            except BaseException:
-                self._dead_letters.extendleft(reversed(letters))
-                raise
+        self._flush_dead_letters()
         with self.counters.taken() as deltas:
             hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, deltas)
         self._server_time = (hb.server_time, time.monotonic())
