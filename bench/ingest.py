@@ -139,6 +139,7 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
         deadline = time.perf_counter() + 120
         while handled() < target and time.perf_counter() < deadline:
             run.ingest_once(queue)
+        run.settle_count()  # the last read is acked once its count is on the board
         return run.received_transitions - start
 
     try:

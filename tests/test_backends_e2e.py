@@ -113,7 +113,7 @@ def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
             samples.append(in_flight())
             time.sleep(0.1)
         # RabbitMQ counts what it already pushed to the (paused) trainer as not queued: the trainer keeps
-        # that window to two reads (TrainerOptions.prefetch = 2 x ingest_max_messages)
+        # that window to three reads (TrainerOptions.prefetch = 3 x ingest_max_messages)
         pushed_ahead = TrainerOptions().prefetch if broker.name == "amqp" else 0
         assert max(samples) <= capacity + actor_num + pushed_ahead
         nodes[0].signal(signal.SIGCONT)

@@ -44,6 +44,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,9 @@ class TrainerRun:
         # the (actor, seq) of the batches of the last reads, counted on the board before their acks: a
         # trainer that takes over after this one dies counts their redeliveries as duplicates
         self._ledger: deque[list[tuple[str, int]]] = deque(maxlen=LEDGER_READS)
+        # a read's count is written in this thread while the ingest reads the next one; acked once written
+        self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srl-trainer-count")
+        self._in_count: tuple[Future[None], list[Message], ExperienceQueue] | None = None
         self._rows_base = 0  # rows this run started with in its buffer (a checkpoint's memory)
         self._memory_log = Throttle(3600.0)
         self._train_base = 0  # train_count when this run began
@@ -464,25 +468,40 @@ class TrainerRun:
                           max_read_bytes=self.codec.max_bytes, prefetch=self.options.prefetch)
 
     def ingest_once(self, queue: ExperienceQueue) -> int:
-        """One step of the ingest path: read what the buffer has room for, decode, validate, insert, count
-        on the board, then ack; the number of messages read (0 when none came within the read timeout or
-        there is no room)."""
+        """One step of the ingest path: read what the buffer has room for, decode, validate and insert; the
+        read is then counted on the board and acked once counted. The count's round trip overlaps the next
+        read: a read is acked when the one after it is in the buffer, or when the queue runs dry. The
+        number of messages read (0 when none came within the read timeout or there is no room)."""
         room = self.buffer.room()
         count = self.options.ingest_max_messages
         if room is not None:  # a full buffer is not read into: the queue fills, actors wait
             count = min(count, room // self.max_message_rows)
             if count < 1:
+                self.settle_count()
                 queue.send_acks()  # the next read may be a while: actors see the room they made
                 self.stop.wait(0.005)
                 return 0
-        messages = queue.get_many(count, timeout=0.2)
+        # with a read still to ack, only look: a dry queue gets it acked before the long wait
+        messages = queue.get_many(count, timeout=0.0 if self._in_count is not None else 0.2)
         if not messages:
+            self.settle_count()
             return 0
         counts, taken = self._ingest(messages)
-        self._count(counts, taken)
-        queue.ack_many(messages)  # after every message is in the buffer (or refused) and counted
+        self.settle_count()  # the read before: counted while this one was read, acked now
+        self._in_count = (self._counter.submit(self._count, counts, taken), messages, queue)
         self.data_arrived.set()
         return len(messages)
+
+    def settle_count(self) -> None:
+        """Wait for the count of the read in flight to be on the board, then ack that read (after every
+        message is in the buffer, or refused, and counted). Raises StoppedWhileWaiting, and acks nothing,
+        when the run stopped before the count was written: the read is delivered again."""
+        if self._in_count is None:
+            return
+        future, messages, queue = self._in_count
+        self._in_count = None
+        future.result()
+        queue.ack_many(messages)
 
     def _count(self, counts: dict[str, float], taken: list[tuple[str, int]]) -> None:
         """Count a read on the board before it is acked (one round trip), with the ledger of the last reads.
@@ -531,8 +550,12 @@ class TrainerRun:
                     if self._queue_log.ready():
                         logger.warning("experience queue unavailable (%s); retrying", short(e))
                     if queue is not None:
-                        _close_quietly(queue)
+                        _close_quietly(queue)  # unacked messages come again (counted: as this run's duplicates)
                         queue = None
+                    if self._in_count is not None:
+                        with contextlib.suppress(Exception):
+                            self._in_count[0].result()
+                        self._in_count = None
                     self.stop.wait(delay)
                     delay = min(delay * 2, 2.0)
         except Exception as e:  # a bug, not a message: stop the trainer instead of training on nothing
@@ -541,7 +564,11 @@ class TrainerRun:
             self.stop.set(self.fatal)
         finally:
             if queue is not None:
+                with contextlib.suppress(Exception):  # what was counted is acked; else it comes again
+                    self.settle_count()
                 _close_quietly(queue)
+            self._in_count = None
+            self._counter.shutdown(wait=True)
 
     def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[tuple[str, int]]]:
         """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the

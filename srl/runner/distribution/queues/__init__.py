@@ -198,7 +198,7 @@ def open_queue(
     how many messages a broker that pushes (RabbitMQ, MQTT) may hand this
     consumer ahead of its acks, overriding the parameters' ``prefetch``; what
     is pushed ahead no longer counts as queued on RabbitMQ, so a trainer keeps
-    it to two reads (``TrainerOptions.prefetch``): actors may put that many
+    it to three reads (``TrainerOptions.prefetch``): actors may put that many
     past the queue's capacity. Raises
     ``BrokerUnavailableError`` (a ``ConnectionError``) when the broker does not answer.
     """
