@@ -239,3 +239,40 @@ def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, name
     finally:
         board.delete_task()
     assert holders == ["t"]
+
+
+def test_an_off_policy_trainer_cut_off_from_new_rows_stops_at_a_bounded_replay_ratio(
+    redis_url: str, namespace: str
+) -> None:
+    """No new rows (a queue or board outage, actors gone): the trainer makes at most ``train_ahead`` times the
+    replay ratio's train steps for the rows it received, then waits, instead of replaying the same memory
+    without end; new rows let it go on."""
+    options = TrainerOptions(uid="t", secret="", train_ahead=2.0)
+    board, params, run, batch = trainer_run(redis_url, namespace, None, "redis", options)
+    path = run.data_path
+    assert path.env_steps_per_train == 1.0 and path.warmup_rows == 200 and path.publish_every == 100
+    producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
+    queue = run.open_consumer()
+
+    def receive(batches: int) -> None:
+        first = run.received_batches
+        producer.put_many([batch("a", first + i, (8 * i) % 32) for i in range(batches)])
+        while run.received_batches < first + batches:
+            run.ingest_once(queue)
+
+    def train_until_it_waits() -> int:
+        while run._update():
+            pass
+        return run.trainer.train_count
+
+    try:
+        receive(30)  # 240 rows: 40 past the warmup
+        assert train_until_it_waits() == 2 * 40 + 100  # twice the ratio's steps, and one publication interval
+        assert not run._update()  # it waits: no new rows
+        receive(10)  # 80 rows more
+        assert train_until_it_waits() == 2 * 120 + 100
+    finally:
+        run.stop.set("test over")
+        producer.close()
+        queue.destroy()
+        board.delete_task()
