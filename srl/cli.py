@@ -180,8 +180,7 @@ class UsageError(Exception):
     """The command line asks for something that cannot be (a bad task name, URL or queue scheme): exit 2."""
 
 
-RUNTIME_ERRORS: tuple[type[BaseException], ...] = (CredentialsError, ConnectionError, TimeoutError, OSError,
-                                                   redis.RedisError)
+RUNTIME_ERRORS: tuple[type[BaseException], ...] = (CredentialsError, OSError, redis.RedisError)
 """what a command meets at run time and says in one line (exit 1): a refused login, an unreachable server"""
 
 

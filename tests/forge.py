@@ -16,7 +16,7 @@ import numpy as np
 
 from srl.runner.distribution.codec import FLAG_COMPRESSED, KIND_BATCH, MAGIC, WIRE_DTYPES, WIRE_VERSION
 
-HEAD = struct.Struct("<HHIB3xqqqqd")
+HEAD = struct.Struct("<HHIB3xqqqqdQ")
 """a batch's head: actor-id bytes, layout bytes, rows, priorities dtype, actor_index, epoch, seq, version, time"""
 CODES = {name: i + 1 for i, name in enumerate(WIRE_DTYPES)}
 
@@ -53,6 +53,7 @@ def forge_batch(
     params_version: int = 0,
     created_at: float | None = None,
     count: int | None = None,
+    task: int = 0,
     priorities_code: int | None = None,
     layout_bytes: bytes | None = None,
     body: bytes | None = None,
@@ -64,7 +65,7 @@ def forge_batch(
     lay = layout(columns) if layout_bytes is None else layout_bytes
     code = (0 if priorities is None else CODES[priorities.dtype.name]) if priorities_code is None else priorities_code
     head = HEAD.pack(len(actor), len(lay), rows if count is None else count, code, actor_index, epoch, seq,
-                     params_version, time.time() if created_at is None else created_at)
+                     params_version, time.time() if created_at is None else created_at, task)
     if body is None:
         arrays = [*columns.values(), *([] if priorities is None else [priorities])]
         body = b"".join(padded(np.ascontiguousarray(a).tobytes()) for a in arrays)

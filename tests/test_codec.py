@@ -344,9 +344,9 @@ def test_forged_batch_heads_and_layouts_are_decode_errors() -> None:
             {"obs": np.zeros((0, 3), np.float32)}, layout_bytes=layout(obs, {"obs": (2**32 - 1, 2**32 - 1)})),
         "a trailing byte": forge_batch(obs) + b"x",
         "a buffer one byte short": forge_batch(obs, body=obs["obs"].tobytes()[:-1]),
-        "a head alone": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0)),
-        "a head shorter than itself": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0)[:-1]),
-        "lengths past the end": frame(HEAD.pack(65535, 65535, 4, 0, 0, 0, 0, 0, 1.0) + b"intruder"),
+        "a head alone": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0, 0)),
+        "a head shorter than itself": frame(HEAD.pack(8, 0, 4, 0, 0, 0, 0, 0, 1.0, 0)[:-1]),
+        "lengths past the end": frame(HEAD.pack(65535, 65535, 4, 0, 0, 0, 0, 0, 1.0, 0) + b"intruder"),
     }
     for case, data in cases.items():
         with pytest.raises(DecodeError):

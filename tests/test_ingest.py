@@ -276,3 +276,33 @@ def test_an_off_policy_trainer_cut_off_from_new_rows_stops_at_a_bounded_replay_r
         producer.close()
         queue.destroy()
         board.delete_task()
+
+
+def test_batches_of_the_task_this_one_replaced_are_dropped_not_counted(redis_url: str, namespace: str) -> None:
+    """Actors of a replaced task send until their next heartbeat tells them: their batches carry the old
+    task's id, and the new task's trainer drops them (noted apart), instead of learning from another run."""
+    options = TrainerOptions(uid="t", secret="")
+    board, params, run, batch = trainer_run(redis_url, namespace, None, "redis", options)
+    codec = options.codec(namespace)
+    frame = codec.open_batch(batch("a", 0, 0))
+    columns, priorities = frame.arrays()
+    old_task = codec.encode_batch(BatchHeader("old", 0, 0, 0, 0, 8, time.time(), task=run.task_tag ^ 1), columns,
+                                  priorities)
+    this_task = codec.encode_batch(BatchHeader("new", 0, 0, 0, 0, 8, time.time(), task=run.task_tag), columns,
+                                   priorities)
+    producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
+    producer.put_many([old_task, this_task, batch("tool", 0, 8)])  # a hand-made batch says no task: taken
+    queue = run.open_consumer()
+    try:
+        while run.received_batches + run.other_task_batches < 3:
+            run.ingest_once(queue)
+        run.settle_count()
+        assert (run.received_batches, run.other_task_batches, run.bad_messages) == (2, 1, 0)
+        counters = board.get_counters()
+        assert counters["other_task_batches"] == 1 and counters["received_batches"] == 2
+        assert queue.depth() == 0  # acked: it is not delivered again
+    finally:
+        run.stop.set("test over")
+        producer.close()
+        queue.destroy()
+        board.delete_task()

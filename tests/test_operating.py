@@ -214,8 +214,8 @@ def test_bad_queue_credentials_fail_before_submitting_and_end_the_node_not_the_t
         assert status is not None and status.status == TaskState.ACTIVE  # the task is fine; the node was not
         assert board.held_leases(1) == []  # the slot it took is free again
         lines = "\n".join(progress_lines(board, status, 1.0))
-        assert re.search(r"actor 0: MISSING for \S+ — actor-\S+ refuses the task: cannot log in to the experience "
-                         r"queue: authentication failed for RabbitMQ", lines), lines
+        assert re.search(r"actor 0: MISSING for \S+ — actor-\S+ refuses the task: its credentials were refused: "
+                         r"authentication failed for RabbitMQ", lines), lines
     finally:
         board.end_task(TaskState.END, "test over")
         client.join(30)

@@ -294,6 +294,10 @@ class Buffer(ABC):
         """Bytes its storage takes when full (checked against what a trainer may allocate)."""
         return 0
 
+    def state_nbytes(self) -> int | None:
+        """Bytes :meth:`state_arrays` would copy now (None: it keeps nothing), told without copying."""
+        return None
+
     def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
         """The rows it holds (and what sampling them depends on) as arrays and JSON, for a checkpoint that
         keeps the memory; None when it keeps nothing worth saving (an on-policy buffer)."""

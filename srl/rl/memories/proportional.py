@@ -157,6 +157,9 @@ class ProportionalMemory(Memory):
     def beta(self) -> float:
         return self._beta_at(self._sample_calls)
 
+    def state_nbytes(self) -> int:
+        return (self._ring.nbytes // self.capacity + 8) * len(self)  # the rows and a float64 priority each
+
     def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         with self._lock:
             order = self._ring.oldest_first()

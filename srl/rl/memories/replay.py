@@ -343,6 +343,9 @@ class ReplayMemory(Memory):
     def beta(self) -> float:
         return 1.0
 
+    def state_nbytes(self) -> int:
+        return self._ring.nbytes // self.capacity * len(self)
+
     def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         with self._lock:
             return {f"rows/{name}": column for name, column in self._ring.state().items()}, {"kind": "replay"}

@@ -22,6 +22,7 @@ The loop::
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -41,7 +42,9 @@ from srl.runner.distribution.codec import (
     params_message_bytes,
     short,
     split_columns,
+    task_tag,
 )
+from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
 from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, describe_queue, open_queue
@@ -52,6 +55,9 @@ from srl.runner.progress import ensure_logging
 from srl.runner.runner import seed_everything
 
 logger = logging.getLogger("srl.actor")
+
+_RUNS = itertools.count()
+"""runs of actors in this process"""
 
 _BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
 
@@ -106,10 +112,15 @@ class ActorRun:
         self.latest_version = -1
         self.latest_train_count = 0
         self.fatal: str | None = None
+        self.refused_by: CredentialsError | None = None  # the board refused this actor's credentials
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self._board_log = Throttle()
         self._fresh_params = threading.Event()
         self.seq = 0
+        # (sender, seq) names a batch for the trainer's dedupe: seq starts again with each run, so each run
+        # of this process (a slot taken back, the next task) sends under a name of its own
+        self.sender = f"{options.uid}.{next(_RUNS)}"
+        self.task_tag = task_tag(board.task_id)
         # stats the heartbeat reports
         self.env_steps = 0
         self.episodes = 0
@@ -176,6 +187,11 @@ class ActorRun:
                 if self._board_log.ready():
                     logger.warning("board unreachable or unreadable for %.0fs (%s); retrying",
                                    time.monotonic() - away_since, short(e))
+            except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+                logger.error("%s", e)
+                self.refused_by = e
+                self.stop.set(f"refused: {e}")
+                break
             except Exception as e:
                 logger.exception("actor board thread crashed")
                 self.fatal = f"board thread crashed: {type(e).__name__}: {short(e)}"
@@ -357,8 +373,8 @@ class ActorRun:
         depth = self.queue.depth()
         if depth is not None:
             return depth
-        # actors write theirs at once (see _send); the trainer when the queue runs dry, every half capacity
-        # or count_interval: a depth read here is never below the queue's real one
+        # actors write theirs at once (see _send), the trainer each read's before it acks the read: a depth
+        # read here is never below the queue's real one
         counters = self.board.get_counters()
         return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
 
@@ -376,8 +392,8 @@ class ActorRun:
         for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows):
             count = len(next(iter(chunk_cols.values())))
             header = BatchHeader(
-                actor_id=self.options.uid, actor_index=self.slot, epoch=max(self.params_epoch, 0), seq=self.seq,
-                params_version=max(self.params_version, 0), count=count, created_at=time.time(),
+                actor_id=self.sender, actor_index=self.slot, epoch=max(self.params_epoch, 0), seq=self.seq,
+                params_version=max(self.params_version, 0), count=count, created_at=time.time(), task=self.task_tag,
             )
             blob = self.codec.encode_batch(header, chunk_cols, chunk_pr)
             self._wait_for_room()
@@ -474,6 +490,8 @@ class ActorRun:
             self.queue.close()
             if self.task_gone:
                 remove_orphans(self.board)
+        if self.refused_by is not None:
+            raise self.refused_by
         if self.fatal:
             raise RuntimeError(self.fatal)
         return self.stop.reason

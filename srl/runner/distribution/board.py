@@ -822,13 +822,16 @@ class Board:
         if answer != "OK":  # another client created it between our check and our write
             raise self._exists_error(answer)
         status = self.get_status()
-        assert status is not None
+        if status is None or status.task_id != task_id:
+            raise TaskExistsError(f"task {self.task_name!r} was replaced by another client while this one submitted "
+                                  "it; pick another task_name, or submit again")
         return status
 
     def _exists_error(self, state: str | None) -> TaskExistsError:
         return TaskExistsError(
             f"task {self.task_name!r} already exists and is {state}; wait for it to end, pick another "
-            "task_name, or pass overwrite=True to replace it (its actors and trainer lose their leases)"
+            "task_name, pass attach=True to watch it, or overwrite=True to replace it (its actors and trainer "
+            "drop it and serve the new one)"
         )
 
     def get_status(self) -> TaskStatus | None:
@@ -888,7 +891,7 @@ class Board:
         self._check_format(raw_format)
         if len(raw_config) > MAX_CONFIG_BYTES:
             raise BoardDataError(f"task {self.task_name!r} config is {len(raw_config)} bytes, over {MAX_CONFIG_BYTES}")
-        try:  # strict: the text must name the stored bytes exactly (end_task(config=...) compares them)
+        try:  # strict: the text must be the stored bytes exactly (a signature covers them)
             config_text = raw_config.decode("utf-8") if isinstance(raw_config, bytes) else raw_config
         except UnicodeDecodeError as e:
             raise BoardDataError(f"task {self.task_name!r} config is not UTF-8 text ({e.reason} at byte {e.start})") \
@@ -1081,6 +1084,10 @@ class Board:
         if train_count is None or not isinstance(blob, bytes) or len(blob) > max_bytes:
             return None
         return _int(train_count, "checkpoint train_count"), blob
+
+    def clear_checkpoint(self) -> None:
+        """Drop the checkpoint on the board (a client kept it): a replay memory need not stay in Redis."""
+        self.client.delete(self._checkpoint_key)
 
     def set_resume(self, blob: bytes | None) -> None:
         """The checkpoint a new task starts from (a PARAMS message with the trainer's state), or none."""

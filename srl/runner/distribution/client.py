@@ -160,6 +160,7 @@ def train_distribution(
     procs: list[local_nodes.LocalNode] = []
     evaluator: Evaluator | None = None
     board: Board | None = None
+    submitted = False  # the task is ACTIVE and watched (or attached to)
     codec = Codec(secret=secret, task=resolved.task_name)
     try:
         with _sigterm_as_interrupt():
@@ -193,6 +194,7 @@ def train_distribution(
                 procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
                                               trainer_options or {})
             if attached:
+                board.set_active()  # a task its client left INIT (killed while starting it) starts now
                 board.log_event("a client attached to the task", source="client")
             else:
                 board.set_active()
@@ -203,6 +205,7 @@ def train_distribution(
             if eval_interval is not None or eval_every is not None:
                 evaluator = Evaluator(runner, board, codec, eval_interval, eval_every, eval_episodes, run_log)
                 evaluator.start()
+            submitted = True
             hints = NodeHints.of(resolved, None if queue_params is None else describe_queue(queue_params))
             checkpoints = (BoardCheckpoints(board, codec, runner, run_log, keep_checkpoints, checkpoint_memory)
                            if run_log is not None else None)
@@ -216,6 +219,8 @@ def train_distribution(
             _note_totals(board, runner, procs, actor_num)
             if checkpoints is not None:
                 checkpoints.fetch(now=True)  # the trainer's final one
+                if checkpoints.kept == board.get_checkpoint_train_count():  # in log_dir: Redis need not hold it
+                    board.clear_checkpoint()
             _record_history(board, run_log, evaluator)  # where it ended
             if progress_interval is not None:
                 for line in summary_lines(board, status, task_elapsed(board, status),
@@ -232,6 +237,11 @@ def train_distribution(
                 local_nodes.stop_all(procs)  # let local nodes see END before their keys vanish
                 procs = []
                 board.delete_task()
+    except Exception as e:
+        if board is not None and not submitted:  # written but never started: it would stay INIT for ever
+            with contextlib.suppress(Exception):
+                board.end_task("FAILED", f"the client could not start it: {type(e).__name__}: {short(e, 300)}")
+        raise
     except KeyboardInterrupt as interrupt:
         terminated = isinstance(interrupt, Terminated)
         if board is not None:
@@ -881,6 +891,12 @@ def batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     """Where every batch the actors sent went: ``sent = received + refused + still queued``, or what does not
     add up, named. ``queued``: the queue's depth when the broker tells it (None: it cannot, and the rest
     is what the queue still holds or had in flight)."""
+    text = _batch_accounts(counters, queued)
+    replaced = int(counters.get("other_task_batches", 0))
+    return text + (f" ({replaced} batches of the task this one replaced were dropped)" if replaced else "")
+
+
+def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     sent = int(counters.get("sent_batches", 0))
     received = int(counters.get("received_batches", 0))
     refused = int(counters.get("bad_messages", 0))

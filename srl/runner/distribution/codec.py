@@ -27,7 +27,8 @@ A BATCH payload is fixed binary, no JSON (decoding one is a struct unpack, a
 dictionary lookup and one ``np.frombuffer`` per column)::
 
     head    u16 actor-id bytes | u16 layout bytes | u32 rows | u8 priorities dtype (0: none) | 3 bytes (0, unread)
-            | i64 actor_index | i64 epoch | i64 seq | i64 params_version | f64 created_at      (52 bytes)
+            | i64 actor_index | i64 epoch | i64 seq | i64 params_version | f64 created_at
+            | u64 task                                                                         (60 bytes)
     actor id (UTF-8) | layout | zero padding to a multiple of 8
     one buffer per column, in layout order, then the priorities; each rows x row bytes, padded to 8
 
@@ -65,8 +66,8 @@ from srl.base.schema import Schema
 
 MAGIC = b"SRLW"
 """first four bytes of every srl message"""
-WIRE_VERSION = 3
-"""bumped whenever the frame or the batch/params layout changes incompatibly"""
+WIRE_VERSION = 4
+"""bumped whenever the frame or the batch/params layout changes incompatibly (4: the task id in a batch)"""
 KIND_BATCH = 1
 KIND_PARAMS = 2
 FLAG_COMPRESSED = 0x01
@@ -93,7 +94,7 @@ WIRE_DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "u
 """the dtypes a batch column may have; code i + 1 on the wire is WIRE_DTYPES[i], little endian"""
 _DTYPE_BY_CODE = {i + 1: np.dtype(name).newbyteorder("<") for i, name in enumerate(WIRE_DTYPES)}
 _CODE_BY_NAME = {name: i + 1 for i, name in enumerate(WIRE_DTYPES)}
-_BATCH_HEAD = struct.Struct("<HHIB3xqqqqd")
+_BATCH_HEAD = struct.Struct("<HHIB3xqqqqdQ")
 _LAYOUT_COUNT = struct.Struct("<H")
 _MAX_COLUMNS = 1024
 _MAX_NDIM = 32
@@ -150,6 +151,17 @@ class BatchHeader:
     """number of rows in the batch"""
     created_at: float
     """time.time() at the actor when the batch was closed"""
+    task: int = 0
+    """the id of the task the sender served (``task_tag`` of the board's task_id; 0: not said): a trainer
+    drops batches of a task that its own replaced, which old actors may send until they notice"""
+
+
+def task_tag(task_id: str) -> int:
+    """A task id (16 hex digits, ``Board.create_task``) as the integer a batch carries (0 for none)."""
+    try:
+        return int(task_id, 16) if task_id else 0
+    except ValueError:
+        return 0
 
 
 def load_secret(secret: bytes | str | None) -> bytes | None:
@@ -264,6 +276,8 @@ def _header_problem(header: BatchHeader) -> str | None:
     created = header.created_at
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created <= _MAX_TIME:
         return f"batch header field 'created_at' must be a time in seconds, found {short(repr(created), 60)}"
+    if type(header.task) is not int or not 0 <= header.task < 2**64:
+        return f"batch header field 'task' must be an integer in 0..2**64-1, found {short(repr(header.task), 60)}"
     return None
 
 
@@ -569,7 +583,7 @@ class Codec:
         actor = header.actor_id.encode()
         head = _BATCH_HEAD.pack(
             len(actor), len(layout_bytes), header.count, priorities_code,
-            header.actor_index, header.epoch, header.seq, header.params_version, header.created_at,
+            header.actor_index, header.epoch, header.seq, header.params_version, header.created_at, header.task,
         )
         size = len(head) + len(actor) + len(layout_bytes)
         return self._seal(KIND_BATCH, b"".join((head, actor, layout_bytes, bytes(-size % 8), *buffers)))
@@ -598,7 +612,7 @@ class Codec:
         if size < _BATCH_HEAD.size:
             raise DecodeError(f"truncated batch: {size} bytes is shorter than its {_BATCH_HEAD.size}-byte head")
         (actor_len, layout_len, count, priorities_code, actor_index, epoch, seq, params_version,
-         created_at) = _BATCH_HEAD.unpack_from(payload, 0)
+         created_at, task) = _BATCH_HEAD.unpack_from(payload, 0)
         offset = _BATCH_HEAD.size + actor_len + layout_len
         if offset > size:
             raise DecodeError(f"truncated batch: its head names {actor_len + layout_len} bytes of actor id and "
@@ -607,7 +621,7 @@ class Codec:
             actor_id = str(payload[_BATCH_HEAD.size : _BATCH_HEAD.size + actor_len], "utf-8")
         except UnicodeDecodeError:
             raise DecodeError("batch header field 'actor_id' is not UTF-8 text") from None
-        header = BatchHeader(actor_id, actor_index, epoch, seq, params_version, count, created_at)
+        header = BatchHeader(actor_id, actor_index, epoch, seq, params_version, count, created_at, task)
         if problem := _header_problem(header):
             raise DecodeError(problem)
         layout_bytes = bytes(payload[offset - layout_len : offset])

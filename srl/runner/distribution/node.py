@@ -273,7 +273,7 @@ def serve(
                 run = build_run(task_board, task, claimed)
         except CredentialsError as e:  # the queue refused this node: the task is fine, this node is not
             release(task_board, claimed)
-            refuse(task_board, f"cannot log in to the experience queue: {e}")
+            refuse(task_board, f"its credentials were refused: {e}")
             raise
         except Exception as e:  # an env, network, memory or device this task cannot have here
             release(task_board, claimed)
@@ -289,7 +289,7 @@ def serve(
             reason = run.run()
         except CredentialsError as e:  # a password changed or a permission revoked mid-run
             release(task_board, claimed)
-            refuse(task_board, str(e))
+            refuse(task_board, f"its credentials were refused: {e}")
             raise
         except Exception as e:  # a bug: say so loudly, end the task, stop this process
             logger.exception("%s %s crashed", role, uid)

@@ -64,6 +64,7 @@ from srl.runner.distribution.codec import (
     join_frames,
     params_message_bytes,
     short,
+    task_tag,
 )
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.node import (
@@ -269,7 +270,7 @@ class TrainerRun:
         self._ledger: deque[list[tuple[str, int]]] = deque(maxlen=LEDGER_READS)
         # a read's count is written in this thread while the ingest reads the next one; acked once written
         self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srl-trainer-count")
-        self._in_count: tuple[Future[None], list[Message], ExperienceQueue] | None = None
+        self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue]] = deque()
         self._rows_base = 0  # rows this run started with in its buffer (a checkpoint's memory)
         self._memory_log = Throttle(3600.0)
         self._train_base = 0  # train_count when this run began
@@ -277,10 +278,13 @@ class TrainerRun:
         self.received_transitions = 0
         self.bad_messages = 0
         self.duplicates = 0
+        self.other_task_batches = 0
         self.stale_rows = 0
+        self.task_tag = task_tag(board.task_id)
         self.last_bad = ""
         self._bad_reported = 0
         self._dead_letters: deque[DeadLetter] = deque(maxlen=100)
+        self._letters_lock = threading.Lock()
         self._bad_log = Throttle(options.heartbeat_interval)
         self._queue_log = Throttle()
         self._board_log = Throttle()
@@ -291,6 +295,7 @@ class TrainerRun:
         self.fatal: str | None = None
         self.refused_by: CredentialsError | None = None  # the queue refused this trainer's login
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
+        self.task_replaced = False  # another task of this name replaced it
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
         # publishing: the main thread hands blobs over, the board thread writes them
@@ -358,9 +363,7 @@ class TrainerRun:
                            "counted again", short(e))
             return
         marked = 0
-        for uid, taken in ledgers.items():
-            if uid == self.options.uid:
-                continue
+        for taken in ledgers.values():  # this process's own earlier run too: this run starts a new SeenBatches
             for actor_id, seq in taken:
                 self.seen.mark(actor_id, seq)
                 marked += 1
@@ -437,17 +440,17 @@ class TrainerRun:
         return path
 
     def _memory_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
-        """The replay memory for a checkpoint on the board, when it keeps one and it fits the board's bound."""
-        state = self.buffer.state_arrays()
-        if state is None:
+        """The replay memory for a checkpoint on the board, when it keeps one and it fits the board's bound
+        (told before anything is copied)."""
+        size = self.buffer.state_nbytes()
+        if size is None:
             return None
-        size = sum(int(a.nbytes) for a in state[0].values())
         if size > MAX_CHECKPOINT_MEMORY_BYTES:
             if self._memory_log.ready():
                 logger.warning("the replay memory (%.0f MiB) is over the %d MiB a checkpoint on the board carries: "
                                "checkpoints go without it", size / 2**20, MAX_CHECKPOINT_MEMORY_BYTES >> 20)
             return None
-        return state
+        return self.buffer.state_arrays()
 
     def _checkpoint_on_board(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], with_memory: bool) -> None:
         codec = self.codec.with_max_bytes(checkpoint_message_bytes(self.parameter.to_arrays(), with_memory))
@@ -482,26 +485,26 @@ class TrainerRun:
                 self.stop.wait(0.005)
                 return 0
         # with a read still to ack, only look: a dry queue gets it acked before the long wait
-        messages = queue.get_many(count, timeout=0.0 if self._in_count is not None else 0.2)
+        messages = queue.get_many(count, timeout=0.0 if self._counting else 0.2)
         if not messages:
             self.settle_count()
             return 0
         counts, taken = self._ingest(messages)
-        self.settle_count()  # the read before: counted while this one was read, acked now
-        self._in_count = (self._counter.submit(self._count, counts, taken), messages, queue)
+        self._counting.append((self._counter.submit(self._count, counts, taken), messages, queue))
         self.data_arrived.set()
+        self.settle_count(keep=1)  # the read before: counted while this one was read, acked now
         return len(messages)
 
-    def settle_count(self) -> None:
-        """Wait for the count of the read in flight to be on the board, then ack that read (after every
-        message is in the buffer, or refused, and counted). Raises StoppedWhileWaiting, and acks nothing,
-        when the run stopped before the count was written: the read is delivered again."""
-        if self._in_count is None:
-            return
-        future, messages, queue = self._in_count
-        self._in_count = None
-        future.result()
-        queue.ack_many(messages)
+    def settle_count(self, keep: int = 0) -> None:
+        """Wait for the counts of the reads in flight (all but the newest ``keep``) to be on the board, and
+        ack each read once its count is (after every message is in the buffer, or refused, and counted).
+        Raises StoppedWhileWaiting, and acks nothing more, when the run stopped before a count was
+        written: that read is delivered again."""
+        while len(self._counting) > keep:
+            future, messages, queue = self._counting[0]
+            future.result()
+            self._counting.popleft()
+            queue.ack_many(messages)
 
     def _count(self, counts: dict[str, float], taken: list[tuple[str, int]]) -> None:
         """Count a read on the board before it is acked (one round trip), with the ledger of the last reads.
@@ -541,10 +544,10 @@ class TrainerRun:
                     delay = 0.1
                 except StoppedWhileWaiting:
                     break
-                except CredentialsError as e:  # this trainer may not read the queue: it stops, the task stays
+                except CredentialsError as e:  # the queue (or the board) refused it: this node stops, the task stays
                     logger.error("%s", e)
                     self.refused_by = e
-                    self.stop.set(f"the experience queue refused this trainer: {e}")
+                    self.stop.set(f"refused: {e}")
                     break
                 except _WAIT_OUT as e:
                     if self._queue_log.ready():
@@ -552,10 +555,10 @@ class TrainerRun:
                     if queue is not None:
                         _close_quietly(queue)  # unacked messages come again (counted: as this run's duplicates)
                         queue = None
-                    if self._in_count is not None:
+                    for future, _, _ in self._counting:  # counted or not, their messages come again
                         with contextlib.suppress(Exception):
-                            self._in_count[0].result()
-                        self._in_count = None
+                            future.result()
+                    self._counting.clear()
                     self.stop.wait(delay)
                     delay = min(delay * 2, 2.0)
         except Exception as e:  # a bug, not a message: stop the trainer instead of training on nothing
@@ -567,7 +570,7 @@ class TrainerRun:
                 with contextlib.suppress(Exception):  # what was counted is acked; else it comes again
                     self.settle_count()
                 _close_quietly(queue)
-            self._in_count = None
+            self._counting.clear()
             self._counter.shutdown(wait=True)
 
     def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[tuple[str, int]]]:
@@ -580,7 +583,7 @@ class TrainerRun:
         per-call costs dominate small batches). Should a block fail its check, each message is
         checked alone, so only the bad one is refused.
         """
-        bad = dups = 0
+        bad = dups = other_task = 0
         opened: list[Opened] = []
         taking: set[tuple[str, int]] = set()  # (sender, seq) in this read: a copy of one is a duplicate
         for message in messages:
@@ -592,6 +595,9 @@ class TrainerRun:
                 if header.count > self.max_message_rows:
                     raise DecodeError(f"batch of {header.count} rows; a message of this task carries at most "
                                       f"{self.max_message_rows}")
+                if header.task and header.task != self.task_tag:  # the task this one replaced: its actors stop soon
+                    other_task += 1
+                    continue
                 key = (header.actor_id, header.seq)
                 if key in taking or not self.seen.is_new(*key):
                     dups += 1
@@ -626,8 +632,9 @@ class TrainerRun:
         self.bad_messages += bad
         self.duplicates += dups
         self.stale_rows += stale
+        self.other_task_batches += other_task
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
-                "duplicates": dups, "stale_rows": stale}, taken
+                "duplicates": dups, "stale_rows": stale, "other_task_batches": other_task}, taken
 
     def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
         """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
@@ -704,14 +711,16 @@ class TrainerRun:
         self.buffer.add(columns, priorities)
 
     def _flush_dead_letters(self) -> None:
-        """Put the notes of refused messages taken since the last flush on the board (kept on failure)."""
-        letters = [self._dead_letters.popleft() for _ in range(len(self._dead_letters))]
-        if letters:
-            try:
-                self.board.add_dead_letters(letters)
-            except BaseException:
-                self._dead_letters.extendleft(reversed(letters))
-                raise
+        """Put the notes of refused messages taken since the last flush on the board (kept on failure); the
+        count thread and the board thread both do, one at a time."""
+        with self._letters_lock:
+            letters = [self._dead_letters.popleft() for _ in range(len(self._dead_letters))]
+            if letters:
+                try:
+                    self.board.add_dead_letters(letters)
+                except BaseException:
+                    self._dead_letters.extendleft(reversed(letters))
+                    raise
 
     def _note_bad(self, message: Message, error: BaseException) -> None:
         source = short(getattr(message, "source", "?"), 200)
@@ -753,6 +762,11 @@ class TrainerRun:
                     logger.warning("board unreachable or unreadable for %.0fs (%s); training goes on, retrying",
                                    time.monotonic() - self._lease_lost_at, short(e))
                 next_beat = time.monotonic() + min(opts.heartbeat_interval, 1.0)
+            except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+                logger.error("%s", e)
+                self.refused_by = e
+                self.stop.set(f"refused: {e}")
+                break
             except Exception as e:
                 logger.exception("trainer board thread crashed")
                 self.fatal = f"board thread crashed: {type(e).__name__}: {short(e)}"
@@ -808,8 +822,10 @@ class TrainerRun:
         self.env_steps_total = int(board.get_counters().get("env_steps", 0))
 
     def _task_lost(self, reason: str, *, gone: bool = False) -> None:
-        """The task this run serves is no longer on the board: stop (a final checkpoint is still written)."""
+        """The task this run serves is no longer on the board: stop (a vanished task's final checkpoint is
+        still written; a replaced one's is not, for the new task of that name keeps its own there)."""
         self.task_gone = self.task_gone or gone
+        self.task_replaced = self.task_replaced or not gone
         if not self.stop.is_set():
             logger.error("%s", reason)
         self.stop.set(reason)
@@ -1000,7 +1016,8 @@ class TrainerRun:
                         next_local = time.monotonic() + opts.checkpoint_interval
                     if board_every is not None and now >= next_on_board:
                         next_on_board = time.monotonic() + board_every
-            self.checkpoint()  # whatever ended the task, keep where it got to
+            if not self.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
+                self.checkpoint()
             # final params first, then END: a client that sees END finds them
             if end_reason and not self.stop.is_set() and self.publish_and_wait():
                 with_retry(lambda: self.board.end_task("END", end_reason or ""), "ending the task")
@@ -1055,6 +1072,9 @@ def trainer_run_forever(
     opts.set_default_uid("trainer")
     require_remote(redis_params, "trainer_run_forever")
     describe_queue(queue_params)  # an unknown scheme or a malformed URL fails now, not when a task comes
+    if not (math.isfinite(opts.train_ahead) and opts.train_ahead >= 1.0):
+        raise ValueError(f"train_ahead must be a number >= 1 (the replay ratio itself, or looser), got "
+                         f"{opts.train_ahead!r}: below it a trainer would wait for rows its actors wait to send")
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
     logger.info("trainer %s ready (cuda available: %s); waiting for a task on %s", opts.uid,

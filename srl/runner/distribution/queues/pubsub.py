@@ -131,7 +131,9 @@ class PubSubQueue(ExperienceQueue):
             self._ensure_topology(timeout=_OPEN_TIMEOUT_S)
         except (auth_exceptions.DefaultCredentialsError, gexc.PermissionDenied, gexc.Unauthenticated) as e:
             self._close_channels()
-            raise self._refusal(e) or e from e
+            refusal = self._refusal(e)
+            assert refusal is not None  # each error caught here is one
+            raise refusal from e
         except _TRANSIENT_OR_DEADLINE as e:
             self._close_channels()
             where = f"the Pub/Sub emulator at {self.emulator}" if self.emulator else "Google Cloud Pub/Sub"

@@ -297,7 +297,9 @@ class RedisStreamQueue(ExperienceQueue):
                 self._forget_idle_consumers()
         except redis.exceptions.NoPermissionError as e:
             self._client.close()
-            raise self._refusal(e) or e from e
+            refusal = self._refusal(e)
+            assert refusal is not None  # each error caught here is one
+            raise refusal from e
         except _TRANSIENT as e:
             self._client.close()
             if "TLS certificate verification failed" in str(e):  # the cause is known: say only that
