@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import redis
 
-from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.embedded import resolve, start_embedded_redis
 from srl.runner.distribution.redis_parameters import RedisParameters
 from tests.nodes import wait_for
 
@@ -64,11 +64,11 @@ def test_start_connect_from_another_process_and_stop() -> None:
 
 def test_resolve_starts_embedded_only_when_needed() -> None:
     remote = RedisParameters(host="example.invalid", task_name="t")
-    assert remote.resolve() == (remote, None)
+    assert resolve(remote) == (remote, None)
     embedded = RedisParameters(task_name="mytask")
     with pytest.raises(ValueError, match="embedded"):
         embedded.connect()
-    resolved, server = embedded.resolve()
+    resolved, server = resolve(embedded)
     assert server is not None
     try:
         assert resolved.task_name == "mytask" and resolved.port == server.port and not resolved.is_embedded

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -47,6 +48,15 @@ Columns = dict[str, np.ndarray]
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?")
 MAX_ENVS_PER_ACTOR = 1024
+
+
+def seed_everything(seed: int | None) -> None:
+    """Seed Python's, numpy's and torch's generators (``RLConfig.seed``; None: leave them as they are)."""
+    if seed is None:
+        return
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def check_int(name: str, value: object, low: int, high: int) -> None:

@@ -12,6 +12,8 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger("srl")
 
 
@@ -28,6 +30,14 @@ def ensure_logging(level: int = logging.INFO) -> None:
     if logger.level == logging.NOTSET:  # a level the application chose stays
         logger.setLevel(level)
     logger.propagate = False
+
+
+def reward_summary(rewards: list[float], prefix: str) -> dict[str, float | None]:
+    """``{prefix}_mean/_min/_max`` of episode rewards (None each when there are none)."""
+    if not rewards:
+        return {f"{prefix}_mean": None, f"{prefix}_min": None, f"{prefix}_max": None}
+    return {f"{prefix}_mean": round(float(np.mean(rewards)), 4), f"{prefix}_min": round(float(min(rewards)), 4),
+            f"{prefix}_max": round(float(max(rewards)), 4)}
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,11 +19,12 @@ import torch
 
 from srl.algorithms import config_class
 from srl.base.arrays import load_arrays, save_arrays
-from srl.base.config import config_from_dict, config_to_dict
+from srl.base.checkpoint import build_checkpoint, count_field, saved_rl_config, split_checkpoint, task_config
+from srl.base.config import config_from_dict
 from srl.base.env import EnvConfig, EnvSpec, env_spec
-from srl.base.rl import Buffer, DataPath, Parameter, RLConfig, Trainer, TrainStats
+from srl.base.rl import Buffer, DataPath, Parameter, RLConfig, Trainer, TrainStats, seed_everything
 from srl.base.rollout import Rollout
-from srl.runner.progress import TrainProgress, ensure_logging
+from srl.runner.progress import TrainProgress, ensure_logging, reward_summary
 from srl.runner.run_log import RunLog, write_checkpoint
 
 if TYPE_CHECKING:
@@ -34,117 +34,6 @@ logger = logging.getLogger("srl.runner")
 
 FLUSH_TRANSITIONS = 32
 """transitions a one-process worker gathers before they go into the buffer"""
-CHECKPOINT_FORMAT = "srl-checkpoint"
-CHECKPOINT_VERSION = 3
-"""3: counters and the trainer's state (arrays under ``trainer/``); 2 (weights only) still loads. A setting
-added since is read as ``RLConfig.saved_before`` says when a checkpoint's config lacks it"""
-TRAINER_PREFIX = "trainer/"
-MEMORY_PREFIX = "memory/"
-
-
-def task_config(rl_config: RLConfig, env_config: EnvConfig) -> dict[str, Any]:
-    """The algorithm, its settings and the env as plain data (a task's config, a checkpoint's meta)."""
-    return {"algorithm": rl_config.algorithm, "rl_config": config_to_dict(rl_config), "env": env_config.to_dict()}
-
-
-def build_checkpoint(
-    parameter: Parameter, trainer: Trainer | None, task_config: dict[str, Any], train_count: int, env_steps: int,
-    episodes: int, trainer_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
-    memory: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """What a checkpoint holds: the weights, the trainer's state under ``trainer/`` (from ``trainer``, else
-    ``trainer_state``), the replay memory under ``memory/`` when given (``Buffer.state_arrays``), and the
-    meta (format, counters, the algorithm, its settings and the env)."""
-    arrays = dict(parameter.to_arrays())
-    meta: dict[str, Any] = {
-        "format": CHECKPOINT_FORMAT,
-        "format_version": CHECKPOINT_VERSION,
-        "train_count": train_count,
-        "version": parameter.version,
-        "env_steps": env_steps,
-        "episodes": episodes,
-        "saved_at": time.time(),
-        **task_config,
-    }
-    state = trainer.state_arrays() if trainer is not None else trainer_state
-    if state is not None:
-        arrays.update({TRAINER_PREFIX + k: v for k, v in state[0].items()})
-        meta["trainer_state"] = state[1]
-    if memory is not None:
-        arrays.update({MEMORY_PREFIX + k: v for k, v in memory[0].items()})
-        meta["memory_state"] = memory[1]
-    return arrays, meta
-
-
-def split_checkpoint(
-    meta: dict[str, Any], arrays: dict[str, np.ndarray], rl_config: RLConfig, source: str = "checkpoint"
-) -> tuple[dict[str, np.ndarray], tuple[dict[str, np.ndarray], dict[str, Any]] | None]:
-    """The weights and the trainer state (None if it holds none) of a checkpoint made for ``rl_config``'s
-    algorithm under the same settings that change what weights mean; ValueError saying what is wrong
-    otherwise."""
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{source} is not an srl checkpoint (format {str(meta.get('format'))[:40]!r})")
-    algorithm = rl_config.algorithm
-    if meta.get("algorithm") != algorithm:
-        raise ValueError(f"{source} holds {str(meta.get('algorithm'))[:40]!r} weights; this task is {algorithm!r}")
-    for name in ("version", "train_count", "env_steps", "episodes"):
-        _count(meta, name)
-    check_weights_match(meta, rl_config, source)
-    weights = {k: v for k, v in arrays.items() if not k.startswith((TRAINER_PREFIX, MEMORY_PREFIX))}
-    state = meta.get("trainer_state")
-    if not isinstance(state, dict):
-        return weights, None
-    return weights, ({k[len(TRAINER_PREFIX):]: v for k, v in arrays.items() if k.startswith(TRAINER_PREFIX)}, state)
-
-
-def checkpoint_memory(
-    meta: dict[str, Any], arrays: dict[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
-    """The replay memory a checkpoint keeps (for ``Buffer.load_state_arrays``), or None when it keeps none."""
-    state = meta.get("memory_state")
-    if not isinstance(state, dict):
-        return None
-    return {k[len(MEMORY_PREFIX):]: v for k, v in arrays.items() if k.startswith(MEMORY_PREFIX)}, state
-
-
-def saved_rl_config(meta: dict[str, Any], config_cls: type[RLConfig]) -> dict[str, Any]:
-    """A checkpoint's algorithm settings, with the fields added since it was written set to what their
-    absence meant (``config_cls.saved_before``)."""
-    raw = meta.get("rl_config", {})
-    if not isinstance(raw, dict):
-        raise ValueError(f"checkpoint field 'rl_config' is {type(raw).__name__}, not the algorithm's settings")
-    return {**config_cls.saved_before, **raw}
-
-
-def check_weights_match(meta: dict[str, Any], rl_config: RLConfig, source: str = "checkpoint") -> None:
-    """ValueError when a checkpoint's weights were made under other values of the settings that change
-    what weights mean (``weights_depend_on``) than ``rl_config``'s."""
-    saved = saved_rl_config(meta, type(rl_config))
-    for name in type(rl_config).weights_depend_on:
-        ours = getattr(rl_config, name)
-        if name in saved and saved[name] != ours:
-            raise ValueError(
-                f"{source} was trained with {name}={str(saved[name])[:40]}, this config has {name}={ours!r}: the "
-                f"weights mean something else under it. Set {name} as the checkpoint has it, or rebuild with "
-                "Runner.from_checkpoint"
-            )
-
-
-def reward_summary(rewards: list[float], prefix: str) -> dict[str, float | None]:
-    """``{prefix}_mean/_min/_max`` of episode rewards (None each when there are none)."""
-    if not rewards:
-        return {f"{prefix}_mean": None, f"{prefix}_min": None, f"{prefix}_max": None}
-    return {f"{prefix}_mean": round(float(np.mean(rewards)), 4), f"{prefix}_min": round(float(min(rewards)), 4),
-            f"{prefix}_max": round(float(max(rewards)), 4)}
-
-
-def _count(meta: dict[str, Any], name: str) -> int:
-    value = meta.get(name, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
-        raise ValueError(f"checkpoint field {name!r} is {str(value)[:40]}, not a count")
-    return value
-
-
 class _Rates:
     """Env steps and train steps per second since the previous call."""
 
@@ -157,14 +46,6 @@ class _Rates:
         self.last = (now, env_steps, train_count)
         dt = max(now - then, 1e-9)
         return (env_steps - steps) / dt, (train_count - count) / dt
-
-
-def seed_everything(seed: int | None) -> None:
-    if seed is None:
-        return
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Runner:
@@ -209,6 +90,10 @@ class Runner:
     def train_count(self) -> int:
         """Gradient steps made so far (continued from a checkpoint or a distributed run)."""
         return self._trainer.train_count if self._trainer is not None else self._train_count
+
+    def replica(self) -> Runner:
+        """A runner of the same env and settings with weights, env and worker of its own (an evaluator's)."""
+        return type(self)(self.env_config, self.rl_config)
 
     def task_config(self) -> dict[str, Any]:
         """The algorithm, its settings and the env as plain data (what a distributed task carries)."""
@@ -424,8 +309,8 @@ class Runner:
     def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = "checkpoint") -> None:
         """Apply a checkpoint's ``(meta, arrays)`` (see :meth:`load`)."""
         weights, state = split_checkpoint(meta, arrays, self.rl_config, source)
-        self.set_parameter_arrays(weights, _count(meta, "version"), _count(meta, "train_count"))
-        self.env_steps, self.episodes = _count(meta, "env_steps"), _count(meta, "episodes")
+        self.set_parameter_arrays(weights, count_field(meta, "version"), count_field(meta, "train_count"))
+        self.env_steps, self.episodes = count_field(meta, "env_steps"), count_field(meta, "episodes")
         if state is not None:
             if self._trainer is not None:
                 self._trainer.load_state_arrays(*state)

@@ -21,7 +21,6 @@ The loop::
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from srl.base.env import allowed_env_modules, env_spec
-from srl.base.rl import Columns, Parameter
+from srl.base.rl import Columns, Parameter, seed_everything
 from srl.base.rollout import Rollout
 from srl.runner.distribution.board import Board, BoardDataError, BoardError
 from srl.runner.distribution.codec import (
@@ -45,14 +44,14 @@ from srl.runner.distribution.codec import (
     task_tag,
 )
 from srl.runner.distribution.credentials import CredentialsError
+from srl.runner.distribution.in_flight import InFlight
 from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
-from srl.runner.distribution.queues import ExperienceQueue, QueueFullError, describe_queue, open_queue
+from srl.runner.distribution.queues import ExperienceQueue, QueueError, QueueFullError, describe_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
-from srl.runner.runner import seed_everything
 
 logger = logging.getLogger("srl.actor")
 
@@ -60,6 +59,7 @@ _RUNS = itertools.count()
 """runs of actors in this process"""
 
 _BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
+_QUEUE_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, QueueError)
 
 
 class ActorRun:
@@ -98,6 +98,7 @@ class ActorRun:
         self.queue: ExperienceQueue = open_queue(
             queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
         )
+        self.in_flight = InFlight(self.queue, board, self.lease_name, self.counters)
         try:
             self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed, config.vectorization,
                                    allow)
@@ -114,6 +115,7 @@ class ActorRun:
         self.fatal: str | None = None
         self.refused_by: CredentialsError | None = None  # the board refused this actor's credentials
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
+        self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
         self._fresh_params = threading.Event()
         self.seq = 0
@@ -212,6 +214,7 @@ class ActorRun:
             return True
         if slot is not None:  # another slot was free, ours was not: give it back, stand by
             self.board.release_lease(f"actor:{slot}", opts.uid)
+        self.slot_lost = True
         self.stop.set(f"lost actor slot {self.slot}: its lease was not renewed in time and another actor took "
                       "it (was this process paused or cut off from Redis?)")
         return False
@@ -353,9 +356,15 @@ class ActorRun:
         waited_from: float | None = None
         while not self.stop.is_set():
             try:
-                depth = with_retry(self._depth, "queue depth", should_stop=self.stop.is_set)
+                depth = with_retry(self.in_flight.depth, "queue depth", should_stop=self.stop.is_set)
             except BoardUnreachableError:  # only raised once the actor is stopping
                 break
+            except QueueError as e:  # a broker that lost the queue (a task replaced): the run stops soon, or not
+                if self._board_log.ready():
+                    logger.warning("cannot read the experience queue's depth (%s); retrying", short(e))
+                self.stop.wait(delay)
+                delay = min(delay * 2, 0.25)
+                continue
             if depth < self.capacity:
                 break
             if waited_from is None:
@@ -368,15 +377,6 @@ class ActorRun:
             waited = self._end_wait()
             self.backpressure_wait_s += waited
             self.counters.add(backpressure_wait_s=waited)
-
-    def _depth(self) -> int:
-        depth = self.queue.depth()
-        if depth is not None:
-            return depth
-        # actors write theirs at once (see _send), the trainer each read's before it acks the read: a depth
-        # read here is never below the queue's real one
-        counters = self.board.get_counters()
-        return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
 
     def _flush(self) -> int | None:
         """Send the worker's finished rows; the newest params version among them (None: nothing sent)."""
@@ -403,11 +403,7 @@ class ActorRun:
             self.seq += 1
             self.sent_batches += 1
             self._put([blob])
-            if self.queue.reports_depth:
-                self.counters.add(sent_batches=1, sent_transitions=count)
-            else:  # these counters are the queue depth for every actor: write them now, not at the heartbeat
-                with_retry(functools.partial(self.board.incr_counters, self.lease_name, sent_batches=1,
-                                             sent_transitions=count), "counting a sent batch")
+            self.in_flight.sent(1, count)
 
     def _put(self, payloads: list[bytes]) -> None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
@@ -426,7 +422,7 @@ class ActorRun:
                 logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
                                "lower queue_capacity below the broker's limit", len(payloads))
                 self.counters.add(refused_messages=len(payloads))
-            except TRANSIENT_ERRORS as e:  # BrokerUnavailableError is a ConnectionError
+            except _QUEUE_AWAY as e:  # BrokerUnavailableError is a ConnectionError; QueueError: a queue lost
                 away_since = away_since or time.monotonic()
                 if self._board_log.ready():
                     logger.warning("experience queue unreachable for %.0fs (%s); holding %d batch(es) until it "
@@ -500,10 +496,12 @@ class ActorRun:
         """Flush counters and final stats (the client's end-of-run summary reads them), and release the slot
         so a standby can take it at once."""
         opts = self.options
+        # the stats of a slot another actor took are that actor's now: only this run's counts still go
+        stats = None if self.slot_lost else self._stats(self._last_rate)
         try:
             with self.counters.taken() as deltas:  # a last heartbeat: counters and stats in one round trip
                 self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                                     self._stats(self._last_rate), deltas)
+                                     stats, deltas)
             self.board.release_lease(self.lease_name, opts.uid)
         except Exception as e:  # the board may be gone; the lease then simply expires
             logger.warning("could not report the end of actor %s: %s", opts.uid, e)

@@ -21,11 +21,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Protocol
 
 import numpy as np
 
+from srl.base.checkpoint import split_checkpoint
 from srl.base.config import shown, unknown_setting_message
+from srl.base.env import EnvConfig, EnvSpec
+from srl.base.rl import Parameter, RLConfig
 from srl.runner.distribution import local_nodes
 from srl.runner.distribution.board import (
     MAX_ACTORS,
@@ -44,19 +47,52 @@ from srl.runner.distribution.codec import (
     params_message_bytes,
     short,
 )
+from srl.runner.distribution.embedded import EmbeddedRedis, resolve
 from srl.runner.distribution.options import ActorOptions, TrainerOptions
-from srl.runner.distribution.queues import BrokerUnavailableError, describe_queue, open_queue, queue_scheme
+from srl.runner.distribution.queues import (
+    BrokerUnavailableError,
+    describe_queue,
+    discard_leftovers,
+    open_queue,
+    queue_scheme,
+)
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.task import MAX_QUEUE_CAPACITY, TASK_GONE, TASK_REPLACED
-from srl.runner.progress import ensure_logging, eta, format_seconds
+from srl.runner.progress import ensure_logging, eta, format_seconds, reward_summary
 from srl.runner.run_log import RunLog, latest_checkpoint, write_checkpoint
-from srl.runner.runner import reward_summary, split_checkpoint
-
-if TYPE_CHECKING:
-    from srl.runner.runner import Runner
 
 logger = logging.getLogger("srl.client")
+
+
+class Runner(Protocol):
+    """What the client needs of an ``srl.Runner`` (the runner module calls the client, never the reverse)."""
+
+    env_config: EnvConfig
+    rl_config: RLConfig
+    env_steps: int
+    episodes: int
+
+    @property
+    def spec(self) -> EnvSpec: ...
+
+    @property
+    def parameter(self) -> Parameter: ...
+
+    @property
+    def train_count(self) -> int: ...
+
+    def task_config(self) -> dict[str, Any]: ...
+
+    def replica(self) -> Runner: ...
+
+    def evaluate(self, max_episodes: int = 10, seed: int | None = None) -> list[float]: ...
+
+    def save(self, path: str | os.PathLike[str]) -> None: ...
+
+    def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = ...) -> None: ...
+
+    def set_parameter_arrays(self, arrays: dict[str, np.ndarray], version: int, train_count: int) -> None: ...
 
 
 TIMEOUT_GRACE_S = 30.0
@@ -149,14 +185,12 @@ def train_distribution(
     ensure_logging()
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
     runner.rl_config = runner.rl_config.settled(runner.env_config)  # here, so every node gets the same values
-    from srl.runner.distribution.embedded import EmbeddedRedis
-
     resume = _read_resume(runner, resume_from) if resume_from is not None else None
     if resume is not None:  # the budget counts from where the checkpoint got to
         max_train_count = None if max_train_count is None else runner.train_count + max_train_count
         max_steps = None if max_steps is None else runner.env_steps + max_steps
     run_log = RunLog(log_dir) if log_dir is not None else None
-    resolved, embedded = redis_params.resolve()
+    resolved, embedded = resolve(redis_params)
     procs: list[local_nodes.LocalNode] = []
     evaluator: Evaluator | None = None
     board: Board | None = None
@@ -458,20 +492,15 @@ def _clear_leftover_experience(queue_params: Any, redis_params: RedisParameters)
     queue, a Pub/Sub topic or an MQTT session outlives its task, and batches actors sent after an
     earlier task of this name ended would otherwise reach the new trainer (accepted when the schema
     matches: same columns, and without a secret nothing tells the tasks apart)."""
-    scheme = queue_scheme(queue_params)
-    # MQTT queues for the trainer's persistent session: ending that session (as its consumer) drops them
-    role: Literal["producer", "consumer"] = "consumer" if scheme == "mqtt" else "producer"
     try:
-        with open_queue(queue_params, namespace=redis_params.task_name, role=role,
-                        redis_params=redis_params) as queue:
-            depth = queue.depth()
-            queue.destroy()
+        depth = discard_leftovers(queue_params, namespace=redis_params.task_name, redis_params=redis_params)
     except Exception as e:
         logger.warning("could not empty the task's %s queue before starting (%s): batches an earlier task of this "
-                       "name left there may reach the trainer", scheme, short(e))
+                       "name left there may reach the trainer", queue_scheme(queue_params), short(e))
         return
     if depth:
-        logger.info("removed %d batch(es) an earlier task of this name left in the %s queue", depth, scheme)
+        logger.info("removed %d batch(es) an earlier task of this name left in the %s queue", depth,
+                    queue_scheme(queue_params))
 
 
 def _note_totals(board: Board, runner: Runner, procs: list[local_nodes.LocalNode], actor_num: int) -> None:
@@ -531,9 +560,7 @@ class Evaluator:
 
     def __init__(self, runner: Runner, board: Board, codec: Codec, interval: float | None, every: int | None,
                  episodes: int, run_log: RunLog | None) -> None:
-        from srl.runner.runner import Runner
-
-        self.copy = Runner(runner.env_config, runner.rl_config)  # its own weights, env and worker
+        self.copy = runner.replica()  # its own weights, env and worker
         self.board = board
         self.codec = codec
         self.interval = interval

@@ -174,6 +174,19 @@ class EmbeddedRedis:
         self.stop()
 
 
+def resolve(params: RedisParameters) -> tuple[RedisParameters, EmbeddedRedis | None]:
+    """Parameters that point at a real server, and the embedded server started for them (or None): with
+    neither host nor url (``RedisParameters()``) a redis-server is started here.
+
+    The caller owns the returned ``EmbeddedRedis``: stop it (or use it as a context manager) when done; it
+    also stops at interpreter exit and when this process dies.
+    """
+    if not params.is_embedded:
+        return params, None
+    server = start_embedded_redis()
+    return params.replace(host=server.host, port=server.port, db=0), server
+
+
 def start_embedded_redis(
     dir: str | os.PathLike[str] | None = None, timeout_s: float = START_TIMEOUT_S
 ) -> EmbeddedRedis:

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from srl.base.config import config_from_dict, config_to_dict
-from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
+from srl.runner.distribution.queues import parameter_classes
 from srl.runner.distribution.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.client")
@@ -44,15 +44,10 @@ class LocalNode(subprocess.Popen[bytes]):
     parent_pipe: int | None = None
 
 
-_PARAM_TYPES: dict[str, type] = {
-    cls.__name__: cls for cls in (RedisParameters, RabbitMQParameters, MQTTParameters, GCPParameters)
-}
-
-
 def _params_to_data(params: Any) -> Any:
     if params is None or isinstance(params, str):
         return params
-    if type(params).__name__ not in _PARAM_TYPES:
+    if type(params).__name__ not in parameter_classes():
         raise TypeError(f"cannot hand {type(params).__name__} to a local process")
     return {"type": type(params).__name__, "fields": config_to_dict(params)}
 
@@ -60,7 +55,7 @@ def _params_to_data(params: Any) -> Any:
 def _params_from_data(data: Any) -> Any:
     if data is None or isinstance(data, str):
         return data
-    return config_from_dict(_PARAM_TYPES[data["type"]], data["fields"])
+    return config_from_dict(parameter_classes()[data["type"]], data["fields"])
 
 
 def start(

@@ -1,7 +1,8 @@
 """Where the experience queue lives when it is not the board's Redis.
 
-Owns: ``RabbitMQParameters``, ``MQTTParameters``, ``GCPParameters`` and turning
-a queue URL into one of them. Must never: import pika, paho or google-cloud
+Owns: ``RabbitMQParameters``, ``MQTTParameters`` and ``GCPParameters``, each
+built from its URL (``from_url``); ``srl.runner.distribution.queues`` picks the
+class by the URL's scheme. Must never: import pika, paho or google-cloud
 (the backend modules in ``srl.runner.distribution.queues`` do that) or hold a
 connection. ``describe()`` never shows a password.
 
@@ -19,16 +20,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from srl.base.config import Settings
-from srl.runner.distribution.redis_parameters import RedisParameters
 
 MiB = 1024 * 1024
 
-QUEUE_URL_FORMS = (
-    "redis://[user:password@]host[:port][/db], rediss://... (TLS), unix:///path/to/redis.sock, "
-    "amqp://[user:password@]host[:port][/vhost], amqps://... (TLS), "
-    "mqtt://[user:password@]host[:port][/topic], mqtts://... (TLS), "
-    "pubsub://PROJECT[/TOPIC][?subscription=NAME&emulator_host=HOST:PORT]"
-)
 
 
 def _split(url: str, schemes: tuple[str, ...], form: str) -> Any:
@@ -333,26 +327,3 @@ class GCPParameters(Settings):
     def replace(self, **changes: Any) -> GCPParameters:
         result: GCPParameters = _replace(self, changes)
         return result
-
-
-QueueParameters = RedisParameters | RabbitMQParameters | MQTTParameters | GCPParameters
-
-
-def parse_queue_url(url: str) -> QueueParameters:
-    """The parameters dataclass a queue URL stands for (ValueError on a malformed or unknown one)."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or not scheme:
-        raise ValueError(f"a queue URL was expected, one of {QUEUE_URL_FORMS}; got {_hide_password(url)!r}")
-    scheme = scheme.lower()
-    if scheme in ("redis", "rediss", "unix"):
-        _split(url, (scheme,), "redis://host:port/db")
-        return RedisParameters(url=url)
-    if scheme in ("amqp", "amqps"):
-        return RabbitMQParameters(url=url)
-    if scheme in ("mqtt", "mqtts"):
-        return MQTTParameters(url=url)
-    if scheme == "pubsub":
-        return GCPParameters(url=url)
-    from srl.runner.distribution.queues import unknown_scheme_error
-
-    raise unknown_scheme_error(scheme)

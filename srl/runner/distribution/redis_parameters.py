@@ -10,15 +10,13 @@ import dataclasses
 import os
 import ssl
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
 from srl.base.config import Settings
 from srl.runner.distribution.credentials import authentication_failed
-
-if TYPE_CHECKING:
-    from srl.runner.distribution.embedded import EmbeddedRedis
 
 
 def read_secret_file(path: str | None) -> str | None:
@@ -145,6 +143,20 @@ class RedisParameters(Settings):
             fields["password_file"] = env["SRL_REDIS_PASSWORD_FILE"]
         return cls(**{**fields, **overrides})
 
+    @classmethod
+    def from_url(cls, url: str, **fields: Any) -> RedisParameters:
+        """Parameters for a ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL; ValueError when it is malformed."""
+        params = cls(url=url, **fields)
+        try:
+            parts = urlsplit(url)
+            _ = parts.port  # raises ValueError on a port that is not a number
+        except ValueError as e:
+            raise ValueError(f"malformed Redis URL {params.describe()!r}: {e}; expected "
+                             "redis://[user:password@]host[:port][/db]") from None
+        if parts.scheme.lower() not in ("redis", "rediss", "unix"):
+            raise ValueError(f"a redis://, rediss:// or unix:// URL was expected, got {params.describe()!r}")
+        return params
+
     def __repr__(self) -> str:
         # the url may carry a password: show where it points, never the secret
         return f"RedisParameters({self.describe()!r}, task_name={self.task_name!r})"
@@ -188,7 +200,7 @@ class RedisParameters(Settings):
         elif self.host is None:
             raise ValueError(
                 "RedisParameters() with no host and no url means an embedded Redis; "
-                "start it first with RedisParameters.resolve() (or "
+                "start it first with srl.runner.distribution.embedded.resolve(params) (or "
                 "srl.runner.distribution.embedded.start_embedded_redis()) and connect to what it returns"
             )
         else:
@@ -200,19 +212,6 @@ class RedisParameters(Settings):
             pool.connection_class = ExplainedSSLConnection
         pool.connection_class = _explained(pool.connection_class)
         return client
-
-    def resolve(self) -> tuple[RedisParameters, EmbeddedRedis | None]:
-        """Parameters that point at a real server, and the embedded server started for them (or None).
-
-        For an embedded one the caller owns the returned ``EmbeddedRedis``: stop it (or use it as a
-        context manager) when done; it also stops at interpreter exit and when this process dies.
-        """
-        if not self.is_embedded:
-            return self, None
-        from srl.runner.distribution.embedded import start_embedded_redis
-
-        server = start_embedded_redis()
-        return self.replace(host=server.host, port=server.port, db=0), server
 
     def replace(self, **changes: Any) -> RedisParameters:
         return dataclasses.replace(self, **changes)

@@ -51,8 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from srl.base.checkpoint import build_checkpoint, checkpoint_memory, split_checkpoint, task_config
 from srl.base.env import allowed_env_modules, env_spec
-from srl.base.rl import Buffer, Columns
+from srl.base.rl import Buffer, Columns, seed_everything
 from srl.base.schema import Schema
 from srl.runner.distribution.board import Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import (
@@ -89,7 +90,6 @@ from srl.runner.distribution.task import (
 )
 from srl.runner.progress import ensure_logging
 from srl.runner.run_log import write_checkpoint
-from srl.runner.runner import build_checkpoint, checkpoint_memory, seed_everything, split_checkpoint, task_config
 
 Opened = tuple[Message, BatchFrame]
 """a batch message taken from the queue, and its checked frame (arrays not made yet)"""
@@ -296,6 +296,7 @@ class TrainerRun:
         self.refused_by: CredentialsError | None = None  # the queue refused this trainer's login
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self.task_replaced = False  # another task of this name replaced it
+        self.fenced = False  # another trainer took the lease over
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
         # publishing: the main thread hands blobs over, the board thread writes them
@@ -850,6 +851,7 @@ class TrainerRun:
         status = self.board.get_status()
         newer = ("another trainer" if status is None or not status.trainer_uid
                  else f"trainer {status.trainer_uid} (epoch {status.trainer_epoch})")
+        self.fenced = True
         self.stop.set(f"fenced off: {newer} took the trainer lease over from epoch {self.epoch}")
         self.board.log_event(f"trainer {opts.uid} (epoch {self.epoch}) fenced off by {newer}", level="WARNING",
                              source=opts.uid)
@@ -1028,9 +1030,10 @@ class TrainerRun:
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             ingest.join(timeout=10)
             try:
+                # a fenced trainer's stats would overwrite its successor's: only its counts still go
+                stats = None if self.fenced else self._stats(*self._last_rates)
                 with self.counters.taken() as deltas:  # a last heartbeat: counters and stats in one round trip
-                    self.board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer",
-                                         self._stats(*self._last_rates), deltas)
+                    self.board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats, deltas)
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, short(e))

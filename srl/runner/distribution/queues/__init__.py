@@ -1,8 +1,9 @@
 """The experience queue: actors put encoded batches, the trainer gets and acks them.
 
-Owns: the ``ExperienceQueue`` protocol (see ``base``), the registry of backends
-by URL scheme and ``open_queue``. Must never: see numpy or torch (it moves
-bytes), or import a broker's client library outside that broker's module.
+Owns: the ``ExperienceQueue`` protocol (see ``base``), the table of backends
+(:data:`BACKENDS`: schemes, parameters class, module) that everything else
+reads, and ``open_queue``. Must never: see numpy or torch (it moves bytes), or
+import a broker's client library outside that broker's module.
 
 Backends (Kombu style: dotted paths, imported only when used)::
 
@@ -14,6 +15,13 @@ Backends (Kombu style: dotted paths, imported only when used)::
 All of them are at-least-once: a message is gone only once the caller acked
 it; unacked ones come back to the next consumer. The batches carry
 ``(actor, epoch, seq)`` so the trainer recognises a duplicate.
+
+A new backend is one module and one row: a module with its ``ExperienceQueue``
+class (its client library imported there) and a parameters dataclass that
+imports no client library (``from_url``, ``describe()``, ``replace()``), and a
+:class:`Backend` in :data:`BACKENDS` (or :func:`register` for one outside srl).
+URL parsing, ``describe_queue``, ``queue_scheme``, local processes and clearing
+a task's leftovers all read the table.
 """
 
 from __future__ import annotations
@@ -26,13 +34,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from srl.runner.distribution.queue_parameters import (
-    GCPParameters,
-    MQTTParameters,
-    QueueParameters,
-    RabbitMQParameters,
-    parse_queue_url,
-)
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -41,79 +42,119 @@ from srl.runner.distribution.queues.base import (
     QueueError,
     QueueFullError,
     QueueMessage,
+    QueueParameters,
     Role,
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
 
 __all__ = [
     "BACKENDS",
+    "Backend",
     "BrokerUnavailableError",
     "ExperienceQueue",
-    "GCPParameters",
-    "MQTTParameters",
     "Message",
     "MissingBackendLibraryError",
     "QueueError",
     "QueueFullError",
     "QueueMessage",
-    "RabbitMQParameters",
+    "QueueParameters",
     "describe_queue",
+    "discard_leftovers",
     "open_queue",
+    "parameter_classes",
+    "parse_queue_url",
     "queue_scheme",
+    "register",
     "unknown_scheme_error",
 ]
 
 
 @dataclass(frozen=True)
 class Backend:
-    """Where a backend lives and what it needs installed."""
+    """One experience-queue backend: its schemes, its parameters, its module, what it needs installed."""
 
     name: str
     """canonical scheme, the one ``queue_scheme`` reports"""
-    path: str
-    """module:Class, imported on first use"""
-    library: str | None
+    schemes: tuple[str, ...]
+    """URL schemes it takes"""
+    parameters: str
+    """module:Class of its parameters dataclass (imports no client library): ``from_url``, ``describe``"""
+    queue: str
+    """module:Class of its ExperienceQueue, imported on first use"""
+    library: str | None = None
     """top-level module of its client library (None: a core dependency)"""
-    extra: str | None
+    extra: str | None = None
     """the srl extra that installs it"""
 
 
-_REDIS = Backend("redis", "srl.runner.distribution.queues.redis_stream:RedisStreamQueue", None, None)
-_AMQP = Backend("amqp", "srl.runner.distribution.queues.rabbitmq:RabbitMQQueue", "pika", "rabbitmq")
-_MQTT = Backend("mqtt", "srl.runner.distribution.queues.mqtt:MQTTQueue", "paho", "mqtt")
-_PUBSUB = Backend("pubsub", "srl.runner.distribution.queues.pubsub:PubSubQueue", "google", "gcp")
+_PARAMS = "srl.runner.distribution.queue_parameters"
+_QUEUES = "srl.runner.distribution.queues"
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("redis", ("redis", "rediss", "unix"), "srl.runner.distribution.redis_parameters:RedisParameters",
+            f"{_QUEUES}.redis_stream:RedisStreamQueue"),
+    Backend("amqp", ("amqp", "amqps"), f"{_PARAMS}:RabbitMQParameters", f"{_QUEUES}.rabbitmq:RabbitMQQueue",
+            "pika", "rabbitmq"),
+    Backend("mqtt", ("mqtt", "mqtts"), f"{_PARAMS}:MQTTParameters", f"{_QUEUES}.mqtt:MQTTQueue", "paho", "mqtt"),
+    Backend("pubsub", ("pubsub",), f"{_PARAMS}:GCPParameters", f"{_QUEUES}.pubsub:PubSubQueue", "google", "gcp"),
+)}
+"""Every backend by its canonical scheme: the one table URL parsing, open_queue and local nodes read."""
 
-BACKENDS: dict[str, Backend] = {
-    "redis": _REDIS,
-    "rediss": _REDIS,
-    "unix": _REDIS,
-    "amqp": _AMQP,
-    "amqps": _AMQP,
-    "mqtt": _MQTT,
-    "mqtts": _MQTT,
-    "pubsub": _PUBSUB,
-}
-"""URL scheme -> backend. Add one here: a module with a class taking (params, namespace=, role=, ...)."""
 
-_BY_PARAMS: dict[type, Backend] = {
-    RedisParameters: _REDIS,
-    RabbitMQParameters: _AMQP,
-    MQTTParameters: _MQTT,
-    GCPParameters: _PUBSUB,
-}
+def register(backend: Backend) -> None:
+    """Add a backend to the table (one outside srl); a scheme another backend takes is refused."""
+    taken = {scheme: b.name for b in BACKENDS.values() for scheme in b.schemes if b.name != backend.name}
+    clash = sorted(set(backend.schemes) & set(taken))
+    if clash:
+        raise ValueError(f"scheme(s) {clash} already belong to backend(s) {sorted({taken[c] for c in clash})}")
+    BACKENDS[backend.name] = backend
+
+
+def _by_scheme(scheme: str) -> Backend:
+    for backend in BACKENDS.values():
+        if scheme.lower() in backend.schemes:
+            return backend
+    raise unknown_scheme_error(scheme)
+
+
+def _load(path: str) -> Any:
+    module_name, _, name = path.partition(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def parameter_classes() -> dict[str, type]:
+    """The parameters dataclass of every backend, by class name (they import no client library)."""
+    return {cls.__name__: cls for cls in (_load(b.parameters) for b in BACKENDS.values())}
+
+
+def _by_params(params: Any) -> Backend:
+    for backend in BACKENDS.values():
+        if isinstance(params, _load(backend.parameters)):
+            return backend
+    raise TypeError(
+        "queue parameters must be None (the board's Redis), a URL str, or the parameters of a backend ("
+        f"{', '.join(sorted(parameter_classes()))}); got {type(params).__name__}"
+    )
 
 
 def unknown_scheme_error(scheme: str) -> ValueError:
     """ValueError for a URL scheme no backend handles, listing the known ones."""
-    known = sorted(BACKENDS)
+    known = sorted(s for b in BACKENDS.values() for s in b.schemes)
     close = difflib.get_close_matches(scheme.lower(), known, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ValueError(f"No such queue backend: {scheme!r}. Known schemes: {', '.join(known)}.{hint}")
 
 
-def _as_parameters(
-    params: QueueParameters | str | None, redis_params: RedisParameters | None
-) -> QueueParameters:
+def parse_queue_url(url: str) -> QueueParameters:
+    """The parameters a queue URL stands for (ValueError on a malformed URL or an unknown scheme)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or not scheme:
+        forms = ", ".join(f"{s}://..." for b in BACKENDS.values() for s in b.schemes)
+        raise ValueError(f"a queue URL was expected ({forms}); got {url.partition('@')[2] or url!r}")
+    params: QueueParameters = _load(_by_scheme(scheme).parameters).from_url(url)
+    return params
+
+
+def _as_parameters(params: Any, redis_params: RedisParameters | None) -> QueueParameters:
     if params is None:
         if redis_params is None:
             raise ValueError(
@@ -123,31 +164,20 @@ def _as_parameters(
         return redis_params
     if isinstance(params, str):
         return parse_queue_url(params)
-    if isinstance(params, tuple(_BY_PARAMS)):
-        return params
-    raise TypeError(
-        "queue parameters must be None (the board's Redis), a URL str, RedisParameters, "
-        f"RabbitMQParameters, MQTTParameters or GCPParameters; got {type(params).__name__}"
-    )
-
-
-def _backend_for(params: QueueParameters) -> Backend:
-    return _BY_PARAMS[type(params)]
+    _by_params(params)
+    return params
 
 
 def queue_scheme(params: QueueParameters | str | None) -> str:
-    """Canonical scheme of the queue ``params`` point at: redis, amqp, mqtt or pubsub.
+    """Canonical scheme of the queue ``params`` point at (redis, amqp, mqtt, pubsub, ...).
 
     None counts as redis (the board's Redis). Imports no client library.
     """
     if params is None:
-        return _REDIS.name
+        return "redis"
     if isinstance(params, str):
-        scheme = params.partition("://")[0].lower()
-        if scheme not in BACKENDS:
-            raise unknown_scheme_error(scheme)
-        return BACKENDS[scheme].name
-    return _backend_for(_as_parameters(params, None)).name
+        return _by_scheme(params.partition("://")[0]).name
+    return _by_params(params).name
 
 
 def describe_queue(params: QueueParameters | str | None) -> str:
@@ -157,10 +187,9 @@ def describe_queue(params: QueueParameters | str | None) -> str:
     return _as_parameters(params, None).describe()
 
 
-def _load(backend: Backend) -> type[ExperienceQueue]:
-    module_name, _, class_name = backend.path.partition(":")
+def _queue_class(backend: Backend) -> type[ExperienceQueue]:
     try:
-        module = importlib.import_module(module_name)
+        cls: type[ExperienceQueue] = _load(backend.queue)
     except ImportError as e:
         missing = (e.name or "").split(".")[0]
         if backend.library is not None and missing == backend.library:
@@ -169,8 +198,15 @@ def _load(backend: Backend) -> type[ExperienceQueue]:
                 f"({e}); install it with: pip install \"srl[{backend.extra}]\""
             ) from e
         raise
-    cls: type[ExperienceQueue] = getattr(module, class_name)
     return cls
+
+
+def discard_leftovers(params: QueueParameters | str | None, *, namespace: str,
+                      redis_params: RedisParameters | None = None) -> int | None:
+    """Delete what an earlier task named ``namespace`` left on the broker, before a new one starts; how
+    many messages were there (None: the broker cannot tell). See ``ExperienceQueue.discard_leftovers``."""
+    resolved = _as_parameters(params, redis_params)
+    return _queue_class(_by_params(resolved)).discard_leftovers(resolved, namespace=namespace)
 
 
 def open_queue(
@@ -206,10 +242,10 @@ def open_queue(
         raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
     if not namespace:
         raise ValueError("namespace must be a non-empty task namespace (it names the queue)")
-    resolved = _as_parameters(params, redis_params)
-    backend = _backend_for(resolved)
+    resolved: Any = _as_parameters(params, redis_params)  # a backend's parameters dataclass
+    backend = _by_params(resolved)
     if prefetch is not None and any(f.name == "prefetch" for f in dataclasses.fields(resolved)):
-        resolved = dataclasses.replace(resolved, prefetch=max(1, int(prefetch)))  # type: ignore[arg-type]
+        resolved = dataclasses.replace(resolved, prefetch=max(1, int(prefetch)))
     extra: dict[str, Any] = dict(options or {})
     if extra and not isinstance(resolved, RedisParameters):
         fields = {f.name for f in dataclasses.fields(resolved)}
@@ -220,7 +256,7 @@ def open_queue(
             )
         resolved = dataclasses.replace(resolved, **extra)
         extra = {}
-    cls = _load(backend)
+    cls = _queue_class(backend)
     if extra:
         accepted = [
             name for name, p in inspect.signature(cls.__init__).parameters.items()

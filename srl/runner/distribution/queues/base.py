@@ -55,6 +55,15 @@ class MissingBackendLibraryError(QueueError, ImportError):
 
 
 # ---------------------------------------------------------------- protocol
+class QueueParameters(Protocol):
+    """What a backend's parameters dataclass offers (``RedisParameters``, ``RabbitMQParameters``, ...): it is
+    built from its URL and says where it points without secrets. It imports no client library."""
+
+    def describe(self) -> str:
+        """Where this points, without a password, for log lines, errors and the task record."""
+        ...
+
+
 @runtime_checkable
 class Message(Protocol):
     """One payload taken from the queue; it stays the caller's until ``ack``.
@@ -162,6 +171,22 @@ class ExperienceQueue(ABC):
         For the end of a task only: messages still in the queue are lost.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot delete what it created on the broker")
+
+    # the role that reaches what an earlier task of the name left: the producer's side by default
+    _leftovers_role: Role = "producer"
+
+    @classmethod
+    def discard_leftovers(cls, params: Any, *, namespace: str) -> int | None:
+        """Delete what an earlier task named ``namespace`` left on the broker (a queue, a topic, a session:
+        they outlive their task) before a new task of that name starts, so its batches never reach the new
+        trainer; how many messages were there (None: the broker cannot tell)."""
+        queue = cls(params, namespace=namespace, role=cls._leftovers_role)  # type: ignore[call-arg]
+        try:
+            depth = queue.depth()
+            queue.destroy()
+        finally:
+            queue.close()
+        return depth
 
     def __enter__(self) -> ExperienceQueue:
         return self

@@ -291,6 +291,9 @@ class _Connection:
 class MQTTQueue(ExperienceQueue):
     """Experience queue on an MQTT topic; see the module docstring."""
 
+    # what an earlier task left waits in the trainer's persistent session: ending it as its consumer drops it
+    _leftovers_role: Role = "consumer"
+
     def __init__(
         self,
         params: MQTTParameters,

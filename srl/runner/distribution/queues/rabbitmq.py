@@ -586,8 +586,12 @@ class RabbitMQQueue(ExperienceQueue):
             return self._reconnector.call(count, "depth")
         except pika.exceptions.ChannelClosedByBroker as e:
             self._drop_connection()
-            raise QueueError(f"{self.source_name}: cannot read the queue's depth ({e.reply_code} "
-                             f"{e.reply_text}); was the task's queue deleted?") from e
+            if e.reply_code != 404:
+                raise QueueError(f"{self.source_name}: cannot read the queue's depth ({e.reply_code} "
+                                 f"{e.reply_text})") from e
+        # NOT_FOUND: the queue was deleted (a task replaced or removed): declared again as the connection is
+        logger.warning("%s: the queue vanished (the task deleted or replaced?); declaring it again", self.source_name)
+        return self._reconnector.call(count, "depth")
 
     def close(self) -> None:
         """Flush (a producer), then release the connection.

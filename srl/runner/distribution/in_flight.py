@@ -1,0 +1,56 @@
+"""How many batches an actor's experience queue holds, and where an actor counts what it sent.
+
+Owns: :class:`InFlight`, the one place that knows some queues cannot tell their depth. A queue that can
+(Redis Streams: ``XLEN``; RabbitMQ: the queue's message count) is asked, and the sends are counted with
+the actor's heartbeat. One that cannot (MQTT, Pub/Sub) is measured on the board: batches sent minus
+batches received, so each actor counts its sends there at once, and the trainer counts each read before
+it acks it. Must never: be below the queue's real depth (actors would overfill it), or see a batch's
+bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.node import CounterDeltas
+from srl.runner.distribution.queues import ExperienceQueue
+from srl.runner.distribution.retry import with_retry
+
+
+class InFlight:
+    """The depth of ``queue`` as an actor reads it for backpressure, and the counting of its sends.
+
+    The loop that uses it::
+
+        while queue_in_flight.depth() >= capacity:   # backpressure: wait
+            wait()
+        queue.put_many([blob])
+        queue_in_flight.sent(batches=1, rows=count)
+    """
+
+    def __init__(self, queue: ExperienceQueue, board: Board, role_id: str, counters: CounterDeltas) -> None:
+        self.queue = queue
+        self.board = board
+        self.role_id = role_id
+        self.counters = counters
+        self.on_board = not queue.reports_depth
+        """the depth is read from the board's counts (MQTT, Pub/Sub)"""
+
+    def depth(self) -> int:
+        """Batches put and not yet acked; never below the real number (callers retry a board that is away)."""
+        depth = None if self.on_board else self.queue.depth()
+        if depth is not None:
+            return depth
+        counters = self.board.get_counters()
+        return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
+
+    def sent(self, batches: int, rows: int, *, should_stop: Callable[[], bool] | None = None) -> None:
+        """Count ``batches`` of ``rows`` just put: at once on the board where they are the queue's depth for
+        every actor, else with the next heartbeat."""
+        if not self.on_board:
+            self.counters.add(sent_batches=batches, sent_transitions=rows)
+            return
+        with_retry(functools.partial(self.board.incr_counters, self.role_id, sent_batches=batches,
+                                     sent_transitions=rows), "counting a sent batch", should_stop=should_stop)

@@ -1,0 +1,108 @@
+"""The shape of the code: no import circles, one table of queue backends that a new backend joins with one
+row, and the same rules wherever a concept is used."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRL = Path(__file__).resolve().parents[1] / "srl"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """srl's modules and the srl modules each imports, at any depth of the file (function-level and
+    TYPE_CHECKING imports count: a module never imports one above it)."""
+    modules: dict[str, Path] = {}
+    for path in SRL.rglob("*.py"):
+        parts = list(path.relative_to(SRL.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for name in names:
+                target = resolve(name) if name.startswith("srl") else None
+                # a package's __init__ imported by its own modules (for the package itself) is no edge
+                if target and target != module and not (modules[target].name == "__init__.py"
+                                                        and module.startswith(target + ".")):
+                    graph[module].add(target)
+    return graph
+
+
+def test_the_import_graph_of_srl_has_no_cycle() -> None:
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target):], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+@pytest.mark.parametrize("module", ["srl.runner.distribution.trainer", "srl.runner.distribution.actor"])
+def test_nodes_do_not_import_the_runner(module: str) -> None:
+    """The runner calls the client, which starts nodes: a node importing the runner closes a circle."""
+    graph = _import_graph()
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo.extend(graph[current])
+    assert "srl.runner.runner" not in seen and "srl.runner.distribution.client" not in seen
+
+
+def test_a_new_backend_is_one_module_and_one_row() -> None:
+    """tests/toy_backend.py (an in-memory queue) joins with one row: URL parsing, describing, opening, local
+    nodes' hand-over of its parameters and clearing a task's leftovers all read the table."""
+    from srl.runner.distribution import local_nodes, queues
+
+    row = queues.Backend("toy", ("toy",), "tests.toy_backend:ToyParameters", "tests.toy_backend:ToyQueue")
+    queues.register(row)
+    try:
+        params = queues.parse_queue_url("toy://lab")
+        assert type(params).__name__ == "ToyParameters" and queues.describe_queue("toy://lab") == "toy://lab"
+        assert queues.queue_scheme(params) == "toy" and queues.queue_scheme("toy://lab") == "toy"
+        assert local_nodes._params_from_data(local_nodes._params_to_data(params)) == params
+        with queues.open_queue(params, namespace="ns", role="producer") as producer:
+            producer.put_many([b"one", b"two"])
+        with queues.open_queue("toy://lab", namespace="ns", role="consumer") as consumer:
+            messages = consumer.get_many(16, timeout=1.0)
+            assert [m.data for m in messages] == [b"one", b"two"]
+            consumer.ack_many(messages[:1])
+        assert queues.discard_leftovers(params, namespace="ns") == 1  # the unacked one came back, then went
+        with pytest.raises(ValueError, match="already belong to backend"):
+            queues.register(queues.Backend("toy2", ("toy", "amqp"), row.parameters, row.queue))
+    finally:
+        del queues.BACKENDS["toy"]
+    with pytest.raises(ValueError, match="No such queue backend: 'toy'"):
+        queues.parse_queue_url("toy://lab")
