@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import uuid
@@ -53,6 +54,15 @@ def running(server: ServerT) -> Iterator[ServerT]:
         server.cleanup()
 
 
+def require_tool(command: str, where: str) -> None:
+    """Skip (locally) or fail (in CI) when ``command`` is not on PATH."""
+    if shutil.which(command) is None:
+        message = f"{command} is not installed ({where})"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and {message}")
+        pytest.skip(message)
+
+
 def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -62,9 +72,21 @@ def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
 
 
 @pytest.fixture()
-def namespace() -> str:
-    """A fresh task namespace so tests sharing one Redis never collide."""
-    return f"test-{uuid.uuid4().hex[:10]}"
+def namespace() -> Iterator[str]:
+    """A fresh task namespace so tests sharing one Redis never collide; whatever the test left under it
+    (and under names it made from it, ``<namespace>-b``) is removed from that Redis at the end, so a
+    developer's own ``srl status`` and dashboard do not fill with test tasks."""
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    port = int(os.environ.get("SRL_TEST_REDIS_PORT", "6379"))
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+        keys = list(client.scan_iter(match=f"srl:{{{name}*", count=500))
+        if keys:
+            client.unlink(*keys)
+        client.close()
+    except redis.RedisError:  # no Redis here: nothing was left on it
+        pass
 
 
 @pytest.fixture()

@@ -434,13 +434,8 @@ def test_dqn_learns_cartpole() -> None:
     config.hidden_block.set_mlp((64, 64))
     config.memory.set_proportional_memory(capacity=20_000)
     runner = srl.Runner("CartPole-v1", config)
-    best = 0.0
-    for _ in range(8):  # DQN on CartPole is known to oscillate: the goal is to reach 195 once
-        runner.train(max_train_count=2_500, progress_interval=None)
-        best = max(best, float(np.mean(runner.evaluate(max_episodes=5))))
-        if best >= 195:
-            break
-    assert best >= 195
+    runner.train(max_train_count=2_500, progress_interval=None)  # a fixed budget; one process: seed 3 repeats
+    assert np.mean(runner.evaluate(max_episodes=10)) >= 195  # the final policy (341 over 10 episodes)
 
 
 # ------------------------------------------------------------------ DQN's greedy average

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from srl.runner.distribution.queues import (
     queue_scheme,
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
-from tests.conftest import broker_unavailable, port_open, running
+from tests.conftest import broker_unavailable, port_open, require_tool, running
 from tests.nodes import wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis, closed_port, redis_server_binaries
 
@@ -361,6 +360,16 @@ def _put_while_down(queue: ExperienceQueue, data: bytes) -> tuple[threading.Thre
     return thread, errors
 
 
+def _waiting_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is now inside ``function`` (its stack names it): a put blocked on a broker away."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_redis_queue_survives_a_redis_restart(private_redis: PrivateRedis, namespace: str) -> None:
     url = private_redis.url
     with open_queue(url, namespace=namespace, role="producer") as producer, \
@@ -370,7 +379,7 @@ def test_redis_queue_survives_a_redis_restart(private_redis: PrivateRedis, names
         m.ack()
         private_redis.stop()
         thread, errors = _put_while_down(producer, b"after")  # blocks, reconnecting
-        time.sleep(0.5)
+        wait_for(lambda: _waiting_in(thread, "call"), 10, "the put to wait in the queue's reconnect loop")
         private_redis.start()
         thread.join(15)
         assert not thread.is_alive() and errors == []
@@ -583,7 +592,7 @@ def test_mqtt_queue_survives_a_broker_restart(private_mosquitto: PrivateMosquitt
         [held] = drain(consumer, 1)  # not acked across the restart
         private_mosquitto.stop()  # SIGTERM: mosquitto saves its sessions
         thread, errors = _put_while_down(producer, b"after")
-        time.sleep(0.5)
+        wait_for(lambda: _waiting_in(thread, "_publish_and_wait"), 10, "the put to wait for the broker")
         private_mosquitto.start()
         thread.join(20)
         assert not thread.is_alive() and errors == []
@@ -654,8 +663,7 @@ def _rabbitmqctl_close_connections(namespace: str) -> int:
 def test_rabbitmq_queue_survives_a_forced_connection_close(namespace: str) -> None:
     """A private RabbitMQ takes ~7 s to start here, so the broker closes our connections instead."""
     b = _rabbitmq()
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not installed")
+    require_tool("rabbitmqctl", "it comes with rabbitmq-server (scripts/services.sh installs it)")
     try:
         with b.open(namespace, "producer") as producer, b.open(namespace, "consumer") as consumer:
             producer.put(b"held")
@@ -783,8 +791,7 @@ def test_rabbitmq_refusals_at_capacity_are_returned_not_lost(rabbitmq_namespace:
 def test_rabbitmq_republishes_unconfirmed_after_a_forced_connection_close(
     rabbitmq_namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not installed")
+    require_tool("rabbitmqctl", "it comes with rabbitmq-server (scripts/services.sh installs it)")
     _deaf_to_confirms(monkeypatch, generations={1})  # the first connection's confirms never arrive
     payloads = [f"unconfirmed-{i}".encode() for i in range(50)]
     producer = _rabbitmq_producer(rabbitmq_namespace, confirm_window=1000)
