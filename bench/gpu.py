@@ -1,8 +1,12 @@
-"""The DQN learner's train steps/s on the CPU and on CUDA, with a net worth a GPU.
+"""The learners and the acting of DQN, PPO and IMPALA on the CPU and on CUDA, with a net worth a GPU.
 
     python bench/gpu.py                           # 256x256, batch 256: CPU, and CUDA when torch sees one
     python bench/gpu.py --hidden 64,64 --batch 64 --seconds 5
     python bench/gpu.py --cpu-threads 1,4         # the CPU rows at each torch thread count
+    python bench/gpu.py --algorithms ppo,impala   # only the segment learners (the DQN rows need --memory rows)
+
+One command checks a lent GPU: every row runs the algorithm's real code on the device, so a tensor on the
+wrong device fails here, not in a user's run.
 
 What is timed is ``DQNTrainer.train()`` alone, the loop a trainer process runs: sample a batch from
 a proportional replay memory already full (``--memory`` rows of Pendulum-v1's shapes, random but
@@ -14,6 +18,11 @@ Rows:
   cpu, N threads          the learner on the CPU (srl's default ``torch_threads`` is 1)
   cuda, pinned            srl's path: each batch through pinned host memory, copied non-blocking
   cuda, pageable          the same with a plain ``tensor.to(device)`` per column, for comparison
+
+PPO and IMPALA (CartPole-v1, ``envs_per_actor`` 8): what is timed is the worker's ``act`` on 8 envs'
+observations (the sampling path: a categorical draw from the worker's CPU generator, the log-probability
+and value on the device) and the learner's ``train()`` on one update's segments (PPO: K epochs over
+every env's segment; IMPALA: a V-trace step on ``batch_segments``), the segments refilled before each.
 
 Without CUDA the CUDA rows say so and the CPU rows still run. Quote ratios from one run.
 """
@@ -34,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
-from srl.algorithms import dqn
+from srl.algorithms import dqn, impala, ppo
+from srl.base.rollout import Rollout
 
 ENV = "Pendulum-v1"
 
@@ -98,6 +108,48 @@ def steps_per_second(trainer: dqn.DQNTrainer, seconds: float, warmup: int) -> fl
     return (trainer.train_count - start) / (time.perf_counter() - t0)
 
 
+def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds: float,
+                  threads: int = 1) -> tuple[float, float]:
+    """(worker act() calls/s, learner updates/s) of PPO or IMPALA on ``device``."""
+    config: ppo.Config | impala.Config = (ppo.Config(seed=0, device=device, torch_threads=threads)
+                                          if algorithm == "ppo" else
+                                          impala.Config(seed=0, device=device, torch_threads=threads))
+    config.hidden_block.set_mlp(hidden)
+    runner = srl.Runner("CartPole-v1", config)
+    runner.rl_config = config = runner.rl_config.settled(runner.env_config)  # type: ignore[assignment]
+    spec, parameter = runner.spec, runner.parameter
+    worker = config.make_worker(spec, parameter, 0, 1, 0)
+    buffer = config.make_buffer(spec)
+    trainer = config.make_trainer(spec, parameter, buffer)
+    segments = []
+    with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
+        while sum(len(s["version"]) for s in segments) < max(8, config.envs_per_actor):
+            rollout.step()
+            if (rows := worker.take()) is not None:
+                segments.append(rows)
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    obs = np.random.default_rng(0).normal(size=(config.envs_per_actor, *spec.obs_shape)).astype(np.float32)
+
+    def timed(step: Callable[[], object]) -> float:
+        for _ in range(5):  # untimed: CUDA's context and kernels
+            step()
+        sync()
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            step()
+            count += 1
+        sync()
+        return count / (time.perf_counter() - t0)
+
+    def update() -> object:
+        while (stats := trainer.train()) is None:
+            for rows in segments:
+                buffer.add(rows)
+        return stats
+
+    return timed(lambda: worker.act(obs)), timed(update)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", default="256,256", help="hidden layer sizes (default 256,256)")
@@ -107,11 +159,30 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first (default 200)")
     parser.add_argument("--repeat", type=int, default=3, help="windows per row; the median is printed (default 3)")
     parser.add_argument("--cpu-threads", default="1", help="torch CPU thread counts, comma-separated (default 1)")
+    parser.add_argument("--algorithms", default="dqn,ppo,impala", help="comma-separated (default dqn,ppo,impala)")
     args = parser.parse_args()
+    algorithms = args.algorithms.split(",")
+    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala"})
+    if unknown:
+        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala")
     hidden = tuple(int(x) for x in args.hidden.split(","))
     threads = [int(x) for x in args.cpu_threads.split(",")]
 
-    print(f"DQN learner, {ENV} shapes, hidden {hidden}, batch {args.batch}, proportional memory of "
+    cuda = torch.cuda.is_available()
+    for algorithm in (a for a in algorithms if a != "dqn"):
+        print(f"\n{algorithm.upper()} on CartPole-v1, hidden {hidden}; torch {torch.__version__}")
+        print(f"{'device':<22} {'act calls/s':>12} {'updates/s':>10}  note")
+        for n in threads:
+            act, learn = segment_rates(algorithm, "cpu", hidden, args.seconds, n)
+            print(f"{'cpu, ' + str(n) + ' thread' + ('s' if n > 1 else ''):<22} {act:>12,.0f} {learn:>10,.1f}")
+        if cuda:
+            act, learn = segment_rates(algorithm, "cuda", hidden, args.seconds, threads[0])
+            print(f"{'cuda':<22} {act:>12,.0f} {learn:>10,.1f}  {torch.cuda.get_device_name(0)}")
+        else:
+            print(f"{'cuda':<22} {'-':>12} {'-':>10}  torch sees no CUDA device here")
+    if "dqn" not in algorithms:
+        return 0
+    print(f"\nDQN learner, {ENV} shapes, hidden {hidden}, batch {args.batch}, proportional memory of "
           f"{args.memory:,} rows; torch {torch.__version__}")
     rows: list[tuple[str, float | None, str]] = []
     for n in threads:
@@ -119,7 +190,7 @@ def main() -> int:
         assert torch.get_num_threads() == n
         rates = [steps_per_second(trainer, args.seconds, args.warmup) for _ in range(args.repeat)]
         rows.append((f"cpu, {n} thread{'s' if n > 1 else ''}", statistics.median(rates), ""))
-    if torch.cuda.is_available():
+    if cuda:
         name = torch.cuda.get_device_name(0)
         for label, copies in (("cuda, pinned", nullcontext), ("cuda, pageable", pageable_copies)):
             trainer = make_trainer("cuda", hidden, args.batch, args.memory, threads=threads[0])

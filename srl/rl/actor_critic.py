@@ -233,17 +233,20 @@ class SegmentWorker(Worker):
             self._high = np.where(np.isfinite(act.high), act.high, np.inf).astype(np.float32)
 
     def _sample(self, dist: Normal | list[Categorical]) -> tuple[torch.Tensor, torch.Tensor]:
-        """An action per env and its log-probability (greedy while evaluating)."""
+        """An action per env and its log-probability (greedy while evaluating). The draws come from the
+        worker's CPU generator whatever the network's device (the same stream on a CPU and a GPU: a CUDA
+        tensor cannot take a CPU generator), and the action and its log-probability stay on that device."""
         if isinstance(dist, Normal):
             if self.training:
-                action = dist.mean + dist.stddev * torch.randn(dist.mean.shape, generator=self.generator)
+                noise = torch.randn(dist.mean.shape, generator=self.generator).to(dist.mean.device)
+                action = dist.mean + dist.stddev * noise
             else:
                 action = dist.mean
             return action, dist.log_prob(action).sum(-1)
-        parts, logprob = [], torch.zeros(dist[0].logits.shape[0])
+        parts, logprob = [], torch.zeros(dist[0].logits.shape[0], device=dist[0].logits.device)
         for d in dist:
             if self.training:
-                a = torch.multinomial(d.probs, 1, generator=self.generator).squeeze(-1)
+                a = torch.multinomial(d.probs.cpu(), 1, generator=self.generator).squeeze(-1).to(d.probs.device)
             else:
                 a = d.probs.argmax(-1)
             parts.append(a)
