@@ -176,7 +176,7 @@ def test_redis_bounds_values_and_keeps_its_tasks_across_a_restart() -> None:
     settings = {words[0].lower(): words[1:] for words in config_lines(confs[0])}
     assert settings.get("proto-max-bulk-len") == ["64mb"], f"{confs[0]}: proto-max-bulk-len 64mb expected"
     assert settings.get("save") == ['""'], f"{confs[0]}: save \"\" expected (no RDB snapshots)"
-    # a restarted Redis without its data loses every task on it (README, Watching and operating)
+    # a restarted Redis without its data loses every task on it (docs/operations.md, Watching and operating)
     assert settings.get("appendonly") == ["yes"], f"{confs[0]}: appendonly yes expected"
     assert settings.get("dir") == ["/data"], f"{confs[0]}: dir /data expected (the AOF in a volume)"
     data = [str(v) for v in redis.get("volumes") or [] if str(v).split(":")[1:2] == ["/data"]]
@@ -194,7 +194,7 @@ def test_mosquitto_refuses_anonymous_clients() -> None:
         f"{conf}: allow_anonymous {settings.get('allow_anonymous')}; expected false, or anyone who reaches "
         "port 1883 reads and forges experience")
     assert "password_file" in settings, f"{conf}: no password_file, so no client could log in"
-    # srl's MQTT queue relies on these (README, Broker notes)
+    # srl's MQTT queue relies on these (docs/operations.md, Broker notes)
     assert settings.get("max_queued_messages") == ["0"], f"{conf}: max_queued_messages 0 expected"
     assert settings.get("set_tcp_nodelay") == ["true"], f"{conf}: set_tcp_nodelay true expected"
     assert settings.get("max_inflight_messages") == ["128"], f"{conf}: max_inflight_messages 128 expected"

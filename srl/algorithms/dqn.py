@@ -81,7 +81,7 @@ class Config(RLConfig):
     batch_size: int = 64
     """transitions per gradient step (64 with a target copy every 750 steps: over 24 seeds, Pendulum
     episodes stuck near the bottom 17/720 -> 3/720 against 32 and 500, and Acrobot and CartPole no
-    worse; README, Benchmarks)"""
+    worse; docs/benchmarks.md)"""
     warmup_size: int = 1000
     """transitions in memory before training starts"""
     env_steps_per_train: float | None = 1.0
@@ -124,10 +124,10 @@ class Config(RLConfig):
     torque from rest where it balances gravity and stay stuck near the bottom; over 20 one-process runs the
     average's expected evaluation beat the online net's in 14 (median -148.9 against -155.9), with stuck
     starts in 1 run instead of 3. On CartPole, still improving at 30k steps, it lagged the online net (median
-    of 10 seeds 418 -> 367 at 0.001), and Acrobot did not change (README, Benchmarks)"""
+    of 10 seeds 418 -> 367 at 0.001), and Acrobot did not change (docs/benchmarks.md)"""
     loss: str = "huber"
     """TD loss: "huber" (smooth L1: squared below an error of 1, linear beyond; Ape-X, SB3) or "mse" (squared
-    error throughout; CleanRL). Over 16 Pendulum seeds neither was clearly better (README, Benchmarks)"""
+    error throughout; CleanRL). Over 16 Pendulum seeds neither was clearly better (docs/benchmarks.md)"""
     value_rescale: bool = False
     """learn h(Q) with R2D2's h(x) = sign(x)(sqrt(|x|+1)-1) + 0.001x, so returns of any scale fall in the
     loss's useful range"""
@@ -138,14 +138,14 @@ class Config(RLConfig):
     1,000 random-action steps of the env, as a power of sqrt(10), at most 1 (``probe_reward_scale``; Pendulum
     0.316, CartPole and Acrobot 1). On distributed Pendulum, 30 runs each: 0.3 left 1 run stuck below -250
     where 1.0 left 3, but the median fell from -154.8 to -160.7; 0.1 left none of 20, and one process fell
-    from -130.9 to -163.2 over seeds 0-4 (README, Benchmarks). So it is a setting, not the default"""
+    from -130.9 to -163.2 over seeds 0-4 (docs/benchmarks.md). So it is a setting, not the default"""
     action_bins: int = 5
     """values per dimension when a Box action space is binned"""
     scale_obs: bool = False
     """map each observation dimension with finite bounds onto [-1, 1] before the network (Pendulum's angular
     velocity, within +-8, next to its cos and sin; MountainCar's velocity, within +-0.07): a fixed map from
     the env's observation space, not running statistics, so stored transitions keep their targets. On
-    distributed Pendulum it did not make runs more reliable (README, Benchmarks), so it is not the default"""
+    distributed Pendulum it did not make runs more reliable (docs/benchmarks.md), so it is not the default"""
 
     def validate(self) -> None:
         super().validate()
