@@ -155,8 +155,8 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
     ``Runner.train``. Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
     config = runner.rl_config = runner.rl_config.settled(runner.env_config)  # as Runner.train does
     spec = runner.spec
-    ratio = config.data_path().env_steps_per_train
-    if ratio is None:
+    path = config.data_path()
+    if path.env_steps_per_train is None:
         raise ValueError(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")
     parameter = runner.parameter
     buffer = config.make_buffer(spec)
@@ -177,7 +177,7 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
                 rows = worker.take()
                 if rows is not None:
                     buffer.add(rows, worker.initial_priorities(rows))
-            credit += rollout.num_envs / ratio
+            credit += path.train_credit(rollout.num_envs)
             while credit >= 1.0:
                 stats = trainer.train()
                 if stats is None:  # warming up

@@ -185,7 +185,8 @@ class Config(RLConfig):
 
     def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> PPOTrainer:
         assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
-        return PPOTrainer(self.resolved(spec), parameter, buffer, actor_num * self.envs_per_actor)
+        return PPOTrainer(self.resolved(spec), parameter, buffer,
+                          self.data_path().update_segments(actor_num, self.envs_per_actor))
 
 
 # ---------------------------------------------------------------- trainer

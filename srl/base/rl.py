@@ -103,6 +103,45 @@ class DataPath:
     warmup_rows: int = 0
     """rows the trainer needs before its first update (actors may run that far ahead of the replay ratio)"""
 
+    # ---------------------------------------------------------------- the rules it implies, in one place:
+    # Runner.train, the actor, the trainer and bench/learning.py all ask these, so a version and a replay
+    # ratio mean the same in one process and distributed.
+
+    FIRST_VERSION: ClassVar[int] = 1
+    """the version of a learner's first weights (0 means: no params yet)"""
+
+    def next_version(self, version: int, train_count: int) -> int:
+        """The params version of the learner's weights after an update that brought it to ``train_count``
+        gradient steps, from ``version`` before it: one more per update when it publishes after every update
+        (``publish_every`` 0), else one per ``publish_every`` train steps (``train_count // publish_every``
+        + 1). A distributed trainer publishes the version this says, skipping those a publication interval
+        merged, so a version means the same number of train steps wherever it is counted."""
+        if self.publish_every == 0:
+            return version + 1
+        return max(version, train_count // self.publish_every + self.FIRST_VERSION)
+
+    def train_credit(self, env_steps: int) -> float:
+        """Train steps ``env_steps`` env steps pay for under the replay ratio (one process trains them as they
+        come); only for a data path with ``env_steps_per_train``."""
+        assert self.env_steps_per_train is not None
+        return env_steps / self.env_steps_per_train
+
+    def env_steps_allowed(self, train_steps: int) -> float:
+        """Env steps (all actors together) the replay ratio allows once the trainer made ``train_steps``: the
+        warmup's rows, then ``env_steps_per_train`` per train step."""
+        assert self.env_steps_per_train is not None
+        return self.warmup_rows + self.env_steps_per_train * train_steps
+
+    def train_steps_allowed(self, rows: int, ahead: float = 1.0) -> float:
+        """Train steps ``rows`` received pay for (those past the warmup's), ``ahead`` times over."""
+        assert self.env_steps_per_train is not None
+        return ahead * max(0, rows - self.warmup_rows) / self.env_steps_per_train
+
+    @staticmethod
+    def update_segments(actor_num: int, envs_per_actor: int) -> int:
+        """Segments one on-policy update learns from: one per env of every actor."""
+        return actor_num * envs_per_actor
+
 
 @dataclass
 class RLConfig(Settings, ABC):

@@ -157,6 +157,7 @@ class Runner:
         trainer.plan(None if max_steps is None else self.env_steps + max_steps,
                      None if max_train_count is None else trainer.train_count + max_train_count)
         data_path = config.data_path()
+        parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
         worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
         rollout = Rollout(self.env_config, worker, config.envs_per_actor, config.seed, config.vectorization)
         progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout, bar=progress_bar)
@@ -165,7 +166,6 @@ class Runner:
         # transitions are handed over in small batches (a buffer add and a priority pass per row would
         # cost more than the step); segments as soon as they are complete
         flush_rows = FLUSH_TRANSITIONS if data_path.rows == "transitions" else 1
-        ratio = data_path.env_steps_per_train
         credit = 0.0
         try:
             while True:
@@ -182,10 +182,10 @@ class Runner:
                     rows = worker.take()
                     if rows is not None:
                         buffer.add(rows, worker.initial_priorities(rows))
-                if ratio is None:  # on-policy: train whenever the buffer holds an update's worth
+                if data_path.env_steps_per_train is None:  # on-policy: train whenever an update's worth is in
                     self._record(trainer.train(), progress, data_path)
                 else:
-                    credit += rollout.num_envs / ratio
+                    credit += data_path.train_credit(rollout.num_envs)
                     while credit >= 1.0:
                         stats = trainer.train()
                         if stats is None:  # warming up: steps before training starts earn nothing
@@ -259,10 +259,7 @@ class Runner:
         progress.stats = stats.scalars()
         parameter, trainer = self.parameter, self._trainer
         assert trainer is not None
-        if data_path.publish_every == 0:
-            parameter.version += 1
-        else:
-            parameter.version = trainer.train_count // data_path.publish_every
+        parameter.version = data_path.next_version(parameter.version, trainer.train_count)
 
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, max_episodes: int = 10, seed: int | None = None) -> list[float]:

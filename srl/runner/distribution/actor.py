@@ -328,12 +328,11 @@ class ActorRun:
         """Env steps this actor may have taken by now: its share of the warmup plus the replay ratio's
         env steps per train step the trainer made since this actor started, plus one batch of slack (so
         the warmup's last transitions are not stuck in an unsent batch)."""
-        ratio = self.data_path.env_steps_per_train or 0.0
         trained = max(0, self.latest_train_count)
         if self._trained_base is None or self._rebase_allowance:
             self._rebase_allowance = False
             self._trained_base, self._steps_base = trained, self.env_steps
-        share = (self.data_path.warmup_rows + ratio * (trained - self._trained_base)) / self.task.actor_num
+        share = self.data_path.env_steps_allowed(trained - self._trained_base) / self.task.actor_num
         return self._steps_base + share + self._batch_rows()
 
     def _throttle(self) -> None:

@@ -53,7 +53,7 @@ import torch
 
 from srl.base.checkpoint import build_checkpoint, checkpoint_memory, split_checkpoint, task_config
 from srl.base.env import allowed_env_modules, env_spec
-from srl.base.rl import Buffer, Columns, seed_everything
+from srl.base.rl import Buffer, Columns, DataPath, seed_everything
 from srl.base.schema import Schema
 from srl.runner.distribution.board import Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import (
@@ -312,7 +312,7 @@ class TrainerRun:
         self._waiting_since: float | None = None
         self.waiting_for: list[int] = []
         self._last_publish = 0.0
-        self._next_publish = 0
+        self._requested = (0, -1)  # (version, train_count) last handed to the board thread
         self.resumed = self._resume()
 
     def _check_memory_fits(self, needed: int) -> None:
@@ -342,8 +342,9 @@ class TrainerRun:
         except (DecodeError, ValueError) as e:
             logger.error("params on the board (epoch %d, version %d) cannot be restored: %s; starting fresh",
                          record.epoch, record.version, short(e))
-            # fresh weights, but the version numbering goes on: actors only ever move forward
-            self.version = self._published_version = self.parameter.version = record.version
+            # fresh weights, a version of their own: the numbering goes on (actors only ever move forward)
+            self._published_version = record.version
+            self.version = self.parameter.version = record.version + 1
             return
         self.version = record.version
         self._published_version = record.version
@@ -859,9 +860,10 @@ class TrainerRun:
 
     # ------------------------------------------------------------ publishing
     def request_publish(self) -> int:
-        """Make the current weights the next params version and hand them to the board thread."""
-        self.version += 1
+        """Hand the learner's weights, as params version ``self.version``, to the board thread."""
         self.parameter.version = self.version
+        self._requested = (self.version, self.trainer.train_count)
+        self._last_publish = time.monotonic()
         self.lag.published(self.version, self.trainer.train_count)
         self._arrivals = {}
         blob = self.codec.encode_params(
@@ -893,8 +895,14 @@ class TrainerRun:
             self._published_version = version
 
     def publish_and_wait(self) -> bool:
-        """Publish the current weights and wait until they are on the board (False if stopped first)."""
-        version = self.request_publish()
+        """Publish the final weights and wait until they are on the board (False if stopped first). Weights
+        trained past the last publication get a version of their own, one past it, whatever the data path's
+        rule would count: a version names one set of weights."""
+        if self.trainer.train_count > self._requested[1]:
+            self.version = max(self.version, self._requested[0] + 1)
+        if (self.version, self.trainer.train_count) != self._requested:
+            self.request_publish()
+        version = self.version
         while self._published_version < version:
             if self.stop.is_set():
                 return False
@@ -917,7 +925,7 @@ class TrainerRun:
         """Sync: every actor's segments of this version are in, or ``sync_wait_s`` passed with at least
         ``min_segments`` (then the log says which actors it goes on without)."""
         path = self.data_path
-        needed = self.task.actor_num * self.task.rl_config.envs_per_actor
+        needed = path.update_segments(self.task.actor_num, self.task.rl_config.envs_per_actor)
         have = len(self.buffer)
         if have >= needed:
             self.waiting_for = []
@@ -944,10 +952,14 @@ class TrainerRun:
             with self._version_lock:  # no row of the old version slips in between training and publishing
                 stats = self.trainer.train()
                 if stats is not None:
+                    self.version = path.next_version(self.version, self.trainer.train_count)
                     self.request_publish()
                     self._waiting_since = None
         else:
             stats = None if self._ahead_of_data() else self.trainer.train()
+            if stats is not None:
+                with self._version_lock:
+                    self.version = path.next_version(self.version, self.trainer.train_count)
             if self._publish_due():  # waiting for rows too: actors pace themselves by the published train_count
                 self.request_publish()
         if stats is None:
@@ -963,20 +975,16 @@ class TrainerRun:
         path = self.data_path
         if path.sync or path.env_steps_per_train is None:
             return False
-        rows = self._rows_base + self.received_transitions - path.warmup_rows
-        allowed = self.options.train_ahead * max(0, rows) / path.env_steps_per_train + max(1, path.publish_every)
+        rows = self._rows_base + self.received_transitions
+        allowed = path.train_steps_allowed(rows, self.options.train_ahead) + max(1, path.publish_every)
         return self.trainer.train_count - self._train_base >= allowed
 
     def _publish_due(self) -> bool:
-        every = self.data_path.publish_every
-        now = time.monotonic()
-        if now - self._last_publish < self.options.min_publish_interval:
+        """A version the board does not have yet, and ``min_publish_interval`` since the last publication
+        (versions that come faster are merged: the next publication skips to the newest)."""
+        if self.version <= self._requested[0]:
             return False
-        if every == 0 or self.trainer.train_count >= self._next_publish:
-            self._next_publish = (self.trainer.train_count // max(1, every) + 1) * max(1, every)
-            self._last_publish = now
-            return True
-        return False
+        return time.monotonic() - self._last_publish >= self.options.min_publish_interval
 
     def run(self) -> str:
         opts = self.options
@@ -995,10 +1003,8 @@ class TrainerRun:
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.trainer.train_count)
         self.trainer.plan(self.task.max_steps, self.task.max_train_count)
+        self.version = max(self.version, DataPath.FIRST_VERSION)
         self.request_publish()  # actors act with this trainer's weights from the start
-        self._last_publish = time.monotonic()
-        every = max(1, self.data_path.publish_every)
-        self._next_publish = (self.trainer.train_count // every + 1) * every
         end_reason: str | None = None
         next_local = time.monotonic() + opts.checkpoint_interval if opts.checkpoint_dir else math.inf
         board_every = None if self.task.checkpoint_interval is None else max(1.0, self.task.checkpoint_interval)
