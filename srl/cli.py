@@ -24,6 +24,8 @@ import typing
 from typing import Any, get_type_hints
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from srl.dashboard import DashboardOptions
 from srl.runner.distribution.credentials import CredentialsError
@@ -249,7 +251,8 @@ def _run(args: argparse.Namespace) -> int:
             describe_queue(args.queue_url)  # an unknown scheme or a malformed URL: now, not when a task comes
         from srl.runner.distribution.board import Board
 
-        board = Board(redis_params.connect(), redis_params.task_name)
+        # a command a person waits on: one quick retry, not redis-py's backoff, before "cannot reach"
+        board = Board(redis_params.connect(retry=Retry(NoBackoff(), 1)), redis_params.task_name)
     except ValueError as e:
         raise UsageError(str(e)) from e
     if args.command in ("actor", "trainer"):
@@ -288,7 +291,6 @@ def _terminate_as_interrupt() -> None:
 
 def _status(board: Any, redis_params: RedisParameters, watch: float | None, events: int, dead_letters: int) -> int:
     from srl.runner.distribution.board import BoardError
-    from srl.runner.distribution.client import NodeHints, progress_lines, task_elapsed
 
     while True:
         try:
@@ -296,6 +298,8 @@ def _status(board: Any, redis_params: RedisParameters, watch: float | None, even
             if status is None:
                 print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
                 return 1
+            from srl.runner.distribution.client import NodeHints, progress_lines, task_elapsed  # (loads torch)
+
             queue = board.get_task_config().get("queue")
             hints = NodeHints.of(redis_params, queue.get("describe") if isinstance(queue, dict) else None)
             lines = progress_lines(board, status, task_elapsed(board, status), hints=hints)

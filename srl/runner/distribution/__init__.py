@@ -4,12 +4,20 @@
 ``MQTTParameters`` and ``GCPParameters`` move the experience queue elsewhere
 (None keeps it in the board's Redis). ``actor_run_forever`` and
 ``trainer_run_forever`` serve tasks; ``Runner.train_distribution`` submits one.
+The two are imported when first used (they load torch; ``srl status`` does not).
 """
 
-from srl.runner.distribution.actor import ActorOptions, actor_run_forever
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from srl.runner.distribution.options import ActorOptions, TrainerOptions
 from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.trainer import TrainerOptions, trainer_run_forever
+
+if TYPE_CHECKING:
+    from srl.runner.distribution.actor import actor_run_forever
+    from srl.runner.distribution.trainer import trainer_run_forever
 
 __all__ = [
     "ActorOptions",
@@ -21,3 +29,15 @@ __all__ = [
     "actor_run_forever",
     "trainer_run_forever",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "actor_run_forever":
+        from srl.runner.distribution.actor import actor_run_forever
+
+        return actor_run_forever
+    if name == "trainer_run_forever":
+        from srl.runner.distribution.trainer import trainer_run_forever
+
+        return trainer_run_forever
+    raise AttributeError(f"module 'srl.runner.distribution' has no attribute {name!r}")
