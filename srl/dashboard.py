@@ -47,6 +47,7 @@ import redis
 from srl.base.config import Settings
 from srl.runner.distribution.board import Board, BoardError, TaskState, TaskStatus, list_tasks, task_key_prefix
 from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.stats import ActorStats, NodeStats, Reports
 
 logger = logging.getLogger("srl.dashboard")
 
@@ -114,14 +115,18 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _clean_stats(stats: Mapping[str, Any]) -> dict[str, float | int | str | bool | None]:
-    return {str(k)[:64]: _scalar(v) for k, v in list(stats.items())[:STATS_KEYS_LIMIT]}
+def _clean_stats(stats: NodeStats | None) -> dict[str, float | int | str | bool | None]:
+    """A role's stats for the page: the fields of its stats dataclass (the names the page reads) and its
+    numbers, each a scalar the page can show."""
+    record = stats.to_record() if stats is not None else {}
+    return {str(k)[:64]: _scalar(v) for k, v in list(record.items())[:STATS_KEYS_LIMIT]}
 
 
-def _heartbeat_age(stats: Mapping[str, Any], now: float) -> float | None:
+def _heartbeat_age(stats: NodeStats | None, now: float) -> float | None:
     """Seconds since the role last wrote its stats (its heartbeat), or None when it never did."""
-    updated = _number(stats.get("updated_at"))
-    return None if updated is None else round(max(0.0, now - updated), 2)
+    if stats is None or not stats.updated_at:
+        return None
+    return round(max(0.0, now - stats.updated_at), 2)
 
 
 def _error_text(error: BaseException) -> str:
@@ -183,27 +188,27 @@ class Dashboard:
 
     def _detail(self, board: Board, status: TaskStatus) -> dict[str, Any]:
         now = time.time()
-        stats = board.get_all_stats()
+        reports = Reports.read(board)
         counters = board.get_counters()
         detail: dict[str, Any] = {"name": board.task_name, **_status_fields(status), "error": None, "now": now}
         detail.update(self._config_fields(board))
         start = status.started_at or status.created_at
         detail["elapsed_s"] = round(max(0.0, (status.ended_at or now) - start), 1) if start else None
 
-        trainer_stats = stats.get("trainer", {})
+        trainer = reports.trainer
         holder, ttl = board.lease_holder("trainer")
         detail["trainer"] = {
-            "holder": _scalar(holder), "lease_ttl_ms": ttl, "heartbeat_age_s": _heartbeat_age(trainer_stats, now),
-            "stats": _clean_stats(trainer_stats),
+            "holder": _scalar(holder), "lease_ttl_ms": ttl, "heartbeat_age_s": _heartbeat_age(trainer, now),
+            "stats": _clean_stats(trainer),
         }
-        train_count = _number(trainer_stats.get("train_count"))
-        detail["train_count"] = int(train_count) if train_count is not None else status.train_count
+        detail["train_count"] = trainer.train_count if trainer is not None else status.train_count
 
         actors = []
         actor_stats = []
         for slot in range(min(status.actor_num, SHOWN_ACTORS)):
-            s = stats.get(f"actor:{slot}", {})
-            actor_stats.append(s)
+            s = reports.actor(slot)
+            if s is not None:
+                actor_stats.append(s)
             holder, ttl = board.lease_holder(f"actor:{slot}")
             actors.append({"slot": slot, "holder": _scalar(holder), "lease_ttl_ms": ttl,
                            "heartbeat_age_s": _heartbeat_age(s, now), "stats": _clean_stats(s)})
@@ -237,7 +242,7 @@ class Dashboard:
                 "env": env_id[:TEXT_LIMIT] if isinstance(env_id, str) else None, "config_error": None}
 
     # ------------------------------------------------------------ reward curve
-    def _curve(self, board: Board, actor_stats: list[dict[str, Any]], env_steps: float) -> dict[str, Any]:
+    def _curve(self, board: Board, actor_stats: list[ActorStats], env_steps: float) -> dict[str, Any]:
         """The reward curve: the task's history rows, or (none yet) the actors' reward stats sampled here."""
         rows = board.get_history(CURVE_POINTS)
         if rows:
@@ -257,10 +262,9 @@ class Dashboard:
             sampled = list(self._samples.get(board.task_name, ()))
         return {"source": "actor reward samples", "points": sampled}
 
-    def _sample_rewards(self, name: str, actor_stats: list[dict[str, Any]], env_steps: float) -> None:
+    def _sample_rewards(self, name: str, actor_stats: list[ActorStats], env_steps: float) -> None:
         """Add a point when an actor has reported a reward since the last one (so polls never repeat points)."""
-        reported = [(reward, _number(s.get("updated_at")) or 0.0) for s in actor_stats
-                    if (reward := _number(s.get("reward"))) is not None]
+        reported = [(s.reward, s.updated_at) for s in actor_stats if s.reward is not None]
         if not reported:
             return
         rewards = [reward for reward, _ in reported]

@@ -106,3 +106,36 @@ def test_a_new_backend_is_one_module_and_one_row() -> None:
         del queues.BACKENDS["toy"]
     with pytest.raises(ValueError, match="No such queue backend: 'toy'"):
         queues.parse_queue_url("toy://lab")
+
+
+def test_the_dashboard_page_reads_the_names_the_stats_dataclasses_define() -> None:
+    """The page's JavaScript reads the trainer's and each actor's stats by name: every name it reads is a field
+    of TrainerStats / ActorStats (one definition, which the nodes write and the history reads too)."""
+    import dataclasses
+    import re
+
+    from srl.runner.distribution.stats import ActorStats, TrainerStats
+
+    page = (SRL / "dashboard_static" / "app.js").read_text()
+    slots = page[page.index("function renderSlots(task) {"):]
+    slots = slots[:slots.index("\n}\n")]  # the function that shows the stats
+    assert "const t = task.trainer.stats;" in slots and "const s = actor.stats;" in slots
+    trainer_names = set(re.findall(r"\bt\.([a-z_][a-z0-9_]*)", slots))
+    actor_names = set(re.findall(r"\bs\.([a-z_][a-z0-9_]*)", slots))
+    assert trainer_names and actor_names
+    assert trainer_names <= {f.name for f in dataclasses.fields(TrainerStats)}, trainer_names
+    assert actor_names <= {f.name for f in dataclasses.fields(ActorStats)}, actor_names
+
+
+def test_stats_read_from_a_board_fit_their_types_whatever_was_written() -> None:
+    from srl.runner.distribution.stats import ActorStats, TrainerStats
+
+    written = ActorStats(uid="a", slot=2, env_steps=10, reward=-1.5, extra={"epsilon": 0.4}).to_record()
+    assert written["epsilon"] == 0.4 and written["slot"] == 2 and "extra" not in written
+    back = ActorStats.from_record({**written, "updated_at": 5.0})
+    assert (back.slot, back.env_steps, back.reward, back.extra, back.updated_at) == (2, 10, -1.5, {"epsilon": 0.4}, 5.0)
+    forged = TrainerStats.from_record({"train_count": "12199", "memory": float("nan"), "loss": True,
+                                       "device": 7, "epoch": 2.5, "huge": 1e400, "x": [1]})
+    assert (forged.train_count, forged.memory, forged.loss, forged.device, forged.epoch) == (0, 0, None, "", 0)
+    assert forged.extra == {}
+    assert TrainerStats.from_record("not a record") == TrainerStats()

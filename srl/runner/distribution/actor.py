@@ -50,6 +50,7 @@ from srl.runner.distribution.options import ActorOptions
 from srl.runner.distribution.queues import ExperienceQueue, QueueError, QueueFullError, describe_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.stats import ActorStats
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
 
@@ -222,26 +223,27 @@ class ActorRun:
     def _stats(self, env_steps_per_s: float) -> dict[str, Any]:
         stalled_since = self.stalled_since
         stalled_now = 0.0 if stalled_since is None else time.monotonic() - stalled_since
-        return {
-            "uid": self.options.uid,
-            "slot": self.slot,
-            "env_steps": self.env_steps,
-            "env_steps_per_s": round(env_steps_per_s, 1),
-            "envs": self.rollout.num_envs,
-            "episodes": self.episodes,
-            "sent_batches": self.sent_batches,
-            "params_version": self.params_version,
-            "params_lag": max(0, self.latest_version - self.params_version),
-            "backpressure_wait_s": round(self.backpressure_wait_s + stalled_now, 3),
-            "stalled_now_s": round(stalled_now, 3),
-            "rate_limited_s": round(self.throttled_s, 3),
-            "sync_wait_s": round(self.sync_wait_s, 3),
-            "busy_s": round(self.busy_s(), 3),
-            "reward": round(float(np.mean(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
-            "reward_min": round(float(np.min(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
-            "reward_max": round(float(np.max(self.recent_rewards[-10:])), 3) if self.recent_rewards else "",
-            **{k: round(v, 5) for k, v in self.worker.stats().items()},
-        }
+        recent = self.recent_rewards[-10:]
+        return ActorStats(
+            uid=self.options.uid,
+            slot=self.slot,
+            env_steps=self.env_steps,
+            env_steps_per_s=round(env_steps_per_s, 1),
+            envs=self.rollout.num_envs,
+            episodes=self.episodes,
+            sent_batches=self.sent_batches,
+            params_version=self.params_version,
+            params_lag=max(0, self.latest_version - self.params_version),
+            backpressure_wait_s=round(self.backpressure_wait_s + stalled_now, 3),
+            stalled_now_s=round(stalled_now, 3),
+            rate_limited_s=round(self.throttled_s, 3),
+            sync_wait_s=round(self.sync_wait_s, 3),
+            busy_s=round(self.busy_s(), 3),
+            reward=round(float(np.mean(recent)), 3) if recent else None,
+            reward_min=round(float(np.min(recent)), 3) if recent else None,
+            reward_max=round(float(np.max(recent)), 3) if recent else None,
+            extra={k: round(v, 5) for k, v in self.worker.stats().items()},
+        ).to_record()
 
     def _note_head(self, epoch: int, train_count: int) -> None:
         """Follow the trainer's train_count. A new epoch is a new trainer (the last one died): it goes on

@@ -38,7 +38,6 @@ from srl.runner.distribution.board import (
     TaskExistsError,
     TaskNotFoundError,
     TaskStatus,
-    actor_slot,
 )
 from srl.runner.distribution.codec import (
     Codec,
@@ -58,6 +57,7 @@ from srl.runner.distribution.queues import (
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle, with_retry
+from srl.runner.distribution.stats import ActorStats, EvaluatorStats, NodeStats, Reports, TrainerStats
 from srl.runner.distribution.task import MAX_QUEUE_CAPACITY, TASK_GONE, TASK_REPLACED
 from srl.runner.progress import ensure_logging, eta, format_seconds, reward_summary
 from srl.runner.run_log import RunLog, latest_checkpoint, write_checkpoint
@@ -588,9 +588,8 @@ class Evaluator:
             try:
                 due = self.interval is not None and time.monotonic() >= next_time
                 if self.every is not None:
-                    trainer = self.board.get_all_stats().get("trainer", {})
-                    count = trainer.get("train_count")
-                    due = due or (isinstance(count, int) and count >= next_count)
+                    trainer = Reports.read(self.board).trainer
+                    due = due or (trainer is not None and trainer.train_count >= next_count)
                 if not due:
                     continue
                 row = self.evaluate_now()
@@ -629,7 +628,7 @@ class Evaluator:
             self.latest = row
             if self.run_log is not None:
                 self.run_log.add_eval(row)
-            self.board.put_stats("evaluator", {**row, "updated_at": time.time()})
+            self.board.put_stats("evaluator", EvaluatorStats.from_record(row).to_record())
             logger.info("evaluation of params v%d (train %d, env steps %d): %.1f (min %.1f, max %.1f, %d episodes)",
                         record.version, record.train_count, env_steps, row["eval_mean"], row["eval_min"],
                         row["eval_max"], len(rewards))
@@ -639,43 +638,47 @@ class Evaluator:
 def history_row(board: Board, evaluator: Evaluator | None) -> dict[str, Any]:
     """One row of the run's history, from the board: counters, the trainer's stats (loss, the
     algorithm's own, rates, lag), each actor's rate, stalls and rewards, the latest evaluation."""
-    stats = board.get_all_stats()
+    reports = Reports.read(board)
     counters = board.get_counters()
-    trainer = stats.get("trainer", {})
-    head = board.get_params_head()
+    trainer, actors = reports.trainer, reports.actors
     row: dict[str, Any] = {
-        "train_count": _train_count(trainer, head),
+        "train_count": _train_count(trainer, board.get_params_head()),
         "env_steps": int(counters.get("env_steps", 0)),
         "episodes": int(counters.get("episodes", 0)),
     }
-    actors = {k: v for k, v in sorted(stats.items()) if k.startswith("actor:")}
-    means = [r for r in (_num(a.get("reward")) for a in actors.values()) if r is not None]
+    means = [a.reward for a in actors.values() if a.reward is not None]
     row.update(reward_summary(means, "reward"))  # the actors' last 10 episodes: mean of their means...
-    lows = [r for r in (_num(a.get("reward_min")) for a in actors.values()) if r is not None]
-    highs = [r for r in (_num(a.get("reward_max")) for a in actors.values()) if r is not None]
+    lows = [a.reward_min for a in actors.values() if a.reward_min is not None]
+    highs = [a.reward_max for a in actors.values() if a.reward_max is not None]
     if lows and highs:  # ...and the extremes over all of them
         row["reward_min"], row["reward_max"] = min(lows), max(highs)
     row["eval_mean"] = evaluator.latest.get("eval_mean") if evaluator is not None else None
-    row["env_steps_per_s"] = round(sum(_num(a.get("env_steps_per_s")) or 0.0 for a in actors.values()), 2)
+    row["env_steps_per_s"] = round(sum(a.env_steps_per_s for a in actors.values()), 2)
     row["queue_in_flight"] = max(0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0))
     for name in ("sent_batches", "received_batches", "bad_messages", "stale_rows", "duplicates"):
         row[name] = counters.get(name, 0)
-    skip = {"uid", "epoch", "train_count", "device", "waiting_for", "updated_at", "bad_messages", "duplicates",
-            "stale_rows", "received_batches"}
-    row.update({k: v for k, v in trainer.items() if k not in skip and _num(v) is not None})
-    for name, actor in actors.items():
-        index = name.split(":", 1)[1]
-        for key in ("env_steps_per_s", "backpressure_wait_s", "rate_limited_s", "sync_wait_s", "params_lag"):
-            value = _num(actor.get(key))
-            if value is not None:
-                row[f"actor{index}_{key}"] = value
+    if trainer is not None:
+        record = trainer.to_record()  # its numbers, by the names the stats dataclass gives them
+        row.update({k: v for k, v in record.items()
+                    if k not in _NOT_HISTORY and _num(v) is not None})
+    for slot, actor in actors.items():
+        row.update({f"actor{slot}_env_steps_per_s": actor.env_steps_per_s,
+                    f"actor{slot}_backpressure_wait_s": actor.backpressure_wait_s,
+                    f"actor{slot}_rate_limited_s": actor.rate_limited_s,
+                    f"actor{slot}_sync_wait_s": actor.sync_wait_s,
+                    f"actor{slot}_params_lag": actor.params_lag})
     return row
 
 
-def _train_count(trainer: dict[str, Any], head: tuple[int, int, int] | None) -> int:
+_NOT_HISTORY = {"uid", "epoch", "train_count", "device", "waiting_for", "bad_messages", "duplicates", "stale_rows",
+                "received_batches"}
+"""trainer stats that are not history columns (the counters' totals are)"""
+
+
+def _train_count(trainer: TrainerStats | None, head: tuple[int, int, int] | None) -> int:
     """The run's train_count: the trainer's stats, or the latest params head ``(epoch, version,
     train_count)`` when it is newer (params are published between heartbeats)."""
-    return max(int(_num(trainer.get("train_count")) or 0), head[2] if head else 0)
+    return max(trainer.train_count if trainer is not None else 0, head[2] if head else 0)
 
 
 def _num(value: Any) -> float | None:
@@ -788,13 +791,12 @@ def progress_lines(
     """The client's (and ``srl status``') view of a task: one line for the task, one per node. A node
     missing from a running task is said so with how to start one, or with why the nodes that tried
     refuse the task; an ended task's nodes are not asked for."""
-    stats = board.get_all_stats()
+    reports = Reports.read(board)
     counters = board.get_counters()
-    task_config = board.get_task_config()
-    actor_num = int(task_config.get("actor_num", 1))
+    actor_num = int(board.get_task_config().get("actor_num", 1))
     ended = status.status.finished
-    trainer = stats.get("trainer", {})
-    train_count = int(trainer.get("train_count", 0) or 0)
+    trainer = reports.trainer
+    train_count = trainer.train_count if trainer is not None else 0
     env_steps = int(counters.get("env_steps", 0))
     etas = [eta(train_count, max_train_count, elapsed), eta(env_steps, max_steps, elapsed),
             None if timeout is None else timeout - elapsed]
@@ -806,60 +808,60 @@ def progress_lines(
     stale = counters.get("stale_rows", 0)
     when = f"ended after {format_seconds(elapsed)}" if ended else (
         f"{format_seconds(elapsed)} elapsed, ETA {format_seconds(min(known) if known else None)}")
+    evaluation = reports.evaluator
     lines = [
         f"task {status.status.value} {when}"
         f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
         f" | batches sent {sent:.0f} received {received:.0f} (in flight ~{max(0.0, sent - received):.0f})"
         f" | bad {refused:.0f}" + (f" | stale rows refused {stale:.0f}" if stale else "")
-        + (f" | eval {_g(evaluation.get('eval_mean'))} at train {_g(evaluation.get('train_count'))}"
-           if (evaluation := stats.get("evaluator")) else "")
+        + (f" | eval {_g(evaluation.eval_mean)} at train {evaluation.train_count}" if evaluation else "")
     ]
     hints = hints or NodeHints("--host HOST")
     refusals = {"trainer": [], "actor": []} if ended else _refusals_by_role(board)
 
-    def missing(role: str, key: str, label: str) -> str:
+    def missing(role: str, stats: NodeStats | None, label: str) -> str:
         if ended:
             return f"  {label}: none (the task has ended)"
-        waited = f"MISSING for {format_seconds(_missing_for(stats, key, elapsed))}"
+        waited = f"MISSING for {format_seconds(_missing_for(stats, elapsed))}"
         if refusals[role]:
             refusal = refusals[role].pop(0)
             return f"  {label}: {waited} — {refusal.uid} refuses the task: {refusal.reason}"
         return f"  {label}: {waited} — start one: {hints.command(role)} (or {role}_run_forever(...))"
 
     holder, _ = board.lease_holder("trainer")
-    latest_version = int(trainer.get("params_version", 0) or 0)
-    if holder is None and not (ended and trainer):
-        lines.append(missing("trainer", "trainer", "trainer"))
+    latest_version = trainer.params_version if trainer is not None else 0
+    if holder is None and (not ended or trainer is None):
+        lines.append(missing("trainer", trainer, "trainer"))
     else:
+        trainer = trainer or TrainerStats()  # a holder that has not reported yet
         lag = ""
-        if "lag_steps_p50" in trainer or "lag_p50" in trainer:
-            lag = (f", policy lag {_g(trainer.get('lag_steps_p50'))}/{_g(trainer.get('lag_steps_p95'))} train steps "
-                   f"(p50/p95; {_g(trainer.get('lag_p50'))}/{_g(trainer.get('lag_p95'))} versions)")
-        waiting = f" — WAITING for segments from actor slot(s) {trainer['waiting_for']}" \
-            if trainer.get("waiting_for") and not ended else ""
+        if trainer.lag_steps_p50 is not None or trainer.lag_p50 is not None:
+            lag = (f", policy lag {_g(trainer.lag_steps_p50)}/{_g(trainer.lag_steps_p95)} train steps "
+                   f"(p50/p95; {_g(trainer.lag_p50)}/{_g(trainer.lag_p95)} versions)")
+        waiting = f" — WAITING for segments from actor slot(s) {trainer.waiting_for}" \
+            if trainer.waiting_for and not ended else ""
         lines.append(
-            f"  trainer {holder or trainer.get('uid', '?')} (epoch {trainer.get('epoch', '?')}, "
-            f"{trainer.get('device', '?')}): {trainer.get('train_per_s', 0)} train/s, "
-            f"buffer {trainer.get('memory', 0)}, "
-            f"ingest {trainer.get('received_per_s', 0)} rows/s, loss {trainer.get('loss', '-')}, "
-            f"params v{trainer.get('params_version', 0)}{lag}{waiting}"
+            f"  trainer {holder or trainer.uid or '?'} (epoch {trainer.epoch}, {trainer.device or '?'}): "
+            f"{trainer.train_per_s} train/s, buffer {trainer.memory}, ingest {trainer.received_per_s} rows/s, "
+            f"loss {_g(trainer.loss) if trainer.loss is not None else '-'}, params v{trainer.params_version}"
+            f"{lag}{waiting}"
         )
     for i in range(actor_num):
         holder, _ = board.lease_holder(f"actor:{i}")
-        s = stats.get(f"actor:{i}", {})
-        if holder is None and not (ended and s):
-            lines.append(missing("actor", f"actor:{i}", f"actor {i}"))
+        s = reports.actor(i)
+        if holder is None and (not ended or s is None):
+            lines.append(missing("actor", s, f"actor {i}"))
             continue
-        versions_behind = max(0, latest_version - int(s.get("params_version", 0) or 0))
-        stalled_now = float(s.get("stalled_now_s", 0) or 0)
-        waiting = f" — WAITING on a full queue for {format_seconds(stalled_now)}" if stalled_now >= 1 and not ended \
-            else ""
-        sync = f", sync-waited {s.get('sync_wait_s')}s" if s.get("sync_wait_s") else ""
+        s = s or ActorStats()  # a holder that has not reported yet
+        versions_behind = max(0, latest_version - s.params_version)
+        waiting = f" — WAITING on a full queue for {format_seconds(s.stalled_now_s)}" \
+            if s.stalled_now_s >= 1 and not ended else ""
+        sync = f", sync-waited {s.sync_wait_s}s" if s.sync_wait_s else ""
         lines.append(
-            f"  actor {i} {holder or s.get('uid', '?')}: {s.get('env_steps_per_s', 0)} steps/s ({s.get('envs', 1)} "
-            f"env(s)), {s.get('episodes', 0)} episodes, reward {s.get('reward') or '-'}, params "
-            f"v{s.get('params_version', '?')} ({versions_behind} behind), stalled {s.get('backpressure_wait_s', 0)}s, "
-            f"rate-limited {s.get('rate_limited_s', 0)}s{sync}{waiting}"
+            f"  actor {i} {holder or s.uid or '?'}: {s.env_steps_per_s} steps/s ({s.envs} env(s)), {s.episodes} "
+            f"episodes, reward {_g(s.reward) if s.reward is not None else '-'}, params v{s.params_version} "
+            f"({versions_behind} behind), stalled {s.backpressure_wait_s}s, rate-limited {s.rate_limited_s}s"
+            f"{sync}{waiting}"
         )
     return lines
 
@@ -879,9 +881,9 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float, queued: int 
     """The end of a run in a few lines: totals and rates over the whole run, the batches accounted for
     (sent = received + refused + still queued), then each node as it last reported (its id, what it
     did), so even a run shorter than one progress interval says who did what."""
-    stats = board.get_all_stats()
+    reports = Reports.read(board)
     counters = board.get_counters()
-    trainer = stats.get("trainer", {})
+    trainer = reports.trainer
     head = board.get_params_head()
     train_count = _train_count(trainer, head)
     env_steps = int(counters.get("env_steps", 0))
@@ -893,23 +895,20 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float, queued: int 
         f"stale rows refused {counters.get('stale_rows', 0):.0f}",
         "  " + batch_accounts(counters, queued),
     ]
-    if trainer:
-        lag = (f", policy lag p50 {_g(trainer.get('lag_steps_p50'))} train steps"
-               if "lag_steps_p50" in trainer else "")
-        lines.append(f"  trainer {trainer.get('uid', '?')} (epoch {trainer.get('epoch', '?')}, "
-                     f"{trainer.get('device', '?')}): params v{head[1] if head else trainer.get('params_version', 0)}, "
-                     f"last loss {trainer.get('loss', '-')}{lag}")
+    if trainer is not None:
+        lag = f", policy lag p50 {_g(trainer.lag_steps_p50)} train steps" if trainer.lag_steps_p50 is not None else ""
+        lines.append(f"  trainer {trainer.uid or '?'} (epoch {trainer.epoch}, {trainer.device or '?'}): "
+                     f"params v{head[1] if head else trainer.params_version}, "
+                     f"last loss {_g(trainer.loss) if trainer.loss is not None else '-'}{lag}")
     else:
         lines.append("  trainer: never reported")
-    actors = sorted((index, key) for key in stats if (index := actor_slot(key)) is not None)
-    for index, key in actors:
-        s = stats[key]
+    for index, s in reports.actors.items():
         lines.append(
-            f"  actor {index} {s.get('uid', '?')}: {s.get('env_steps', 0)} env steps, "
-            f"{s.get('episodes', 0)} episodes, last reward {s.get('reward') or '-'}, "
-            f"stalled {s.get('backpressure_wait_s', 0)}s, rate-limited {s.get('rate_limited_s', 0)}s"
+            f"  actor {index} {s.uid or '?'}: {s.env_steps} env steps, {s.episodes} episodes, last reward "
+            f"{_g(s.reward) if s.reward is not None else '-'}, stalled {s.backpressure_wait_s}s, rate-limited "
+            f"{s.rate_limited_s}s"
         )
-    if not actors:
+    if not reports.actors:
         lines.append("  actors: none reported")
     return lines
 
@@ -960,9 +959,8 @@ def _g(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
 
 
-def _missing_for(stats: dict[str, dict[str, Any]], role: str, elapsed: float) -> float:
-    """Seconds since ``role`` last reported, or since the task started when it never did."""
-    last = stats.get(role, {}).get("updated_at")
-    if isinstance(last, (int, float)):
-        return max(0.0, time.time() - float(last))
+def _missing_for(stats: NodeStats | None, elapsed: float) -> float:
+    """Seconds since the role last reported, or since the task started when it never did."""
+    if stats is not None and stats.updated_at:
+        return max(0.0, time.time() - stats.updated_at)
     return elapsed

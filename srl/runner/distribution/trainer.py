@@ -80,6 +80,7 @@ from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, describe_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.stats import TrainerStats
 from srl.runner.distribution.task import (
     TASK_GONE,
     TASK_REPLACED,
@@ -778,23 +779,28 @@ class TrainerRun:
             self._wake.clear()
 
     def _stats(self, train_per_s: float, received_per_s: float) -> dict[str, Any]:
-        return {
-            "uid": self.options.uid,
-            "epoch": self.epoch,
-            "train_count": self.trainer.train_count,
-            "train_per_s": round(train_per_s, 1),
-            "received_per_s": round(received_per_s, 1),
-            "memory": len(self.buffer),
-            "received_batches": self.received_batches,
-            "bad_messages": self.bad_messages,
-            "duplicates": self.duplicates,
-            "stale_rows": self.stale_rows,
-            "params_version": self.version,
-            "waiting_for": ",".join(str(i) for i in self.waiting_for),
-            "device": str(self.device),
-            **{k: round(v, 6) for k, v in self.last_stats.items()},
-            **{k: round(v, 2) for k, v in self.lag.summary().items()},
-        }
+        learner = {k: round(v, 6) for k, v in self.last_stats.items()}
+        lag = {k: round(v, 2) for k, v in self.lag.summary().items()}
+        return TrainerStats(
+            uid=self.options.uid,
+            epoch=self.epoch,
+            train_count=self.trainer.train_count,
+            train_per_s=round(train_per_s, 1),
+            received_per_s=round(received_per_s, 1),
+            memory=len(self.buffer),
+            received_batches=self.received_batches,
+            bad_messages=self.bad_messages,
+            duplicates=self.duplicates,
+            stale_rows=self.stale_rows,
+            params_version=self.version,
+            waiting_for=",".join(str(i) for i in self.waiting_for),
+            device=str(self.device),
+            loss=learner.pop("loss", None),
+            lag_p50=lag.get("lag_p50"), lag_p95=lag.get("lag_p95"), lag_max=lag.get("lag_max"),
+            lag_steps_p50=lag.get("lag_steps_p50"), lag_steps_p95=lag.get("lag_steps_p95"),
+            lag_steps_max=lag.get("lag_steps_max"),
+            extra=learner,
+        ).to_record()
 
     def _heartbeat(self, stats: dict[str, Any]) -> None:
         opts = self.options
