@@ -16,14 +16,18 @@ an actor sends them); then one consumer drains it while nothing else runs:
   raw   the broker's own client library reading and acking the same bytes (redis-py XREADGROUP +
         XACK, pika basic_consume + multiple ack, paho QoS 1 on a persistent session,
         google-cloud-pubsub unary pull + acknowledge), no decoding: the ceiling the broker and its
-        client give on this machine (pika with a prefetch of 128).
+        client give on this machine. Reads of up to the trainer's ``ingest_max_messages`` (paho:
+        as messages come); pika with the trainer's prefetch (``TrainerOptions.prefetch``), as
+        srl's consumer has.
 
   queue only  srl's queue backend alone (get_many + ack_many of the same size, opened as the
         trainer opens it), no decoding: the share of the gap that is the transport (bounded reads,
         depth bookkeeping, manual acks).
 
-All read a queue the broker already holds (the consumer connects once the fill is done), so the
-ratio is the cost of srl's ingest path, not of a producer sharing the two cores. Rates are
+All read a queue the broker already holds (the consumer connects once the fill is done, and the
+clock starts once it is connected and subscribed, for each of the three), so the ratio is the cost
+of srl's ingest path, not of a producer sharing the two cores or of a connection. Which of the
+three goes first turns with each ``--repeat``, so none always runs on the coolest machine. Rates are
 transitions/s; the ratio is taken within one run. ``--rounds`` fills and drains are summed, after
 one more that warms up untimed (connections; the replay memory, one round big, filled once so the
 timed rounds overwrite it as in a trainer that has run a while). MQTT's broker queues at most
@@ -44,12 +48,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from queues import ENDPOINTS, RAW, unavailable  # bench/queues.py
+from queues import ENDPOINTS, RAW, RawPikaConsumer, unavailable  # bench/queues.py
 from scale import template_rows  # bench/scale.py
 
 import srl
@@ -195,6 +200,7 @@ class RawPahoSession:
         self.client_id = f"bench-s-{namespace}"
         self.received = 0
         self.lock = threading.Condition()
+        self.client: Any = None  # the draining connection (connect)
         client = self._client()
         subscribed = threading.Event()
         client.on_subscribe = lambda *args: subscribed.set()
@@ -211,13 +217,16 @@ class RawPahoSession:
         return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=False,
                            protocol=mqtt.MQTTv311)
 
-    def drain(self, count: int, timeout: float) -> int:
-        """Reconnect and take ``count`` messages (acked by paho after each callback)."""
+    def connect(self) -> None:
+        """Reconnect to the session and wait for its CONNACK and SUBACK, before the clock starts, as srl's
+        consumer is opened (connected and subscribed) before it; the broker may start sending meanwhile,
+        as it may to srl's."""
         from queues import _tune_paho
 
         self.received = 0
         client = self._client()
         _tune_paho(client)
+        connected, subscribed = threading.Event(), threading.Event()
 
         def on_message(c: Any, u: Any, m: Any) -> None:
             client.on_publish()  # the quickack
@@ -226,13 +235,26 @@ class RawPahoSession:
                 self.lock.notify()
 
         client.on_message = on_message
+        client.on_connect = lambda *args: connected.set()
+        client.on_subscribe = lambda *args: subscribed.set()
         client.connect("127.0.0.1", 1883)
         client.loop_start()
+        if not connected.wait(10):
+            raise RuntimeError("no CONNACK from the MQTT broker")
+        client.subscribe(self.topic, qos=1)
+        if not subscribed.wait(10):
+            raise RuntimeError("no SUBACK from the MQTT broker")
+        self.client = client
+
+    def drain(self, count: int, timeout: float) -> int:
+        """Wait until ``count`` messages came on the connected session (acked by paho after each callback)."""
         with self.lock:
             self.lock.wait_for(lambda: self.received >= count, timeout)
-        client.disconnect()
-        client.loop_stop()
         return self.received
+
+    def disconnect(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
 
     def close(self) -> None:
         client = self.mqtt.Client(self.mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
@@ -241,10 +263,14 @@ class RawPahoSession:
         client.disconnect()
 
 
-def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, rounds: int, take: int) -> dict[str, Any]:
-    """Transitions/s the raw client reads and acks from a filled queue (round 0 not timed)."""
+def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, rounds: int, take: int,
+                prefetch: int) -> dict[str, Any]:
+    """Transitions/s the raw client reads and acks from a filled queue (round 0 not timed); pika gets the
+    trainer's ``prefetch``, as srl's consumer does."""
     namespace = f"ingest-raw-{uuid.uuid4().hex[:8]}"
     producer_cls, consumer_cls = RAW[backend]
+    if backend == "amqp":
+        consumer_cls = partial(RawPikaConsumer, prefetch=prefetch)
     drain_s = 0.0
     got = 0
     session = RawPahoSession(namespace) if backend == "mqtt" else None
@@ -256,11 +282,13 @@ def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, roun
             fill(producer.put_many, part)
             producer.close()
             if session is not None:
+                session.connect()
                 t0 = time.perf_counter()
                 n = session.drain(len(part), timeout=120)
                 if r > 0:
                     drain_s += time.perf_counter() - t0
                     got += n
+                session.disconnect()
                 continue
             consumer = early or consumer_cls(namespace)  # RabbitMQ: connect once the queue is full
             t0 = time.perf_counter()
@@ -284,15 +312,30 @@ def measure_raw(backend: str, blobs: list[bytes], rows: int, messages: int, roun
     return {"rate": got * rows / drain_s, "received": got * rows}
 
 
-def measure_cell(backend: str, rows: int, messages: int, rounds: int,
-                 options: TrainerOptions) -> tuple[tuple[float, float, float], bool]:
-    """srl, the raw client and srl's queue alone on one backend and message size; prints the table's row.
-    Returns (srl rows/s, ÷ raw, queue alone ÷ raw) and whether a transition went missing or was refused."""
-    srl_result = measure_srl(backend, rows, messages, rounds, options)
+ORDER = ("srl", "raw", "queue only")
+
+
+def turned(turn: int) -> list[str]:
+    """The three measurements in the order of sweep ``turn``: each goes first in turn, so none is always
+    measured on the coolest (or the warmest) machine."""
+    return [ORDER[(turn + i) % len(ORDER)] for i in range(len(ORDER))]
+
+
+def measure_cell(backend: str, rows: int, messages: int, rounds: int, options: TrainerOptions,
+                 turn: int = 0) -> tuple[tuple[float, float, float], bool]:
+    """srl, the raw client and srl's queue alone on one backend and message size, in the order of ``turn``;
+    prints the table's row. Returns (srl rows/s, ÷ raw, queue alone ÷ raw) and whether a transition went
+    missing or was refused."""
     blobs = encoded_batches(rows, messages * (rounds + 1), "raw", options)
-    raw = measure_raw(backend, blobs, rows, messages, rounds, options.ingest_max_messages)
-    transport = measure_transport(backend, blobs, rows, messages, rounds, options.ingest_max_messages,
-                                  options.prefetch)
+    measures: dict[str, Callable[[], Any]] = {
+        "srl": lambda: measure_srl(backend, rows, messages, rounds, options),
+        "raw": lambda: measure_raw(backend, blobs, rows, messages, rounds, options.ingest_max_messages,
+                                   options.prefetch),
+        "queue only": lambda: measure_transport(backend, blobs, rows, messages, rounds, options.ingest_max_messages,
+                                                options.prefetch),
+    }
+    results = {name: measures[name]() for name in turned(turn)}
+    srl_result, raw, transport = results["srl"], results["raw"], results["queue only"]
     lost = srl_result["sent"] - srl_result["received"]
     failed = lost > 0 or srl_result["bad"] > 0 or raw["received"] < rows * messages * rounds
     ratio, queue_ratio = srl_result["rate"] / raw["rate"], transport / raw["rate"]
@@ -333,15 +376,15 @@ def main() -> int:
     failed = False
     ratios: dict[tuple[str, int], list[tuple[float, float, float]]] = {}  # (srl rate, srl ratio, queue ratio)
     for repeat in range(args.repeat):
-        if repeat:
-            print(f"-- run {repeat + 1} of {args.repeat}")
+        if args.repeat > 1:
+            print(f"-- run {repeat + 1} of {args.repeat}, measured in the order {', '.join(turned(repeat))}")
         for backend in args.backends.split(","):
             why = unavailable(backend)
             if why:
                 print(f"{backend:<8} skipped: {why}")
                 continue
             for rows in (int(x) for x in args.rows.split(",")):
-                cell, cell_failed = measure_cell(backend, rows, args.messages, args.rounds, options)
+                cell, cell_failed = measure_cell(backend, rows, args.messages, args.rounds, options, repeat)
                 ratios.setdefault((backend, rows), []).append(cell)
                 failed = failed or cell_failed
     if args.repeat > 1:

@@ -19,9 +19,12 @@ reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in o
 process a seed fixes the run; in a distributed run it fixes the initial weights, each actor's envs
 and exploration, but not the interleaving of processes, so two runs of one seed differ.
 
-The table gives the median, min and max evaluation over the seeds, the median wall time (and, for
-distributed CartPole rows, its ratio to distributed sync PPO's in the same run), env steps and
-train steps per second, the published reference for the same env and budget, and the target.
+The table gives each row's budget, the median, min and max evaluation over the seeds, the median env
+steps and wall time (and, for distributed CartPole rows, wall seconds per env step ÷ distributed sync
+PPO's in the same run: the budgets differ, so whole wall times are not compared), env steps and train
+steps per second, the target, and the published references for the same env, each with the env steps
+it was reached at (RLlib's are pass bars of its tuned examples, not results). ``--quick`` runs below
+those budgets, so its table leaves the reference and the verdict out.
 ``--csv`` writes one row per run. Run nothing else on the machine meanwhile: rates are wall-clock.
 """
 
@@ -67,37 +70,58 @@ def appo() -> ppo.Config:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """A published figure and the env steps it was reached at (a train-step budget is not comparable)."""
+    figure: str
+    env_steps: str
+    pass_bar: bool = False
+    """the figure is a tuned example's stopping threshold, passed within ``env_steps``, not a result"""
+    note: str = ""
+
+    def __str__(self) -> str:
+        at = f"within {self.env_steps} env steps (pass bar)" if self.pass_bar else f"@ {self.env_steps} env steps"
+        return f"{self.figure} {at}" + (f", {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
 class Case:
     name: str
     env: str
     make_config: Callable[[], RLConfig]
     budget: str
     """"train:N" (gradient steps) or "steps:N" (env steps)"""
-    reference: str
+    references: tuple[Reference, ...]
+    """published figures for the same env, each with its budget: none where none was found with one"""
     target: float
     quick_budget: str
     needs: str = ""
     """a module that must be importable (Box2D for LunarLander)"""
 
+    @property
+    def reference(self) -> str:
+        return "; ".join(map(str, self.references)) or "none cited"
+
 
 CASES = {case.name: case for case in [
-    Case("dqn-pendulum", "Pendulum-v1", dqn_readme, "train:20000",
-         "published: -150...-200 (SAC/TD3-class); this repo's reference framework -112...-241 one process",
-         -160.0, "train:3000"),
+    Case("dqn-pendulum", "Pendulum-v1", dqn_readme, "train:20000", (), -160.0, "train:3000"),
     Case("dqn-cartpole", "CartPole-v1", dqn.Config, "train:30000",
-         "SB3 zoo DQN 500 @ 50k steps; CleanRL DQN ~488 @ 500k", 475.0, "train:3000"),
+         (Reference("SB3 zoo DQN 500", "50k"), Reference("CleanRL DQN ~488", "500k")),
+         475.0, "train:3000"),
     Case("dqn-acrobot", "Acrobot-v1", dqn.Config, "train:30000",
-         "SB3 zoo DQN -72 @ 100k; CleanRL DQN ~-91 @ 500k", -100.0, "train:3000"),
+         (Reference("SB3 zoo DQN -72", "100k"), Reference("CleanRL DQN ~-91", "500k")),
+         -100.0, "train:3000"),
     Case("ppo-cartpole", "CartPole-v1", ppo.Config, "steps:100000",
-         "SB3 zoo PPO 500 @ 100k; CleanRL PPO ~490 @ 500k", 475.0, "steps:20000"),
+         (Reference("SB3 zoo PPO 500", "100k"), Reference("CleanRL PPO ~490", "500k")),
+         475.0, "steps:20000"),
     Case("ppo-pendulum", "Pendulum-v1", ppo.Config, "steps:200000",
-         "SB3 zoo PPO -172 @ 100k (with gSDE)", -250.0, "steps:20000"),
+         (Reference("SB3 zoo PPO -172", "100k", note="with gSDE (ours: 200k, no gSDE)"),), -250.0, "steps:20000"),
     Case("appo-cartpole", "CartPole-v1", appo, "steps:200000",
-         "RLlib tuned APPO CartPole: 450 within 2M steps (its pass bar)", 475.0, "steps:20000"),
+         (Reference("RLlib tuned APPO 450", "2M", pass_bar=True),), 475.0, "steps:20000"),
     Case("impala-cartpole", "CartPole-v1", impala.Config, "steps:300000",
-         "RLlib tuned IMPALA CartPole: stops at 150 (older) / 450 (newer), within 50M", 475.0, "steps:20000"),
+         (Reference("RLlib tuned IMPALA 150 (older) / 450 (newer)", "50M", pass_bar=True),), 475.0,
+         "steps:20000"),
     Case("dqn-lunarlander", "LunarLander-v3", dqn.Config, "train:200000",
-         "SB3 zoo DQN 210 @ 100k steps", 200.0, "train:5000", needs="Box2D"),
+         (Reference("SB3 zoo DQN 210", "100k"),), 200.0, "train:5000", needs="Box2D"),
 ]}
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
             ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
@@ -297,31 +321,41 @@ def main() -> None:
     print_table(runs, args)
 
 
+def seconds_per_step(group: list[Run]) -> float:
+    """Median wall seconds per env step: the budgets differ between cases (and at a train-step budget
+    between modes), so wall times are compared per env step, never whole."""
+    return statistics.median(r.wall_s / max(r.env_steps, 1) for r in group)
+
+
 def print_table(runs: list[Run], args: Any) -> None:
     dist = f"dist = {args.actors} actors over {args.queue}"
-    quick = "quick, " if args.quick else ""
+    quick = "quick: small budgets, so no reference or verdict; " if args.quick else ""
     print(f"\nlearning suite ({quick}evaluation: mean of {args.eval_episodes} episodes; {dist})")
-    header = (f"{'case':<16} {'mode':<6} {'runs':>4} {'median':>8} {'min':>8} {'max':>8} {'wall s':>7} {'÷ppo':>8} "
-              f"{'env/s':>7} {'train/s':>7} {'target':>7} {'met':>4}  reference")
+    header = (f"{'case':<16} {'mode':<6} {'budget':<12} {'runs':>4} {'median':>8} {'min':>8} {'max':>8} "
+              f"{'env steps':>9} {'wall s':>7} {'s/step ÷ dist PPO':>17} {'env/s':>7} {'train/s':>7} "
+              f"{'target':>7} {'met':>4}  reference")
     print(header)
     print("-" * len(header))
     groups: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
         groups.setdefault((r.case, r.mode), []).append(r)
     sync_ppo = groups.get(("ppo-cartpole", mode_of_sync := "dist"))
-    sync_wall = statistics.median(r.wall_s for r in sync_ppo) if sync_ppo else None
+    sync_per_step = seconds_per_step(sync_ppo) if sync_ppo else None
     for (name, mode), group in groups.items():
         case = CASES[name]
+        budget = case.quick_budget if args.quick else case.budget
         evals = [r.evaluation for r in group]
         wall = statistics.median(r.wall_s for r in group)
+        env_steps = statistics.median(r.env_steps for r in group)
         env_rate = statistics.median(r.env_steps / r.wall_s for r in group)
         train_rate = statistics.median(r.train_count / r.wall_s for r in group)
-        met = "yes" if statistics.median(evals) >= case.target else "no"
-        versus = f"{wall / sync_wall:.2f}" if sync_wall and mode == mode_of_sync and case.env == "CartPole-v1" \
-            and not name.startswith("dqn") else "-"
-        print(f"{name:<16} {mode:<6} {len(group):>4} {statistics.median(evals):>8.1f} {min(evals):>8.1f} "
-              f"{max(evals):>8.1f} {wall:>7.0f} {versus:>8} {env_rate:>7.0f} {train_rate:>7.0f} {case.target:>7g} "
-              f"{met:>4}  {case.reference}")
+        met = "" if args.quick else "yes" if statistics.median(evals) >= case.target else "no"
+        reference = "" if args.quick else case.reference
+        versus = f"{seconds_per_step(group) / sync_per_step:.2f}" if sync_per_step and mode == mode_of_sync \
+            and case.env == "CartPole-v1" and not name.startswith("dqn") else "-"
+        print(f"{name:<16} {mode:<6} {budget:<12} {len(group):>4} {statistics.median(evals):>8.1f} "
+              f"{min(evals):>8.1f} {max(evals):>8.1f} {env_steps:>9.0f} {wall:>7.0f} {versus:>17} {env_rate:>7.0f} "
+              f"{train_rate:>7.0f} {case.target:>7g} {met:>4}  {reference}")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--actors", type=int, default=1, help="actors of a distributed run (the README's job: 1)")
     parser.add_argument("--queue", default="redis", choices=sorted(learning.QUEUES))
+    parser.add_argument("--lag", type=int, default=150, help="mode lagged: train steps between weight refreshes, "
+                        "as in bench/learning.py")
+    parser.add_argument("--chunk", type=int, default=128, help="mode lagged: rows handed over at a time")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                         help="change a config field, as in bench/learning.py")
     parser.add_argument("--save", default=None, metavar="DIR", help="keep each trained run as a checkpoint here")
@@ -161,7 +164,7 @@ def main() -> None:
                 parser.error(f"unknown mode {mode!r}; known: {', '.join(learning.MODES)}")
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 runner, _ = learning.train_run(case, mode, seed, case.budget, args.actors, args.queue,
-                                               changes=changes)
+                                               args.lag, args.chunk, changes)
                 if args.save:
                     Path(args.save).mkdir(parents=True, exist_ok=True)
                     runner.save(Path(args.save) / f"{mode}-{seed}.safetensors")
@@ -171,12 +174,18 @@ def main() -> None:
             for r in runs:
                 f.write(json.dumps({"name": r.name, "mode": r.mode, "evaluation": round(r.evaluation, 2),
                                     "expected": round(r.expected, 2), "stuck": round(r.stuck, 5)}) + "\n")
-    print_summary(runs, args.set)
+    setup = ("saved runs" if args.checkpoints is not None else
+             f"{learning.CASES['dqn-pendulum'].budget}; dist: {args.actors} actor(s) over {args.queue}; "
+             f"lagged: lag {args.lag}, chunk {args.chunk}")
+    print_summary(runs, args.set, setup)
 
 
-def print_summary(runs: list[Measured], changes: list[str]) -> None:
+def print_summary(runs: list[Measured], changes: list[str], setup: str) -> None:
+    """The table per mode, titled with what the runs were trained with (``setup``: budget, actors, queue, the
+    lagged mode's lag and chunk), so two summaries are compared only at equal settings."""
     setting = f"; changed: {' '.join(changes)}" if changes else ""
-    print(f"\nPendulum-v1 DQN, the README's config{setting}; starts: a grid of 360 x 41 over the reset distribution")
+    print(f"\nPendulum-v1 DQN, the README's config{setting}; {setup}")
+    print("starts: a grid of 360 x 41 over the reset distribution")
     header = (f"{'mode':<7} {'runs':>4} {'evaluate() median':>17} {'< -250':>6} {'expected median':>15} "
               f"{'runs stuck anywhere':>19} {'P(10 eps meet one)':>18} {'P(5 runs meet the bar)':>22}")
     print(header)

@@ -164,23 +164,27 @@ class RawPikaConfirmProducer(RawPikaProducer):
 
 
 class RawPikaConsumer:
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, prefetch: int = 128) -> None:
+        """``prefetch``: unacked messages the broker pushes ahead, as srl's consumer it is compared with gets
+        (128, RabbitMQParameters' default, here; the trainer's ``TrainerOptions.prefetch`` in bench/ingest.py)."""
         import pika
 
         self.conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1"))
         self.ch = self.conn.channel()
         self.name = f"bench.{namespace}"
         self.ch.queue_declare(self.name, durable=True)
-        self.ch.basic_qos(prefetch_count=128)
+        self.ch.basic_qos(prefetch_count=prefetch)
         self.tags: list[int] = []
         self.ch.basic_consume(self.name, lambda ch, method, props, body: self.tags.append(method.delivery_tag))
 
     def take(self, max_messages: int) -> int:
-        self.conn.process_data_events(time_limit=0.2 if not self.tags else 0)
-        n = len(self.tags)
+        """At most ``max_messages``, as srl's ``get_many``: the rest stay unacked for the next take."""
+        if len(self.tags) < max_messages:
+            self.conn.process_data_events(time_limit=0.2 if not self.tags else 0)
+        n = min(len(self.tags), max_messages)
         if n:
-            self.ch.basic_ack(self.tags[-1], multiple=True)
-            self.tags.clear()
+            self.ch.basic_ack(self.tags[n - 1], multiple=True)
+            del self.tags[:n]
         return n
 
     def close(self) -> None:

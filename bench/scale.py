@@ -13,8 +13,14 @@ sends valid signed-format batches (real CartPole rows, a fresh sequence number e
 ``--batch-rate`` batches per second. Measured per N:
 
   claim s        time until all N slots are held
-  cmds/s/actor   Redis commands per second per actor over the window (INFO commandstats),
-                 of which heartbeats, params polls and sends
+  trainer cmds/s the trainer's Redis commands per second alone, over up to 5 s before the actors
+                 start (INFO commandstats; it idles then, with no rows to read, ack or count)
+  own cmds/s/actor
+                 the actors' own Redis commands per second per actor over the window: all
+                 commands less the trainer's rate alone, / N (the trainer does more once rows
+                 come, so this is an upper bound)
+  ops/s/actor    heartbeats, params polls and sends per second per actor (operations, not Redis
+                 commands: one may take several)
   redis cpu      Redis's CPU (user + sys) over the window, as a share of one core
   lease losses   heartbeats that found the lease gone (must be 0)
   takeover s     after killing 10% of the actors without releasing their leases, until standbys
@@ -211,6 +217,17 @@ def redis_stats(board: Board) -> tuple[dict[str, int], float]:
     return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
+def command_rates(board: Board, seconds: float) -> dict[str, float]:
+    """Redis commands per second by name over ``seconds``: before the actors start, the trainer's own (and
+    this bench's INFO reads), which the window's are reduced by so that the per-actor figure is the actors'."""
+    calls0, _ = redis_stats(board)
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    calls1, _ = redis_stats(board)
+    window = time.monotonic() - t0
+    return {k: (calls1.get(k, 0) - calls0.get(k, 0)) / window for k in calls1}
+
+
 def measure(n: int, seconds: float, batch_rate: float) -> dict[str, Any]:
     server = start_embedded_redis()
     task_name = f"scale-{n}"
@@ -230,6 +247,10 @@ def measure(n: int, seconds: float, batch_rate: float) -> dict[str, Any]:
 
     runner = srl.Runner("CartPole-v1", config)
     max_params = params_message_bytes(runner.parameter.to_arrays())
+    deadline = time.monotonic() + 60
+    while "trainer" not in board.get_all_stats() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the trainer process is up, waiting for rows
+    trainer_rates = command_rates(board, min(seconds, 5.0))
     tally, stop = Tally(), threading.Event()
     started = time.monotonic()
     actors = [SimActor(i, board, params, open_producer, codec, rows, priorities, n, batch_rate, tally, stop, max_params)
@@ -239,9 +260,6 @@ def measure(n: int, seconds: float, batch_rate: float) -> dict[str, Any]:
     while any(a.claimed_at is None for a in actors) and time.monotonic() - started < 120:
         time.sleep(0.05)
     claim_s = max(a.claimed_at or float("inf") for a in actors) - started
-    deadline = time.monotonic() + 60
-    while "trainer" not in board.get_all_stats() and time.monotonic() < deadline:
-        time.sleep(0.2)  # the trainer process is up and ingesting
     calls0, cpu0 = redis_stats(board)
     tally0 = (tally.heartbeats, tally.polls, tally.sent, tally.stalled_s)
     t0 = time.monotonic()
@@ -249,7 +267,7 @@ def measure(n: int, seconds: float, batch_rate: float) -> dict[str, Any]:
     calls1, cpu1 = redis_stats(board)
     window = time.monotonic() - t0
     trainer_stats = board.get_all_stats().get("trainer", {})
-    per = {k: (calls1.get(k, 0) - calls0.get(k, 0)) / window / n for k in calls1}
+    per = {k: ((calls1.get(k, 0) - calls0.get(k, 0)) / window - trainer_rates.get(k, 0.0)) / n for k in calls1}
     beats, polls, sent, stalled = (tally.heartbeats - tally0[0], tally.polls - tally0[1], tally.sent - tally0[2],
                                    tally.stalled_s - tally0[3])
 
@@ -288,7 +306,8 @@ def measure(n: int, seconds: float, batch_rate: float) -> dict[str, Any]:
     log.close()
     server.stop()
     return {
-        "n": n, "claim_s": claim_s, "cmds": sum(per.values()), "hb": beats / window / n, "poll": polls / window / n,
+        "n": n, "claim_s": claim_s, "trainer_cmds": sum(trainer_rates.values()), "cmds": sum(per.values()),
+        "hb": beats / window / n, "poll": polls / window / n,
         "send": sent / window / n, "redis_cpu": (cpu1 - cpu0) / window, "losses": tally.lease_losses,
         "takeover_s": takeover_s, "sent": tally.sent, "received": int(counters.get("received_batches", 0)),
         "duplicates": int(counters.get("duplicates", 0)), "ingest": float(trainer_stats.get("received_per_s", 0)),
@@ -312,12 +331,13 @@ def main() -> int:
     for n in sizes:
         result = measure(n, seconds, args.batch_rate)
         results.append(result)
-        print(f"N={n}: done ({', '.join(f'{k} {v:.2f}' for k, v in result['top'])} cmds/s/actor)", flush=True)
+        print(f"N={n}: done ({', '.join(f'{k} {v:.2f}' for k, v in result['top'])} own cmds/s/actor)", flush=True)
     node = NodeOptions()
     print(f"\nsimulated actors: heartbeat {node.heartbeat_interval:g}s, lease TTL {node.lease_ttl:g}s, params poll "
           f"{ActorOptions().params_poll_interval:g}s, {args.batch_rate:g} batches/s of {ROWS_PER_BATCH} rows; "
           f"window {seconds:g}s")
-    header = (f"{'N':>5} {'claim s':>8} {'cmds/s/actor':>12} {'(beat/poll/send)':>17} {'redis cpu':>9} "
+    header = (f"{'N':>5} {'claim s':>8} {'trainer cmds/s':>14} {'own cmds/s/actor':>16} "
+              f"{'ops/s/actor (beat/poll/send)':>28} {'redis cpu':>9} "
               f"{'lease losses':>12} {'takeover s':>10} {'sent':>7} {'received':>8} {'ingest rows/s':>13} "
               f"{'train/s':>7} {'stalled':>7}")
     print(header)
@@ -327,8 +347,9 @@ def main() -> int:
         lost = r["sent"] - r["received"]
         failed = failed or r["losses"] > 0 or lost > 0 or bool(r["errors"])
         saturated = r["hb"] < 0.9 / node.heartbeat_interval or r["send"] < 0.9 * args.batch_rate
-        print(f"{r['n']:>5} {r['claim_s']:>8.2f} {r['cmds']:>12.2f} "
-              f"{r['hb']:>5.2f}/{r['poll']:>5.2f}/{r['send']:>5.2f} {r['redis_cpu']:>9.0%} {r['losses']:>12} "
+        ops = f"{r['hb']:.2f}/{r['poll']:.2f}/{r['send']:.2f}"
+        print(f"{r['n']:>5} {r['claim_s']:>8.2f} {r['trainer_cmds']:>14.1f} {r['cmds']:>16.2f} "
+              f"{ops:>28} {r['redis_cpu']:>9.0%} {r['losses']:>12} "
               f"{r['takeover_s']:>10.2f} {r['sent']:>7} {r['received']:>8} {r['ingest']:>13.0f} {r['train']:>7.0f} "
               f"{r['stalled']:>7.0%}" + ("  (this bench's client saturated: actors ran below their cadence)"
                                            if saturated else ""))

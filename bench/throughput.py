@@ -8,14 +8,14 @@ embedded Redis (experience over ``--queue``) for ``--seconds`` after the first u
 board every second. DQN runs with ``env_steps_per_train=None`` (no rate limit: Ape-X flat out).
 
 Columns: env steps/s the actors produced and the learner consumed (rows received x steps per row),
-batches in the queue (its depth, as the actors' backpressure reads it) at the start and the end of
-the window (a backlog that grows is the learner
-falling behind; the queue's capacity bounds it), the share of the actors' time spent waiting on a
+"in flight": batches in the queue (its depth, as the actors' backpressure reads it) at the start and
+the end of the window (a backlog that grows is the learner falling behind; the queue's capacity
+bounds it), the share of the actors' time spent waiting on a
 full queue (backpressure) or on the next version (sync PPO), the policy lag the trainer saw
 (versions behind, p50/p95/max), one actor's env steps/s while it is not waiting (its own
 ``busy_s`` clock: stepping, acting, sending and loading params count, waiting does not) divided by the same
 worker stepping its envs in this process and sending nothing ("bare", measured after the run on
-an idle machine), and the verdict:
+an idle machine for ``--seconds`` too), and the verdict:
 
   keeps up          in flight stays low and the actors hardly wait
   backpressure      the queue is full and the actors wait: the learner sets the pace
@@ -54,20 +54,23 @@ QUEUES = {
 
 def configs() -> dict[str, tuple[RLConfig, int]]:
     """Each algorithm's config and the env steps one row carries."""
-    impala_config = impala.Config()
-    appo = ppo.Config(sync=False)
-    sync = ppo.Config()
-    flat_dqn = dqn.Config(env_steps_per_train=None)
-    return {
-        "impala": (impala_config, impala_config.segment_length),
-        "appo": (appo, 32),  # the Discrete preset's segment length
-        "ppo": (sync, 32),
-        "dqn": (flat_dqn, 1),
-    }
+    return {name: (config, steps_per_row(config)) for name, config in [
+        ("impala", impala.Config()), ("appo", ppo.Config(sync=False)), ("ppo", ppo.Config()),
+        ("dqn", dqn.Config(env_steps_per_train=None))]}
 
 
-def bare_rate(config: RLConfig, seconds: float = 5.0) -> float:
-    """Env steps/s of the same worker stepping its vector env in this process, sending nothing."""
+def steps_per_row(config: RLConfig) -> int:
+    """Env steps one row carries: a segment's length as the run resolves it (PPO's depends on the env's
+    action space), 1 for a transition; read from the config so that a changed default cannot skew the
+    consumed rate."""
+    if isinstance(config, ppo.Config):
+        config = config.resolved(srl.Runner("CartPole-v1", config).spec)
+    return int(getattr(config, "segment_length", None) or 1)
+
+
+def bare_rate(config: RLConfig, seconds: float) -> float:
+    """Env steps/s of the same worker stepping its vector env in this process, sending nothing, over
+    ``seconds``: the run's measuring window, so both rates average over as long a time."""
     from srl.base.env import EnvConfig
     from srl.base.rollout import Rollout
 
@@ -165,7 +168,7 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
     return {"name": name, "produced": produced, "consumed": consumed, "head": head, "tail": tail,
             "wait": wait_share, "lag": last["lag"], "verdict": verdict, "busy": busy,
             "train": statistics.median(x["train"] for x in samples[1:]),
-            "bare": bare_rate(config)}
+            "bare": bare_rate(config, seconds)}
 
 
 def main() -> None:
@@ -188,14 +191,15 @@ def main() -> None:
         print(f"{name}: done", flush=True)
     print(f"\n{args.actors} actors flat out, CartPole-v1, queue {args.queue}, {args.seconds:g}s window")
     header = (f"{'algorithm':<9} {'produced/s':>10} {'consumed/s':>10} {'consumed÷produced':>17} "
-              f"{'in flight':>10} {'actors waiting':>14} {'lag p50/p95/max':>16} "
+              f"{'in flight, batches':>18} {'actors waiting':>14} {'lag p50/p95/max':>16} "
               f"{'actor busy÷bare':>15} {'train/s':>7}  verdict")
     print(header)
     print("-" * len(header))
     for r in results:
         lag = "/".join("?" if v is None else f"{v:g}" for v in r["lag"])
+        in_flight = f"{r['head']:.1f} → {r['tail']:.1f}"
         print(f"{r['name']:<9} {r['produced']:>10.0f} {r['consumed']:>10.0f} {r['consumed'] / r['produced']:>17.2f} "
-              f"{r['head']:>4.1f} → {r['tail']:<3.1f} {r['wait']:>14.0%} {lag:>16} "
+              f"{in_flight:>18} {r['wait']:>14.0%} {lag:>16} "
               f"{r['busy'] / r['bare']:>15.2f} {r['train']:>7.0f}  "
               f"{r['verdict']}")
 
