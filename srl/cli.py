@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
-        return _run(args)
+        code = _run(args)
+        sys.stdout.flush()  # here, so that a reader that closed early is met inside this try, not at exit
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # a reader that stopped early (srl status | head): quiet, as command-line tools are
@@ -321,6 +323,7 @@ def _status(board: Any, redis_params: RedisParameters, watch: float | None, even
             print(f"  {stamp} {letter.size} bytes from {letter.source}: {letter.reason}")
         if watch is None:
             return 0
+        sys.stdout.flush()  # each round as it is printed, also into a pipe
         time.sleep(watch)
         print()
 

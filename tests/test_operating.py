@@ -542,4 +542,11 @@ def test_cli_errors_are_one_line_with_the_usual_exit_codes(redis_url: str, names
     piped = subprocess.run(f"{sys.executable} -m srl.cli status --url {redis_url} --task-name {namespace} | head -1",
                            shell=True, capture_output=True, text=True, timeout=60)
     assert piped.stdout.startswith("task INIT") and piped.stderr == "", piped.stderr
+    # a reader gone before srl writes (true reads nothing): a quiet exit, no "Exception ignored" at shutdown;
+    # stdout block-buffered, as a pipe's is unless PYTHONUNBUFFERED is set
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    closed = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m srl.cli status --url {redis_url} "
+                             f"--task-name {namespace} | true"], capture_output=True, text=True, timeout=60,
+                            env=buffered)
+    assert closed.returncode == 128 + 13 and closed.stderr == "", (closed.returncode, closed.stderr)
     board.delete_task()
