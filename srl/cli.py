@@ -248,9 +248,9 @@ def _run(args: argparse.Namespace) -> int:
         redis_params = _redis_params(args)
         args.redis_describe = redis_params.describe()
         if args.command in ("actor", "trainer"):
-            from srl.runner.distribution.queues import describe_queue
+            from srl.runner.distribution.queues import check_queue
 
-            describe_queue(args.queue_url)  # an unknown scheme or a malformed URL: now, not when a task comes
+            check_queue(args.queue_url)  # a bad scheme or URL, a missing library: now, not when a task comes
         from srl.runner.distribution.board import Board
 
         # a command a person waits on: one quick retry, not redis-py's backoff, before "cannot reach"

@@ -550,3 +550,16 @@ def test_cli_errors_are_one_line_with_the_usual_exit_codes(redis_url: str, names
                             env=buffered)
     assert closed.returncode == 128 + 13 and closed.stderr == "", (closed.returncode, closed.stderr)
     board.delete_task()
+
+
+def test_a_node_whose_queue_library_is_missing_fails_at_startup(redis_url: str, tmp_path: Path) -> None:
+    """A node started for an AMQP queue on a machine without pika says so when it starts, with the extra to
+    install, instead of taking a task and ending it FAILED when it first opens the queue."""
+    (tmp_path / "pika.py").write_text("raise ImportError(\"No module named 'pika'\", name='pika')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    for role in ("actor", "trainer"):
+        done = _srl(role, "--url", redis_url, "--queue-url", "amqp://127.0.0.1:5672/", "--run-once",
+                    env={"PYTHONPATH": path}, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1, (role, done.stderr)
+        assert "needs the 'pika' package" in lines[0] and 'pip install "srl[rabbitmq]"' in lines[0], lines[0]

@@ -47,7 +47,13 @@ from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.in_flight import InFlight
 from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
-from srl.runner.distribution.queues import ExperienceQueue, QueueError, QueueFullError, describe_queue, open_queue
+from srl.runner.distribution.queues import (
+    ExperienceQueue,
+    QueueError,
+    QueueFullError,
+    check_queue,
+    open_queue,
+)
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.stats import ActorStats
@@ -527,7 +533,7 @@ def actor_run_forever(
     opts = apply_overrides(options or ActorOptions(), option_overrides, "actor_run_forever")
     opts.set_default_uid("actor")
     require_remote(redis_params, "actor_run_forever")
-    describe_queue(queue_params)  # an unknown scheme or a malformed URL fails now, not when a task comes
+    check_queue(queue_params)  # an unknown scheme, a malformed URL, a missing library: now, not when a task comes
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
     logger.info("actor %s ready; waiting for a task on %s", opts.uid, where)

@@ -77,7 +77,7 @@ from srl.runner.distribution.node import (
     serve,
 )
 from srl.runner.distribution.options import TrainerOptions
-from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, describe_queue, open_queue
+from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError, check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.stats import TrainerStats
@@ -1086,7 +1086,7 @@ def trainer_run_forever(
     opts.run_once = opts.run_once or run_once
     opts.set_default_uid("trainer")
     require_remote(redis_params, "trainer_run_forever")
-    describe_queue(queue_params)  # an unknown scheme or a malformed URL fails now, not when a task comes
+    check_queue(queue_params)  # an unknown scheme, a malformed URL, a missing library: now, not when a task comes
     if not (math.isfinite(opts.train_ahead) and opts.train_ahead >= 1.0):
         raise ValueError(f"train_ahead must be a number >= 1 (the replay ratio itself, or looser), got "
                          f"{opts.train_ahead!r}: below it a trainer would wait for rows its actors wait to send")

@@ -58,6 +58,7 @@ __all__ = [
     "QueueFullError",
     "QueueMessage",
     "QueueParameters",
+    "check_queue",
     "describe_queue",
     "discard_leftovers",
     "open_queue",
@@ -185,6 +186,16 @@ def describe_queue(params: QueueParameters | str | None) -> str:
     if params is None:
         return "the board's Redis"
     return _as_parameters(params, None).describe()
+
+
+def check_queue(params: QueueParameters | str | None) -> str:
+    """What a node checks when it starts, before any task comes: the queue's URL or parameters make sense
+    (an unknown scheme, a malformed URL: ValueError) and its backend's client library is installed
+    (MissingBackendLibraryError, naming the extra to install). Its description, as ``describe_queue``."""
+    where = describe_queue(params)
+    if params is not None:
+        _queue_class(_by_params(_as_parameters(params, None)))
+    return where
 
 
 def _queue_class(backend: Backend) -> type[ExperienceQueue]:
