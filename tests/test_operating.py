@@ -67,6 +67,11 @@ def test_a_misspelled_setting_raises_with_the_closest_name() -> None:
     ({"actor_options": {"batch_sise": 8}}, TypeError, r"ActorOptions has no setting 'batch_sise'; did you mean "
                                                       r"'batch_size'"),
     ({"trainer_options": {"checkpoint_dri": "x"}}, TypeError, r"did you mean 'checkpoint_dir'"),
+    ({"trainer_options": {"train_ahead": 0.5}}, ValueError, r"trainer_options: train_ahead must be a number >= 1"),
+    ({"trainer_options": {"keep_checkpoints": "3"}}, ValueError, r"trainer_options\.keep_checkpoints: expected an "
+                                                                 r"integer, got '3'"),
+    ({"actor_options": {"lease_ttl": 0.5, "heartbeat_interval": 1.0}}, ValueError,
+     r"actor_options: lease_ttl \(0\.5s\) must be longer than heartbeat_interval"),
     ({"queue_capacity": 8, "rl_lr": "0.001"}, ValueError, r"lr must be a finite number in \(0, 1\], got '0\.001' "
                                                           r"\(a str\)"),
 ])

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srl.base.config import check_int, check_number
 from srl.base.env import BoxActions, DiscreteActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions
 from srl.base.rl import (
     Buffer,
@@ -46,8 +47,6 @@ from srl.base.rl import (
     Trainer,
     TrainStats,
     Worker,
-    check_int,
-    check_number,
     torch_from_arrays,
     torch_to_arrays,
 )

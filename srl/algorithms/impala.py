@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from srl.base.config import check_int, check_number
 from srl.base.env import EnvSpec
 from srl.base.rl import (
     Buffer,
@@ -33,8 +34,6 @@ from srl.base.rl import (
     RLConfig,
     Trainer,
     TrainStats,
-    check_int,
-    check_number,
 )
 from srl.base.schema import Schema
 from srl.rl.actor_critic import ActorCriticParameter, LinearAnneal, SegmentWorker, check_actions, segment_schema

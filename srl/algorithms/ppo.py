@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from srl.base.config import check_int, check_number
 from srl.base.env import BoxActions, EnvSpec
 from srl.base.rl import (
     Buffer,
@@ -42,8 +43,6 @@ from srl.base.rl import (
     RLConfig,
     Trainer,
     TrainStats,
-    check_int,
-    check_number,
     torch_from_arrays,
     torch_to_arrays,
 )

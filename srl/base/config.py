@@ -159,3 +159,19 @@ def _short(value: Any, limit: int = 80) -> str:
     big = isinstance(value, int) and abs(value) >= 10**30
     text = f"an integer of {value.bit_length()} bits" if big else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """Raise ValueError unless ``value`` is an int in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {shown(value)}")
+
+
+def check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a finite number in [low, high] ((low, high] with ``low_open``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value < low or value > high or (low_open and value == low)):  # type: ignore[operator]
+        ok = False
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {shown(value)}")

@@ -28,7 +28,6 @@ counts gradient steps; they are different counters.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import re
 from abc import ABC, abstractmethod
@@ -39,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from srl.base.config import Settings, shown
+from srl.base.config import Settings, check_int
 from srl.base.env import EnvConfig, EnvSpec
 from srl.base.schema import Schema
 
@@ -57,22 +56,6 @@ def seed_everything(seed: int | None) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def check_int(name: str, value: object, low: int, high: int) -> None:
-    """Raise ValueError unless ``value`` is an int in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {shown(value)}")
-
-
-def check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a finite number in [low, high] ((low, high] with ``low_open``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and (value < low or value > high or (low_open and value == low)):  # type: ignore[operator]
-        ok = False
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {shown(value)}")
 
 
 @dataclass(frozen=True)

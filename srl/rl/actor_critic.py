@@ -29,8 +29,15 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from srl.base.config import check_int
 from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
-from srl.base.rl import Columns, Parameter, Worker, check_int, torch_from_arrays, torch_to_arrays
+from srl.base.rl import (
+    Columns,
+    Parameter,
+    Worker,
+    torch_from_arrays,
+    torch_to_arrays,
+)
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig
 

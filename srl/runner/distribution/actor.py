@@ -531,6 +531,7 @@ def actor_run_forever(
     """
     ensure_logging()
     opts = apply_overrides(options or ActorOptions(), option_overrides, "actor_run_forever")
+    opts.validate()
     opts.set_default_uid("actor")
     require_remote(redis_params, "actor_run_forever")
     check_queue(queue_params)  # an unknown scheme, a malformed URL, a missing library: now, not when a task comes

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from srl.base.checkpoint import split_checkpoint
-from srl.base.config import shown, unknown_setting_message
+from srl.base.config import config_from_dict, shown, unknown_setting_message
 from srl.base.env import EnvConfig, EnvSpec
 from srl.base.rl import Parameter, RLConfig
 from srl.runner.distribution import local_nodes
@@ -400,6 +400,11 @@ def _check_arguments(redis_params: Any, queue_params: Any, **arguments: Any) -> 
         for key in options:
             if key not in known:
                 raise TypeError(f"{name}: {unknown_setting_message(cls, str(key))}")
+        checked = config_from_dict(cls, options, where=name)  # the values too: a local node would exit on them
+        try:
+            checked.validate()
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
 
 def _check_count(name: str, value: Any, low: int, high: int) -> None:

@@ -8,13 +8,14 @@ client checks before it starts local nodes. Must never: hold a connection or run
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from srl.base.config import Settings
+from srl.base.config import Settings, check_int, check_number
 from srl.runner.distribution.codec import Codec
 from srl.runner.distribution.redis_parameters import read_secret_file
 
@@ -47,6 +48,17 @@ class NodeOptions(Settings):
     context, params to restore), before its heartbeats start; a start that hangs longer lets the lease
     lapse, so a standby takes the slot over"""
 
+    def validate(self) -> None:
+        """Raise ValueError naming a setting whose value no node can run with (the client checks the options
+        of the nodes it starts with this before it writes anything; a node, before it serves)."""
+        check_number("heartbeat_interval", self.heartbeat_interval, 0.0, 3600.0, low_open=True)
+        check_number("lease_ttl", self.lease_ttl, 0.0, 86_400.0, low_open=True)
+        if self.lease_ttl <= self.heartbeat_interval:
+            raise ValueError(f"lease_ttl ({self.lease_ttl:g}s) must be longer than heartbeat_interval "
+                             f"({self.heartbeat_interval:g}s): the lease would lapse between two renewals")
+        check_number("task_poll_interval", self.task_poll_interval, 0.0, 3600.0, low_open=True)
+        check_number("max_start_s", self.max_start_s, 0.0, 86_400.0, low_open=True)
+
     def set_default_uid(self, role: str) -> None:
         if not self.uid:
             self.uid = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -74,6 +86,13 @@ class ActorOptions(NodeOptions):
     compress: bool = False
     """zlib-compress batches (helps on slow links, costs CPU)"""
 
+    def validate(self) -> None:
+        super().validate()
+        check_int("batch_size", self.batch_size, 1, 1 << 20)
+        check_number("batch_max_age", self.batch_max_age, 0.0, 3600.0, low_open=True)
+        check_number("params_poll_interval", self.params_poll_interval, 0.0, 3600.0, low_open=True)
+        check_number("params_wait_poll_interval", self.params_wait_poll_interval, 0.0, 3600.0, low_open=True)
+
 
 @dataclass
 class TrainerOptions(NodeOptions):
@@ -100,6 +119,18 @@ class TrainerOptions(NodeOptions):
     """seconds between periodic checkpoints"""
     keep_checkpoints: int = 5
     """periodic checkpoints kept per task (the newest)"""
+
+    def validate(self) -> None:
+        super().validate()
+        check_number("min_publish_interval", self.min_publish_interval, 0.0, 3600.0)
+        check_int("ingest_max_messages", self.ingest_max_messages, 1, 4096)
+        check_int("max_buffer_bytes", self.max_buffer_bytes, 0, 1 << 50)
+        if not (isinstance(self.train_ahead, (int, float)) and not isinstance(self.train_ahead, bool)
+                and math.isfinite(self.train_ahead) and self.train_ahead >= 1.0):
+            raise ValueError(f"train_ahead must be a number >= 1 (the replay ratio itself, or looser), got "
+                             f"{self.train_ahead!r}: below it a trainer would wait for rows its actors wait to send")
+        check_number("checkpoint_interval", self.checkpoint_interval, 0.0, 1e7, low_open=True)
+        check_int("keep_checkpoints", self.keep_checkpoints, 1, 1_000_000)
 
     @property
     def prefetch(self) -> int:

@@ -1087,9 +1087,7 @@ def trainer_run_forever(
     opts.set_default_uid("trainer")
     require_remote(redis_params, "trainer_run_forever")
     check_queue(queue_params)  # an unknown scheme, a malformed URL, a missing library: now, not when a task comes
-    if not (math.isfinite(opts.train_ahead) and opts.train_ahead >= 1.0):
-        raise ValueError(f"train_ahead must be a number >= 1 (the replay ratio itself, or looser), got "
-                         f"{opts.train_ahead!r}: below it a trainer would wait for rows its actors wait to send")
+    opts.validate()
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
     logger.info("trainer %s ready (cuda available: %s); waiting for a task on %s", opts.uid,
