@@ -174,7 +174,12 @@ def test_redis_bounds_values_and_keeps_its_tasks_across_a_restart() -> None:
     confs = [path for target, path in mounted_files(redis).items() if target.endswith(".conf")]
     assert confs, f"redis mounts no config file from this repository (volumes: {redis.get('volumes')})"
     settings = {words[0].lower(): words[1:] for words in config_lines(confs[0])}
-    assert settings.get("proto-max-bulk-len") == ["64mb"], f"{confs[0]}: proto-max-bulk-len 64mb expected"
+    from srl.runner.distribution.codec import MAX_CHECKPOINT_MEMORY_BYTES
+
+    bulk = settings.get("proto-max-bulk-len", [""])[0].lower()
+    assert bulk.endswith("mb"), f"{confs[0]}: proto-max-bulk-len in mb expected (a bound on one value), got {bulk!r}"
+    # bounded, yet above the largest checkpoint on the board (its replay memory, weights and optimizer state)
+    assert 2 * MAX_CHECKPOINT_MEMORY_BYTES <= int(bulk[:-2]) << 20 <= 1 << 30, f"{confs[0]}: {bulk}"
     assert settings.get("save") == ['""'], f"{confs[0]}: save \"\" expected (no RDB snapshots)"
     # a restarted Redis without its data loses every task on it (docs/operations.md, Watching and operating)
     assert settings.get("appendonly") == ["yes"], f"{confs[0]}: appendonly yes expected"

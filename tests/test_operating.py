@@ -292,6 +292,50 @@ def test_sigterm_ends_the_task_like_ctrl_c(redis_url: str, namespace: str, tmp_p
     assert "terminated (SIGTERM): ending task" in log.read_text()
 
 
+CANCELLED_CLIENT = """
+import srl
+from srl.runner.distribution import RedisParameters
+from tests.nodes import tiny_config
+runner = srl.Runner("Pendulum-v1", tiny_config())
+runner.train_distribution(RedisParameters(url={url!r}, task_name={ns!r}), max_train_count=10**9,
+                          log_dir={log_dir!r}, checkpoint_interval=3600.0, progress_interval=0.5)
+"""
+
+
+@pytest.mark.slow
+def test_a_cancelled_task_keeps_the_weights_its_trainer_trained_last(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """SIGTERM on a client whose task is training: the trainer publishes the weights it trained up to when
+    it saw the end (not the last periodic ones, up to publish_every steps older), the client waits for
+    them, keeps them in final.safetensors and receives the trainer's final checkpoint into its log_dir."""
+    from srl.base.arrays import load_arrays
+    from srl.runner.distribution.stats import Reports
+
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    log_dir = tmp_path / "run"
+    proc, log = _client_process(tmp_path, "client", CANCELLED_CLIENT.format(url=redis_url, ns=namespace,
+                                                                           log_dir=str(log_dir)))
+    board = board_for(redis_url, namespace)
+    try:
+        wait_for(lambda: (head := board.get_params_head()) is not None and head[2] >= 300, 120, "training")
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: "final params published" in trainer.output(), 30, "the trainer's final publication")
+    head = board.get_params_head()
+    last = Reports.read(board).trainer
+    assert head is not None and last is not None and head[2] == last.train_count, (head, last)
+    meta, _ = load_arrays(log_dir / "final.safetensors")
+    assert meta["train_count"] == head[2], (meta["train_count"], head)
+    kept = sorted((log_dir / "checkpoints" / namespace).glob("ckpt-*.safetensors"))
+    assert kept and kept[-1].name == f"ckpt-{head[2]:010d}.safetensors", (kept, head)
+    assert "waiting up to" in log.read_text()
+
+
 @pytest.mark.slow
 def test_the_same_call_again_attaches_to_the_task_a_killed_client_left(
     redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]

@@ -193,6 +193,7 @@ def train_distribution(
     resolved, embedded = resolve(redis_params)
     procs: list[local_nodes.LocalNode] = []
     evaluator: Evaluator | None = None
+    checkpoints: BoardCheckpoints | None = None
     board: Board | None = None
     submitted = False  # the task is ACTIVE and watched (or attached to)
     codec = Codec(secret=secret, task=resolved.task_name)
@@ -283,7 +284,11 @@ def train_distribution(
                            resolved.task_name)
             try:
                 board.end_task("END", "cancelled")
+                if submitted:
+                    _await_trainer_end(board)
                 _load_final_params(board, runner, codec)
+                if checkpoints is not None:
+                    checkpoints.fetch(now=True)  # the one the trainer wrote as it stopped
                 if run_log is not None:
                     runner.save(run_log.dir / "final.safetensors")
             except Exception as e:  # a board that is away: the interrupt still ends this client
@@ -520,6 +525,28 @@ def _note_totals(board: Board, runner: Runner, procs: list[local_nodes.LocalNode
     counters = with_retry(board.get_counters, "reading the run's counters", max_wait=10)
     runner.env_steps += int(counters.get("env_steps", 0))
     runner.episodes += int(counters.get("episodes", 0))
+
+
+FINAL_PARAMS_WAIT_S = 15.0
+"""seconds a cancelling client waits for the trainer to publish its last weights and let go of its lease"""
+
+
+def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S) -> None:
+    """After the client ended the task: wait (bounded; Ctrl-C again skips) until the trainer has seen the end
+    at its next heartbeat, written its checkpoint, published the weights it trained up to and released its
+    lease, so the runner gets those weights instead of the last periodic ones."""
+    holder, _ = board.lease_holder("trainer")
+    if holder is None:
+        return
+    logger.info("waiting up to %.0fs for trainer %s to publish its final params (Ctrl-C again to skip)",
+                max_wait, holder)
+    deadline = time.monotonic() + max_wait
+    while board.lease_holder("trainer")[0] is not None:
+        if time.monotonic() >= deadline:
+            logger.warning("trainer %s did not let go within %.0fs: loading the last params it published",
+                           holder, max_wait)
+            return
+        time.sleep(0.1)
 
 
 def _load_final_params(board: Board, runner: Runner, codec: Codec) -> None:

@@ -298,6 +298,7 @@ class TrainerRun:
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self.task_replaced = False  # another task of this name replaced it
         self.fenced = False  # another trainer took the lease over
+        self.task_ended = False  # the task ended on the board (the client's cancel, a limit): final params go
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
         # publishing: the main thread hands blobs over, the board thread writes them
@@ -823,6 +824,7 @@ class TrainerRun:
             return
         self._lease_lost_at = None
         if hb.task_status != "ACTIVE":
+            self.task_ended = True
             status = board.get_status()
             reason = status.end_reason if status is not None else ""
             self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
@@ -904,16 +906,36 @@ class TrainerRun:
         """Publish the final weights and wait until they are on the board (False if stopped first). Weights
         trained past the last publication get a version of their own, one past it, whatever the data path's
         rule would count: a version names one set of weights."""
-        if self.trainer.train_count > self._requested[1]:
-            self.version = max(self.version, self._requested[0] + 1)
-        if (self.version, self.trainer.train_count) != self._requested:
-            self.request_publish()
+        self._request_final()
         version = self.version
         while self._published_version < version:
             if self.stop.is_set():
                 return False
             time.sleep(0.01)
         return True
+
+    def _request_final(self) -> bool:
+        """Hand the weights over as the run's last params: those trained past the last publication get a
+        version of their own, one past it, whatever the data path's rule would count (a version names one
+        set of weights). False when the board has them already."""
+        if self.trainer.train_count > self._requested[1]:
+            self.version = max(self.version, self._requested[0] + 1)
+        if (self.version, self.trainer.train_count) == self._requested:
+            return False
+        self.request_publish()
+        return True
+
+    def _flush_final(self) -> None:
+        """Write what is still pending once the board thread stopped (the weights of a task ended on the
+        board: a cancelling client waits for this trainer to let go, then loads them)."""
+        if self._pending is None or self.fenced or self.task_replaced or self.task_gone:
+            return
+        try:
+            self._flush_publish()
+            logger.info("final params published: version %d, train_count %d", self._published_version,
+                        self.trainer.train_count)
+        except Exception as e:
+            logger.warning("could not publish the final params: %s", short(e))
 
     def _limit_reached(self) -> str | None:
         task = self.task
@@ -1030,6 +1052,8 @@ class TrainerRun:
                         next_local = time.monotonic() + opts.checkpoint_interval
                     if board_every is not None and now >= next_on_board:
                         next_on_board = time.monotonic() + board_every
+            if self.task_ended and not (self.fenced or self.task_gone or self.task_replaced):
+                self._request_final()  # ended on the board (a client's cancel): its last weights, flushed below
             if not self.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
                 self.checkpoint()
             # final params first, then END: a client that sees END finds them
@@ -1041,6 +1065,7 @@ class TrainerRun:
             self._wake.set()
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             ingest.join(timeout=10)
+            self._flush_final()
             try:
                 # a fenced trainer's stats would overwrite its successor's: only its counts still go
                 stats = None if self.fenced else self._stats(*self._last_rates)
