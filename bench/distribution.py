@@ -58,7 +58,7 @@ def trainer_alone(seconds: float) -> float:
     """Train steps/s of the DQN trainer on a memory already full, nothing else running."""
     runner = srl.Runner("Pendulum-v1", pendulum_config())
     runner.train(max_steps=5_000, progress_interval=None)  # fills the memory (and trains a little)
-    trainer = runner._trainer
+    trainer = runner._learner
     assert trainer is not None
     start, t0 = trainer.train_count, time.perf_counter()
     while time.perf_counter() - t0 < seconds:

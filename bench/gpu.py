@@ -8,7 +8,7 @@
 One command checks a lent GPU: every row runs the algorithm's real code on the device, so a tensor on the
 wrong device fails here, not in a user's run.
 
-What is timed is ``DQNTrainer.train()`` alone, the loop a trainer process runs: sample a batch from
+What is timed is ``DQNLearner.train()`` alone, the loop a trainer process runs: sample a batch from
 a proportional replay memory already full (``--memory`` rows of Pendulum-v1's shapes, random but
 valid), move it to the device, the double-DQN TD loss, backward, clip, Adam, and the priority update
 (|TD| back on the host). After ``--warmup`` untimed steps (CUDA's context and kernels), as many steps
@@ -49,8 +49,8 @@ from srl.base.rollout import Rollout
 ENV = "Pendulum-v1"
 
 
-def make_trainer(device: str, hidden: tuple[int, ...], batch: int, memory_rows: int,
-                 threads: int = 1) -> dqn.DQNTrainer:
+def make_learner(device: str, hidden: tuple[int, ...], batch: int, memory_rows: int,
+                 threads: int = 1) -> dqn.DQNLearner:
     """A DQN learner on ``device`` (``threads`` torch CPU threads) whose proportional memory holds
     ``memory_rows`` valid random rows."""
     warmup_size = max(batch, 1000)
@@ -62,8 +62,8 @@ def make_trainer(device: str, hidden: tuple[int, ...], batch: int, memory_rows: 
     config.memory.set_proportional_memory(memory_rows)
     runner = srl.Runner(ENV, config)
     memory = config.make_buffer(runner.spec)
-    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
-    assert isinstance(trainer, dqn.DQNTrainer)
+    trainer = config.make_learner(runner.spec, runner.parameter, memory)
+    assert isinstance(trainer, dqn.DQNLearner)
     rng = np.random.default_rng(0)
     obs_shape = runner.spec.obs_shape
     n_actions = dqn.action_count(runner.spec, config.action_bins)
@@ -95,7 +95,7 @@ def pageable_copies() -> Iterator[None]:
         dqn.to_device = pinned
 
 
-def steps_per_second(trainer: dqn.DQNTrainer, seconds: float, warmup: int) -> float:
+def steps_per_second(trainer: dqn.DQNLearner, seconds: float, warmup: int) -> float:
     sync: Callable[[], None] = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         trainer.train()
@@ -120,7 +120,7 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
     spec, parameter = runner.spec, runner.parameter
     worker = config.make_worker(spec, parameter, 0, 1, 0)
     buffer = config.make_buffer(spec)
-    trainer = config.make_trainer(spec, parameter, buffer)
+    trainer = config.make_learner(spec, parameter, buffer)
     segments = []
     with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
         while sum(len(s["version"]) for s in segments) < max(8, config.envs_per_actor):
@@ -186,14 +186,14 @@ def main() -> int:
           f"{args.memory:,} rows; torch {torch.__version__}")
     rows: list[tuple[str, float | None, str]] = []
     for n in threads:
-        trainer = make_trainer("cpu", hidden, args.batch, args.memory, threads=n)
+        trainer = make_learner("cpu", hidden, args.batch, args.memory, threads=n)
         assert torch.get_num_threads() == n
         rates = [steps_per_second(trainer, args.seconds, args.warmup) for _ in range(args.repeat)]
         rows.append((f"cpu, {n} thread{'s' if n > 1 else ''}", statistics.median(rates), ""))
     if cuda:
         name = torch.cuda.get_device_name(0)
         for label, copies in (("cuda, pinned", nullcontext), ("cuda, pageable", pageable_copies)):
-            trainer = make_trainer("cuda", hidden, args.batch, args.memory, threads=threads[0])
+            trainer = make_learner("cuda", hidden, args.batch, args.memory, threads=threads[0])
             with copies():
                 rates = [steps_per_second(trainer, args.seconds, args.warmup) for _ in range(args.repeat)]
             rows.append((label, statistics.median(rates), name))

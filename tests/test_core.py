@@ -279,7 +279,7 @@ def _target_after_steps(config: dqn.Config, steps: int) -> tuple[Weights, Weight
     """(target before, online after, target after) ``steps`` gradient steps on random CartPole rows."""
     runner = srl.Runner("CartPole-v1", config)
     memory = config.make_buffer(runner.spec)
-    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
+    trainer = config.make_learner(runner.spec, runner.parameter, memory)
     memory.add(random_rows(config.warmup_size))
     before = [p.detach().clone() for p in trainer.target.parameters()]
     for _ in range(steps):
@@ -310,7 +310,7 @@ def _first_step(**changes: object) -> tuple[float, np.ndarray]:
     runner = srl.Runner("CartPole-v1", small_config(**changes))
     config = runner.rl_config
     memory = config.make_buffer(runner.spec)
-    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
+    trainer = config.make_learner(runner.spec, runner.parameter, memory)
     rows = random_rows(config.warmup_size, reward_std=10.0)
     priorities = config.make_worker(runner.spec, runner.parameter, 0, 1, 0).initial_priorities(rows)
     memory.add(rows, priorities)
@@ -354,7 +354,7 @@ def test_a_nonfinite_loss_skips_the_step_and_leaves_weights_and_priorities_alone
     config.memory.set_proportional_memory(config.warmup_size)  # the next add replaces every row
     runner = srl.Runner("CartPole-v1", config)
     memory = config.make_buffer(runner.spec)
-    trainer = config.make_trainer(runner.spec, runner.parameter, memory)
+    trainer = config.make_learner(runner.spec, runner.parameter, memory)
     slots = np.arange(config.warmup_size)
     rows = random_rows(config.warmup_size)
     rows["reward"][:] = np.inf  # every sampled target is infinite: the loss cannot be finite
@@ -449,7 +449,7 @@ def test_greedy_average_is_the_mean_of_the_first_steps_then_an_exponential_one(
     parameter = runner.parameter
     assert isinstance(parameter, dqn.DQNParameter) and parameter.q_average is not None
     runner.train(max_train_count=1, progress_interval=None)  # builds the trainer; one step
-    trainer = runner._trainer
+    trainer = runner._learner
     assert trainer is not None
     trainer.plan(None, planned)
     history = [[p.detach().clone() for p in parameter.q.parameters()]]

@@ -65,7 +65,7 @@ def test_impala_takes_batches_from_its_fifo_once() -> None:
     runner.train(max_steps=4 * 5 * 2 * 3, progress_interval=None)  # 24 segments: 3 batches of 8
     assert runner.train_count == 3
     assert runner.parameter.version == 1 + 3  # the first weights, and a version per publication it would make...
-    trainer = runner._trainer
+    trainer = runner._learner
     assert trainer is not None and len(trainer.buffer) == 0  # ...and every segment was used once
 
 

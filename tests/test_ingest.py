@@ -263,7 +263,7 @@ def test_an_off_policy_trainer_cut_off_from_new_rows_stops_at_a_bounded_replay_r
     def train_until_it_waits() -> int:
         while run._update():
             pass
-        return run.trainer.train_count
+        return run.learner.train_count
 
     try:
         receive(30)  # 240 rows: 40 past the warmup

@@ -71,7 +71,7 @@ def test_one_process_run_leaves_history_evals_tensorboard_and_checkpoints(tmp_pa
 def test_checkpoint_restores_weights_optimizer_and_counters(tmp_path: Path, make_config) -> None:  # type: ignore[no-untyped-def]
     runner = srl.Runner("CartPole-v1", make_config())
     runner.train(max_steps=400, progress_interval=None)
-    assert runner._trainer is not None and runner.train_count > 0
+    assert runner._learner is not None and runner.train_count > 0
     path = tmp_path / "ckpt.safetensors"
     runner.save(path)
 
@@ -79,7 +79,7 @@ def test_checkpoint_restores_weights_optimizer_and_counters(tmp_path: Path, make
     assert (again.train_count, again.env_steps, again.episodes) == (runner.train_count, runner.env_steps,
                                                                     runner.episodes)
     again.train(max_steps=1, progress_interval=None)  # builds the trainer, which takes the saved state
-    saved, loaded = runner._trainer.state_arrays(), again._trainer.state_arrays()  # type: ignore[union-attr]
+    saved, loaded = runner._learner.state_arrays(), again._learner.state_arrays()  # type: ignore[union-attr]
     assert saved[0].keys() == loaded[0].keys() and any(k.startswith("optimizer/") for k in saved[0])
     for key, value in saved[0].items():
         np.testing.assert_array_equal(value, loaded[0][key], err_msg=key)

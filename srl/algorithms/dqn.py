@@ -8,7 +8,7 @@ online network and, for binned Box actions by default, the average of its
 weights the greedy policy acts with; weights <-> arrays), ``Worker`` (acts
 ε-greedily in E envs with one batched forward pass, greedily with the average;
 builds n-step transitions per env, computes their initial priorities) and
-``Trainer`` (samples, learns, moves the average, returns priority updates). Must never: know about Redis or queues.
+``Learner`` (samples, learns, moves the average, returns priority updates). Must never: know about Redis or queues.
 
 Actions: Discrete natively; a bounded Box is binned into ``action_bins`` values
 per dimension and a MultiDiscrete into its product, both here (the worker maps
@@ -42,9 +42,9 @@ from srl.base.rl import (
     Buffer,
     Columns,
     DataPath,
+    Learner,
     Parameter,
     RLConfig,
-    Trainer,
     TrainStats,
     Worker,
     torch_from_arrays,
@@ -239,9 +239,9 @@ class Config(RLConfig):
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Memory:
         return self.memory.build(seed=self.seed, schema=self.schema(spec))
 
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> DQNTrainer:
+    def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> DQNLearner:
         assert isinstance(parameter, DQNParameter) and isinstance(buffer, Memory)
-        return DQNTrainer(self, parameter, buffer)
+        return DQNLearner(self, parameter, buffer)
 
 
 REWARD_PROBE_STEPS = 1000
@@ -522,7 +522,7 @@ class DQNStats(TrainStats):
     """steps skipped so far because the loss was NaN or infinite"""
 
 
-class DQNTrainer(Trainer):
+class DQNLearner(Learner):
     """One gradient step per ``train()``: sample, the ``loss`` setting's TD loss weighted by importance,
     priority update."""
 

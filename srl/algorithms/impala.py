@@ -4,7 +4,7 @@ Read top to bottom: ``Config`` (every setting, documented; the data path is
 segments of ``segment_length`` steps with the behaviour policy's
 log-probabilities, each consumed once from a bounded FIFO, params published
 every ``publish_every`` train steps, no version waited for), ``vtrace`` (the
-paper's recursion, six lines), and ``Trainer`` (one gradient step per batch of
+paper's recursion, six lines), and ``Learner`` (one gradient step per batch of
 segments: V-trace targets with the current network, the policy-gradient term
 with the clipped ρ_s advantage, the value loss and the entropy bonus). The
 policy network and the actors' segment worker are the ones PPO uses
@@ -30,9 +30,9 @@ from srl.base.env import EnvSpec
 from srl.base.rl import (
     Buffer,
     DataPath,
+    Learner,
     Parameter,
     RLConfig,
-    Trainer,
     TrainStats,
 )
 from srl.base.schema import Schema
@@ -125,9 +125,9 @@ class Config(RLConfig):
         capacity = max(self.buffer_segments, self.batch_segments + actor_num * self.envs_per_actor)
         return SegmentBuffer(capacity, self.schema(spec))
 
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> IMPALATrainer:
+    def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> IMPALALearner:
         assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
-        return IMPALATrainer(self, parameter, buffer)
+        return IMPALALearner(self, parameter, buffer)
 
 
 def vtrace(
@@ -170,7 +170,7 @@ class IMPALAStats(TrainStats):
     lr: float = 0.0
 
 
-class IMPALATrainer(Trainer):
+class IMPALALearner(Learner):
     """``train()`` takes ``batch_segments`` segments (None until that many arrived) and makes one step."""
 
     optimizer: torch.optim.Optimizer

@@ -1,7 +1,7 @@
 """PPO: clipped surrogate, GAE(λ), K epochs over minibatches of segments (CleanRL's ppo.py, distributed).
 
 Read top to bottom: ``Config`` (every setting, documented), ``gae`` (the six
-lines), and ``Trainer`` (advantage normalization, the clipped losses, lr and
+lines), and ``Learner`` (advantage normalization, the clipped losses, lr and
 clip annealing, gradient clipping, optional reward normalization). The network
 (orthogonal init; categorical for Discrete and MultiDiscrete actions, Gaussian
 with a state-independent log-std for Box actions, clipped to the bounds for
@@ -39,9 +39,9 @@ from srl.base.env import BoxActions, EnvSpec
 from srl.base.rl import (
     Buffer,
     DataPath,
+    Learner,
     Parameter,
     RLConfig,
-    Trainer,
     TrainStats,
     torch_from_arrays,
     torch_to_arrays,
@@ -182,9 +182,9 @@ class Config(RLConfig):
         rounds = 2 if self.sync else 4
         return SegmentBuffer(rounds * actor_num * self.envs_per_actor, self.schema(spec))
 
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> PPOTrainer:
+    def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> PPOLearner:
         assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
-        return PPOTrainer(self.resolved(spec), parameter, buffer,
+        return PPOLearner(self.resolved(spec), parameter, buffer,
                           self.data_path().update_segments(actor_num, self.envs_per_actor))
 
 
@@ -222,7 +222,7 @@ class PPOStats(TrainStats):
     """asynchronous: segments dropped at training time for being more than max_policy_lag versions old"""
 
 
-class PPOTrainer(Trainer):
+class PPOLearner(Learner):
     """``train()`` runs one PPO update: sync, on every segment in the buffer (the distributed trainer
     calls it once all of this version's are in); asynchronous, on the next ``segments_per_update``."""
 

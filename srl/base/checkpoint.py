@@ -17,7 +17,7 @@ import numpy as np
 
 from srl.base.config import config_to_dict
 from srl.base.env import EnvConfig
-from srl.base.rl import Parameter, RLConfig, Trainer
+from srl.base.rl import Learner, Parameter, RLConfig
 
 CHECKPOINT_FORMAT = "srl-checkpoint"
 CHECKPOINT_VERSION = 3
@@ -33,11 +33,11 @@ def task_config(rl_config: RLConfig, env_config: EnvConfig) -> dict[str, Any]:
 
 
 def build_checkpoint(
-    parameter: Parameter, trainer: Trainer | None, task_config: dict[str, Any], train_count: int, env_steps: int,
+    parameter: Parameter, learner: Learner | None, task_config: dict[str, Any], train_count: int, env_steps: int,
     episodes: int, trainer_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
     memory: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """What a checkpoint holds: the weights, the trainer's state under ``trainer/`` (from ``trainer``, else
+    """What a checkpoint holds: the weights, the trainer's state under ``trainer/`` (from ``learner``, else
     ``trainer_state``), the replay memory under ``memory/`` when given (``Buffer.state_arrays``), and the
     meta (format, counters, the algorithm, its settings and the env)."""
     arrays = dict(parameter.to_arrays())
@@ -51,7 +51,7 @@ def build_checkpoint(
         "saved_at": time.time(),
         **task_config,
     }
-    state = trainer.state_arrays() if trainer is not None else trainer_state
+    state = learner.state_arrays() if learner is not None else trainer_state
     if state is not None:
         arrays.update({TRAINER_PREFIX + k: v for k, v in state[0].items()})
         meta["trainer_state"] = state[1]

@@ -5,7 +5,7 @@ of its parts), ``DataPath`` (what the algorithm's rows are, when its trainer
 publishes, which params versions it accepts, how fast actors may go),
 ``Parameter`` (the weights, to and from arrays without pickle), ``Worker``
 (acts in E envs at once and turns their steps into rows), ``Buffer`` (where
-the trainer keeps rows until it learns from them) and ``Trainer`` (learns from
+the trainer keeps rows until it learns from them) and ``Learner`` (learns from
 its buffer). Must never: import anything distributed. The same objects run in
 one process (``Runner.train``) and split across machines (actor and trainer
 processes), with the same columns.
@@ -214,7 +214,7 @@ class RLConfig(Settings, ABC):
         """Where the trainer keeps rows (allocated from ``schema(spec)``), for ``actor_num`` actors."""
 
     @abstractmethod
-    def make_trainer(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> Trainer:
+    def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> Learner:
         """The learner, for rows from ``actor_num`` actors."""
 
 
@@ -401,7 +401,7 @@ def optimizer_from_arrays(
     optimizer.load_state_dict({"state": state, "param_groups": loaded_groups})
 
 
-class Trainer(ABC):
+class Learner(ABC):
     """Learns from a buffer and updates the parameter; ``train_count`` counts gradient steps."""
 
     train_count: int = 0

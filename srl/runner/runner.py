@@ -1,6 +1,6 @@
 """``Runner``: train, evaluate, save and load one algorithm on one env.
 
-Owns: the single-process loop (the same Worker, Trainer and Memory objects the
+Owns: the single-process loop (the same Worker, Learner and Memory objects the
 distributed actor and trainer use) and checkpoints in a safe format. Must
 never: hold distributed logic itself; ``train_distribution`` hands over to the
 distribution client.
@@ -22,7 +22,7 @@ from srl.base.arrays import load_arrays, save_arrays
 from srl.base.checkpoint import build_checkpoint, count_field, saved_rl_config, split_checkpoint, task_config
 from srl.base.config import config_from_dict
 from srl.base.env import EnvConfig, EnvSpec, env_spec
-from srl.base.rl import Buffer, DataPath, Parameter, RLConfig, Trainer, TrainStats, seed_everything
+from srl.base.rl import Buffer, DataPath, Learner, Parameter, RLConfig, TrainStats, seed_everything
 from srl.base.rollout import Rollout
 from srl.runner.progress import TrainProgress, ensure_logging, reward_summary
 from srl.runner.run_log import RunLog, write_checkpoint
@@ -62,11 +62,11 @@ class Runner:
         self._spec: EnvSpec | None = None
         self._parameter: Parameter | None = None
         self._buffer: Buffer | None = None
-        self._trainer: Trainer | None = None
+        self._learner: Learner | None = None
         self.env_steps = 0
         self.episodes = 0
-        self._train_count = 0  # loaded with weights, before a trainer exists
-        self._pending_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None  # for the next trainer
+        self._train_count = 0  # loaded with weights, before a learner exists
+        self._pending_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None  # for the next learner
 
     # ---------------------------------------------------------------- pieces
     @property
@@ -89,7 +89,7 @@ class Runner:
     @property
     def train_count(self) -> int:
         """Gradient steps made so far (continued from a checkpoint or a distributed run)."""
-        return self._trainer.train_count if self._trainer is not None else self._train_count
+        return self._learner.train_count if self._learner is not None else self._train_count
 
     def replica(self) -> Runner:
         """A runner of the same env and settings with weights, env and worker of its own (an evaluator's)."""
@@ -139,29 +139,29 @@ class Runner:
         parameter = self.parameter
         if self._buffer is None:
             self._buffer = config.make_buffer(self.spec)
-        if self._trainer is None:
-            self._trainer = config.make_trainer(self.spec, parameter, self._buffer)
-            self._trainer.train_count = self._train_count
+        if self._learner is None:
+            self._learner = config.make_learner(self.spec, parameter, self._buffer)
+            self._learner.train_count = self._train_count
             if self._pending_state is not None:
-                self._trainer.load_state_arrays(*self._pending_state)
+                self._learner.load_state_arrays(*self._pending_state)
                 self._pending_state = None
-        trainer, buffer = self._trainer, self._buffer
+        learner, buffer = self._learner, self._buffer
         run_log = RunLog(log_dir) if log_dir is not None else None
         log_every = progress_interval or 5.0
         next_log = time.perf_counter() + log_every
         next_checkpoint = None if checkpoint_interval is None else time.perf_counter() + checkpoint_interval
         next_eval_time = None if eval_interval is None else time.perf_counter() + eval_interval
-        next_eval_count = None if eval_every is None else trainer.train_count + eval_every
+        next_eval_count = None if eval_every is None else learner.train_count + eval_every
         last_eval: float | None = None
-        rates = _Rates(self.env_steps, trainer.train_count)
-        trainer.plan(None if max_steps is None else self.env_steps + max_steps,
-                     None if max_train_count is None else trainer.train_count + max_train_count)
+        rates = _Rates(self.env_steps, learner.train_count)
+        learner.plan(None if max_steps is None else self.env_steps + max_steps,
+                     None if max_train_count is None else learner.train_count + max_train_count)
         data_path = config.data_path()
         parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
         worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
         rollout = Rollout(self.env_config, worker, config.envs_per_actor, config.seed, config.vectorization)
         progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout, bar=progress_bar)
-        start_train, start_steps = trainer.train_count, self.env_steps
+        start_train, start_steps = learner.train_count, self.env_steps
         deadline = None if timeout is None else time.perf_counter() + timeout
         # transitions are handed over in small batches (a buffer add and a priority pass per row would
         # cost more than the step); segments as soon as they are complete
@@ -169,7 +169,7 @@ class Runner:
         credit = 0.0
         try:
             while True:
-                if max_train_count is not None and trainer.train_count - start_train >= max_train_count:
+                if max_train_count is not None and learner.train_count - start_train >= max_train_count:
                     break
                 if max_steps is not None and self.env_steps - start_steps >= max_steps:
                     break
@@ -183,11 +183,11 @@ class Runner:
                     if rows is not None:
                         buffer.add(rows, worker.initial_priorities(rows))
                 if data_path.env_steps_per_train is None:  # on-policy: train whenever an update's worth is in
-                    self._record(trainer.train(), progress, data_path)
+                    self._record(learner.train(), progress, data_path)
                 else:
                     credit += data_path.train_credit(rollout.num_envs)
                     while credit >= 1.0:
-                        stats = trainer.train()
+                        stats = learner.train()
                         if stats is None:  # warming up: steps before training starts earn nothing
                             credit = 0.0
                             break
@@ -195,14 +195,14 @@ class Runner:
                         self._record(stats, progress, data_path)
                 now = time.perf_counter()
                 if progress.due(now):
-                    progress.report(self.env_steps - start_steps, trainer.train_count - start_train,
+                    progress.report(self.env_steps - start_steps, learner.train_count - start_train,
                                     self.episodes, now)
                 if (next_eval_time is not None and now >= next_eval_time) or (
-                        next_eval_count is not None and trainer.train_count >= next_eval_count):
+                        next_eval_count is not None and learner.train_count >= next_eval_count):
                     last_eval = self._evaluate_during_training(eval_episodes, run_log, progress)
                     now = time.perf_counter()
                     next_eval_time = None if eval_interval is None else now + eval_interval
-                    next_eval_count = None if eval_every is None else trainer.train_count + eval_every
+                    next_eval_count = None if eval_every is None else learner.train_count + eval_every
                 if run_log is not None and now >= next_log:
                     next_log = now + log_every
                     run_log.add_history(self._history_row(progress, rates, last_eval))
@@ -222,8 +222,8 @@ class Runner:
         elapsed = progress.elapsed()
         logger.info(
             "train done: %d train steps, %d env steps in %.1fs (%.0f train/s, %.0f env steps/s)",
-            trainer.train_count - start_train, self.env_steps - start_steps, elapsed,
-            (trainer.train_count - start_train) / max(elapsed, 1e-9),
+            learner.train_count - start_train, self.env_steps - start_steps, elapsed,
+            (learner.train_count - start_train) / max(elapsed, 1e-9),
             (self.env_steps - start_steps) / max(elapsed, 1e-9),
         )
 
@@ -257,9 +257,9 @@ class Runner:
             return
         progress.loss = stats.loss
         progress.stats = stats.scalars()
-        parameter, trainer = self.parameter, self._trainer
-        assert trainer is not None
-        parameter.version = data_path.next_version(parameter.version, trainer.train_count)
+        parameter, learner = self.parameter, self._learner
+        assert learner is not None
+        parameter.version = data_path.next_version(parameter.version, learner.train_count)
 
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, max_episodes: int = 10, seed: int | None = None) -> list[float]:
@@ -294,7 +294,7 @@ class Runner:
         save_arrays(path, *self._checkpoint_contents())
 
     def _checkpoint_contents(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return build_checkpoint(self.parameter, self._trainer, self.task_config(), self.train_count, self.env_steps,
+        return build_checkpoint(self.parameter, self._learner, self.task_config(), self.train_count, self.env_steps,
                                 self.episodes, self._pending_state)
 
     def load(self, path: str | os.PathLike[str]) -> None:
@@ -309,8 +309,8 @@ class Runner:
         self.set_parameter_arrays(weights, count_field(meta, "version"), count_field(meta, "train_count"))
         self.env_steps, self.episodes = count_field(meta, "env_steps"), count_field(meta, "episodes")
         if state is not None:
-            if self._trainer is not None:
-                self._trainer.load_state_arrays(*state)
+            if self._learner is not None:
+                self._learner.load_state_arrays(*state)
             else:
                 self._pending_state = state
 
@@ -319,9 +319,9 @@ class Runner:
         self.parameter.from_arrays(arrays)
         self.parameter.version = version
         self._train_count = train_count
-        if self._trainer is not None:
-            self._trainer.train_count = train_count
-            self._trainer.on_parameters_loaded()
+        if self._learner is not None:
+            self._learner.train_count = train_count
+            self._learner.on_parameters_loaded()
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> Runner:

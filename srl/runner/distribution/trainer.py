@@ -259,7 +259,7 @@ class TrainerRun:
         self.max_params_bytes = params_bytes
         self.buffer: Buffer = config.make_buffer(self.spec, task.actor_num)
         self._check_memory_fits(self.buffer.nbytes)  # the arrays are reserved, not yet touched
-        self.trainer = config.make_trainer(self.spec, self.parameter, self.buffer, task.actor_num)
+        self.learner = config.make_learner(self.spec, self.parameter, self.buffer, task.actor_num)
         self.queue_params = queue_params
         self.redis_params = redis_params
         self.data_arrived = threading.Event()
@@ -351,9 +351,9 @@ class TrainerRun:
         self.version = record.version
         self._published_version = record.version
         self.parameter.version = record.version
-        self.trainer.train_count = record.train_count
+        self.learner.train_count = record.train_count
         self.lag.published(record.version, record.train_count)
-        self.trainer.on_parameters_loaded()
+        self.learner.on_parameters_loaded()
         logger.info("trainer at epoch %d restored the params of epoch %d version %d: train_count continues from %d",
                     self.epoch, record.epoch, record.version, record.train_count)
 
@@ -395,9 +395,9 @@ class TrainerRun:
                 raise DecodeError("the resume message carries no checkpoint meta")
             weights, state = split_checkpoint(checkpoint, arrays, self.task.rl_config, "the resume blob")
             self.parameter.from_arrays(weights)
-            self.trainer.on_parameters_loaded()
+            self.learner.on_parameters_loaded()
             if state is not None:
-                self.trainer.load_state_arrays(*state)
+                self.learner.load_state_arrays(*state)
         except (DecodeError, ValueError, KeyError, TypeError) as e:
             raise TaskConfigError(f"the checkpoint to resume from does not fit this task: {short(e)}") from None
         memory = checkpoint_memory(checkpoint, arrays)
@@ -409,11 +409,11 @@ class TrainerRun:
             except (ValueError, TypeError) as e:  # another capacity or columns: the run refills it
                 logger.warning("the checkpoint's replay memory does not fit this task (%s); starting with an "
                                "empty one", short(e))
-        self.trainer.train_count = int(checkpoint["train_count"])
+        self.learner.train_count = int(checkpoint["train_count"])
         self.version = self._published_version = self.parameter.version = int(checkpoint["version"])
-        self.lag.published(self.version, self.trainer.train_count)
+        self.lag.published(self.version, self.learner.train_count)
         logger.info("resumed from a checkpoint: version %d, train_count %d, env steps %d%s", self.version,
-                    self.trainer.train_count, checkpoint["env_steps"],
+                    self.learner.train_count, checkpoint["env_steps"],
                     "" if state is not None else " (weights only: the optimizer starts fresh)")
         return True
 
@@ -429,14 +429,14 @@ class TrainerRun:
         if not (to_dir or to_board):
             return None
         memory = self._memory_state() if to_board and task.checkpoint_memory else None
-        arrays, meta = build_checkpoint(self.parameter, self.trainer, task_config(task.rl_config, task.env_config),
-                                        self.trainer.train_count, self.env_steps_total, 0, memory=memory)
+        arrays, meta = build_checkpoint(self.parameter, self.learner, task_config(task.rl_config, task.env_config),
+                                        self.learner.train_count, self.env_steps_total, 0, memory=memory)
         path = None
         if to_dir:
             directory = Path(opts.checkpoint_dir) / self.board.task_name
             try:
-                path = write_checkpoint(directory, self.trainer.train_count, arrays, meta, opts.keep_checkpoints)
-                logger.info("checkpoint %s (train_count %d)", path, self.trainer.train_count)
+                path = write_checkpoint(directory, self.learner.train_count, arrays, meta, opts.keep_checkpoints)
+                logger.info("checkpoint %s (train_count %d)", path, self.learner.train_count)
             except OSError as e:  # a full disk must not stop training
                 logger.error("could not write a checkpoint in %s: %s", directory, e)
         if to_board:
@@ -460,9 +460,9 @@ class TrainerRun:
         codec = self.codec.with_max_bytes(checkpoint_message_bytes(self.parameter.to_arrays(), with_memory))
         try:
             blob = codec.encode_params(arrays, {"epoch": self.epoch, "version": self.version,
-                                                "train_count": self.trainer.train_count, "checkpoint": meta})
-            if self.board.put_checkpoint(self.options.uid, self.epoch, self.trainer.train_count, blob):
-                logger.info("checkpoint on the board (train_count %d, %.1f MiB)", self.trainer.train_count,
+                                                "train_count": self.learner.train_count, "checkpoint": meta})
+            if self.board.put_checkpoint(self.options.uid, self.epoch, self.learner.train_count, blob):
+                logger.info("checkpoint on the board (train_count %d, %.1f MiB)", self.learner.train_count,
                             len(blob) / 2**20)
         except _BOARD_AWAY_OR_TOO_BIG as e:
             logger.error("could not put a checkpoint on the board: %s", short(e))
@@ -745,7 +745,7 @@ class TrainerRun:
 
     def _board_loop(self) -> None:
         opts = self.options
-        last_train, last_recv, last_time = self.trainer.train_count, 0, time.monotonic()
+        last_train, last_recv, last_time = self.learner.train_count, 0, time.monotonic()
         next_beat = 0.0
         while not self.stop.is_set():
             try:
@@ -753,7 +753,7 @@ class TrainerRun:
                 now = time.monotonic()
                 if now >= next_beat:
                     dt = max(now - last_time, 1e-9)
-                    train_count = self.trainer.train_count
+                    train_count = self.learner.train_count
                     self._last_rates = ((train_count - last_train) / dt, (self.received_transitions - last_recv) / dt)
                     stats = self._stats(*self._last_rates)
                     last_train, last_recv, last_time = train_count, self.received_transitions, now
@@ -785,7 +785,7 @@ class TrainerRun:
         return TrainerStats(
             uid=self.options.uid,
             epoch=self.epoch,
-            train_count=self.trainer.train_count,
+            train_count=self.learner.train_count,
             train_per_s=round(train_per_s, 1),
             received_per_s=round(received_per_s, 1),
             memory=len(self.buffer),
@@ -853,7 +853,7 @@ class TrainerRun:
         if answer == "taken":
             away = 0.0 if self._lease_lost_at is None else time.monotonic() - self._lease_lost_at
             text = (f"trainer {opts.uid} took its lapsed lease back (epoch {self.epoch}, {away:.0f}s without the "
-                    f"board); buffer ({len(self.buffer)} rows) and train_count {self.trainer.train_count} kept")
+                    f"board); buffer ({len(self.buffer)} rows) and train_count {self.learner.train_count} kept")
             logger.warning("%s", text)
             self.board.log_event(text, level="WARNING", source=opts.uid)
             return True
@@ -870,17 +870,17 @@ class TrainerRun:
     def request_publish(self) -> int:
         """Hand the learner's weights, as params version ``self.version``, to the board thread."""
         self.parameter.version = self.version
-        self._requested = (self.version, self.trainer.train_count)
+        self._requested = (self.version, self.learner.train_count)
         self._last_publish = time.monotonic()
-        self.lag.published(self.version, self.trainer.train_count)
+        self.lag.published(self.version, self.learner.train_count)
         self._arrivals = {}
         blob = self.codec.encode_params(
             self.parameter.to_arrays(),
-            {"epoch": self.epoch, "version": self.version, "train_count": self.trainer.train_count,
+            {"epoch": self.epoch, "version": self.version, "train_count": self.learner.train_count,
              "algorithm": self.task.rl_config.algorithm},
         )
         with self._publish_lock:
-            self._pending = (self.version, self.trainer.train_count, blob)
+            self._pending = (self.version, self.learner.train_count, blob)
         self._wake.set()
         return self.version
 
@@ -918,9 +918,9 @@ class TrainerRun:
         """Hand the weights over as the run's last params: those trained past the last publication get a
         version of their own, one past it, whatever the data path's rule would count (a version names one
         set of weights). False when the board has them already."""
-        if self.trainer.train_count > self._requested[1]:
+        if self.learner.train_count > self._requested[1]:
             self.version = max(self.version, self._requested[0] + 1)
-        if (self.version, self.trainer.train_count) == self._requested:
+        if (self.version, self.learner.train_count) == self._requested:
             return False
         self.request_publish()
         return True
@@ -933,13 +933,13 @@ class TrainerRun:
         try:
             self._flush_publish()
             logger.info("final params published: version %d, train_count %d", self._published_version,
-                        self.trainer.train_count)
+                        self.learner.train_count)
         except Exception as e:
             logger.warning("could not publish the final params: %s", short(e))
 
     def _limit_reached(self) -> str | None:
         task = self.task
-        if task.max_train_count is not None and self.trainer.train_count >= task.max_train_count:
+        if task.max_train_count is not None and self.learner.train_count >= task.max_train_count:
             return f"max_train_count {task.max_train_count} reached"
         if task.max_steps is not None and self.env_steps_total >= task.max_steps:
             return f"max_steps {task.max_steps} reached"
@@ -978,16 +978,16 @@ class TrainerRun:
             if not self._sync_ready():
                 return False
             with self._version_lock:  # no row of the old version slips in between training and publishing
-                stats = self.trainer.train()
+                stats = self.learner.train()
                 if stats is not None:
-                    self.version = path.next_version(self.version, self.trainer.train_count)
+                    self.version = path.next_version(self.version, self.learner.train_count)
                     self.request_publish()
                     self._waiting_since = None
         else:
-            stats = None if self._ahead_of_data() else self.trainer.train()
+            stats = None if self._ahead_of_data() else self.learner.train()
             if stats is not None:
                 with self._version_lock:
-                    self.version = path.next_version(self.version, self.trainer.train_count)
+                    self.version = path.next_version(self.version, self.learner.train_count)
             if self._publish_due():  # waiting for rows too: actors pace themselves by the published train_count
                 self.request_publish()
         if stats is None:
@@ -1005,7 +1005,7 @@ class TrainerRun:
             return False
         rows = self._rows_base + self.received_transitions
         allowed = path.train_steps_allowed(rows, self.options.train_ahead) + max(1, path.publish_every)
-        return self.trainer.train_count - self._train_base >= allowed
+        return self.learner.train_count - self._train_base >= allowed
 
     def _publish_due(self) -> bool:
         """A version the board does not have yet, and ``min_publish_interval`` since the last publication
@@ -1023,14 +1023,14 @@ class TrainerRun:
             self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
             self.restore()
             self._skip_counted_redeliveries()
-        self._train_base = self.trainer.train_count
+        self._train_base = self.learner.train_count
         ingest = threading.Thread(target=self._ingest_loop, name="srl-trainer-ingest", daemon=True)
         board_thread = threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True)
         ingest.start()
         board_thread.start()
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
-                    self.device, self.trainer.train_count)
-        self.trainer.plan(self.task.max_steps, self.task.max_train_count)
+                    self.device, self.learner.train_count)
+        self.learner.plan(self.task.max_steps, self.task.max_train_count)
         self.version = max(self.version, DataPath.FIRST_VERSION)
         self.request_publish()  # actors act with this trainer's weights from the start
         end_reason: str | None = None
@@ -1083,7 +1083,7 @@ class TrainerRun:
         return self.stop.reason
 
     def summary(self) -> str:
-        return (f"epoch {self.epoch}, train_count {self.trainer.train_count}, received {self.received_batches} "
+        return (f"epoch {self.epoch}, train_count {self.learner.train_count}, received {self.received_batches} "
                 f"batches, {self.bad_messages} bad, {self.duplicates} duplicates, {self.stale_rows} stale rows")
 
 
