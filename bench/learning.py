@@ -122,6 +122,10 @@ CASES = {case.name: case for case in [
          "steps:20000"),
     Case("dqn-lunarlander", "LunarLander-v3", dqn.Config, "train:200000",
          (Reference("SB3 zoo DQN 210", "100k"),), 200.0, "train:5000", needs="Box2D"),
+    Case("dqn-mountaincar", "MountainCar-v0", dqn.Config, "train:30000",
+         (Reference("SB3 DQN with the zoo's tuned settings -101", "120k"),), -110.0, "train:3000"),
+    Case("dqn-lunarlander-box", "LunarLanderContinuous-v3", dqn.Config, "train:50000",
+         (), 0.0, "train:3000", needs="Box2D"),
 ]}
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
             ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
@@ -184,7 +188,7 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
         raise ValueError(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")
     parameter = runner.parameter
     buffer = config.make_buffer(spec)
-    trainer = config.make_trainer(spec, parameter, buffer)
+    trainer = config.make_learner(spec, parameter, buffer)
     trainer.plan(max_steps, max_train_count)
     acting = parameter  # lag 0: the worker acts with the trainer's own weights, as in Runner.train
     if lag > 0:
@@ -259,6 +263,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                         help="change a config field of every case run, checked before any runs (repeatable): "
                         "--set batch_size=32, --set 'memory={\"capacity\": 10000}'")
+    parser.add_argument("--budget", default=None, metavar="train:N|steps:N",
+                        help="every case's budget instead of its own (a study at another length)")
     parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
     parser.add_argument("--csv", default=None, help="write one row per run here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -304,7 +310,7 @@ def main() -> None:
         if case.needs and importlib.util.find_spec(case.needs) is None:
             print(f"skipping {name}: {case.needs} is not installed (pip install box2d)", flush=True)
             continue
-        budget = case.quick_budget if args.quick else case.budget
+        budget = args.budget or (case.quick_budget if args.quick else case.budget)
         for seed in range(args.first_seed, args.first_seed + seeds):
             run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes, args.lag, args.chunk,
                            changes)
@@ -343,7 +349,7 @@ def print_table(runs: list[Run], args: Any) -> None:
     sync_per_step = seconds_per_step(sync_ppo) if sync_ppo else None
     for (name, mode), group in groups.items():
         case = CASES[name]
-        budget = case.quick_budget if args.quick else case.budget
+        budget = args.budget or (case.quick_budget if args.quick else case.budget)
         evals = [r.evaluation for r in group]
         wall = statistics.median(r.wall_s for r in group)
         env_steps = statistics.median(r.env_steps for r in group)
