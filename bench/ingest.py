@@ -136,16 +136,16 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
     blobs = encoded_batches(rows, messages * (rounds + 1), task_name, options)
 
     def handled() -> int:  # rows taken off the queue, whatever became of them
-        return run.received_transitions + (run.bad_messages + run.duplicates) * rows
+        return run.ingest.received_transitions + (run.ingest.bad_messages + run.ingest.duplicates) * rows
 
     def drain(queue: Any, count: int) -> int:
-        start = run.received_transitions
+        start = run.ingest.received_transitions
         target = handled() + count * rows
         deadline = time.perf_counter() + 120
         while handled() < target and time.perf_counter() < deadline:
-            run.ingest_once(queue)
-        run.settle_count()  # the last read is acked once its count is on the board
-        return run.received_transitions - start
+            run.ingest.ingest_once(queue)
+        run.ingest.settle_count()  # the last read is acked once its count is on the board
+        return run.ingest.received_transitions - start
 
     try:
         drain_s, timed_rows = timed_drains(backend, task_name, redis_params, blobs, messages, rounds,
@@ -157,8 +157,8 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
         leftover.destroy()
         board.delete_task()
         board.client.close()
-    return {"rate": timed_rows / drain_s, "sent": len(blobs) * rows, "received": run.received_transitions,
-            "bad": run.bad_messages, "last_bad": run.last_bad, "duplicates": run.duplicates,
+    return {"rate": timed_rows / drain_s, "sent": len(blobs) * rows, "received": run.ingest.received_transitions,
+            "bad": run.ingest.bad_messages, "last_bad": run.ingest.last_bad, "duplicates": run.ingest.duplicates,
             "bytes": len(blobs[0])}
 
 

@@ -16,18 +16,36 @@ from srl.base.rollout import Rollout
 from srl.rl.memories.segments import SegmentBuffer
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader
+from srl.runner.distribution.ingest import SeenBatches, StoppedWhileWaiting
 from srl.runner.distribution.queues import Message, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.task import build_task
-from srl.runner.distribution.trainer import (
-    PolicyLag,
-    SeenBatches,
-    StoppedWhileWaiting,
-    TrainerOptions,
-    TrainerRun,
-)
+from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
+from srl.runner.distribution.versions import PolicyLag, VersionGate
 from tests.conftest import broker_unavailable, port_open
 from tests.nodes import tiny_config, wait_for
+
+
+def test_the_version_gate_takes_what_each_data_path_accepts_and_knows_who_delivered() -> None:
+    """The gate alone: sync takes only the current version, ``max_policy_lag`` bounds the age, otherwise any
+    version already published; sync waits for every actor's segments, or goes on after ``sync_wait_s``."""
+    from srl.base.rl import DataPath
+
+    versions = np.array([3, 5, 6, 7, 8])
+    for path, kept in [(DataPath("segments", sync=True), [False, False, False, True, False]),
+                       (DataPath("segments", max_policy_lag=2), [False, True, True, True, False]),
+                       (DataPath("transitions"), [True, True, True, True, False])]:
+        gate = VersionGate(path)
+        gate.version = 7
+        assert gate.keep(versions).tolist() == kept  # type: ignore[union-attr]
+        assert gate.keep(versions[:1] * 0 + 7) is None  # all of them
+    sync = VersionGate(DataPath("segments", sync=True, sync_wait_s=3600.0, min_segments=1))
+    assert not sync.sync_ready(0, 4, actor_num=2) and sync.waiting_for == []
+    sync.arrived([(1, 8), (0, 0)])  # slot 0 sent no row of this version
+    assert not sync.sync_ready(2, 4, actor_num=2) and sync.waiting_for == [0]
+    assert sync.sync_ready(4, 4, actor_num=2) and sync.waiting_for == []
+    sync.published(8, 100)  # a new version: who delivered counts anew
+    assert not sync.sync_ready(1, 4, actor_num=2) and sync.waiting_for == [0, 1]
 
 
 def test_replays_are_refused_within_and_beyond_the_window() -> None:
@@ -138,13 +156,13 @@ def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, names
     producer.close()
     queue = run.open_consumer()
     try:
-        while run.received_batches + run.bad_messages + run.duplicates < len(messages):
-            assert run.ingest_once(queue) > 0
-        assert (run.received_batches, run.bad_messages, run.duplicates) == (4, 1, 1)
-        assert run.received_transitions == 32 and len(run.buffer) == 32
-        assert "seq 2" in run.last_bad and "NaN" in run.last_bad
-        assert run._arrivals == {0: 32}
-        run.settle_count()  # the read is acked once its count is on the board
+        while run.ingest.received_batches + run.ingest.bad_messages + run.ingest.duplicates < len(messages):
+            assert run.ingest.ingest_once(queue) > 0
+        assert (run.ingest.received_batches, run.ingest.bad_messages, run.ingest.duplicates) == (4, 1, 1)
+        assert run.ingest.received_transitions == 32 and len(run.buffer) == 32
+        assert "seq 2" in run.ingest.last_bad and "NaN" in run.ingest.last_bad
+        assert run.gate._arrivals == {0: 32}
+        run.ingest.settle_count()  # the read is acked once its count is on the board
         assert queue.depth() == 0  # all six acked, the bad and the duplicate too
     finally:
         run.stop.set("test over")
@@ -164,12 +182,12 @@ def test_rows_waiting_for_room_when_the_run_stops_are_not_counted_bad_nor_acked(
     try:
         messages = queue.get_many(2, timeout=5)
         assert len(messages) == 2
-        run.buffer = SegmentBuffer(20, run.schema)  # 16 rows come; room for 12
-        run.buffer.add({k: np.zeros((8, *c.shape), c.dtype) for k, c in run.schema.columns.items()})
+        run.ingest.buffer = SegmentBuffer(20, run.schema)  # 16 rows come; room for 12
+        run.ingest.buffer.add({k: np.zeros((8, *c.shape), c.dtype) for k, c in run.schema.columns.items()})
         run.stop.set("test stops the run")
         with pytest.raises(StoppedWhileWaiting):
-            run._ingest(messages)
-        assert len(run.buffer) == 8 and run.bad_messages == 0 and not any(m.acked for m in messages)
+            run.ingest._ingest(messages)
+        assert len(run.ingest.buffer) == 8 and run.ingest.bad_messages == 0 and not any(m.acked for m in messages)
     finally:
         queue.destroy()
         board.delete_task()
@@ -201,17 +219,18 @@ def test_a_read_is_counted_on_the_board_before_it_is_acked(redis_url: str, names
         for sent in range(0, 8, 2):
             producer.put_many([batch("a", sent, 0), batch("b", sent, 8)])
             wait_for(lambda: inbox.qsize() >= 2, 10, "the broker to push 2 batches", interval=0.001)
-            assert run.ingest_once(queue) == 2
+            assert run.ingest.ingest_once(queue) == 2
         assert acked == 6  # a read is acked once the next one is in: its count was written meanwhile
-        assert run.ingest_once(queue) == 0 and acked == 8  # a dry queue: the last read is acked too
+        assert run.ingest.ingest_once(queue) == 0 and acked == 8  # a dry queue: the last read is acked too
         assert len(counted_when_acked) == 4 and min(counted_when_acked) >= 0  # never acked before counted
         assert board.get_counters()["received_batches"] == 8
         ledger = board.get_ledgers()["t"]  # the last three reads, by (actor, seq)
         assert sorted(ledger) == [("a", 2), ("a", 4), ("a", 6), ("b", 2), ("b", 4), ("b", 6)]
         # a trainer that takes over takes those as duplicates when they come again
         successor = TrainerRun(board, params, url, run.task, run.epoch, TrainerOptions(uid="t2", secret=""))
-        successor._skip_counted_redeliveries()
-        assert not successor.seen.is_new("a", 6) and successor.seen.is_new("a", 8) and successor.seen.is_new("a", 0)
+        successor.ingest.skip_counted_redeliveries()
+        seen = successor.ingest.seen
+        assert not seen.is_new("a", 6) and seen.is_new("a", 8) and seen.is_new("a", 0)
     finally:
         run.stop.set("test over")
         producer.close()
@@ -228,12 +247,12 @@ def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, name
     assert board.release_lease("trainer", "t") and board.claim_lease("trainer", "t", 1000)  # a 1 s lease
     holders: list[str | None] = []
 
-    def slow_restore() -> None:
+    def slow_restore(resumed: bool) -> None:
         time.sleep(3.0)  # a read that takes three TTLs: the time passing is the case under test
         holders.append(board.lease_holder("trainer")[0])
         run.stop.set("test over")
 
-    monkeypatch.setattr(run, "restore", slow_restore)
+    monkeypatch.setattr(run.checkpoints, "restore", slow_restore)
     try:
         run.run()
     finally:
@@ -255,10 +274,10 @@ def test_an_off_policy_trainer_cut_off_from_new_rows_stops_at_a_bounded_replay_r
     queue = run.open_consumer()
 
     def receive(batches: int) -> None:
-        first = run.received_batches
+        first = run.ingest.received_batches
         producer.put_many([batch("a", first + i, (8 * i) % 32) for i in range(batches)])
-        while run.received_batches < first + batches:
-            run.ingest_once(queue)
+        while run.ingest.received_batches < first + batches:
+            run.ingest.ingest_once(queue)
 
     def train_until_it_waits() -> int:
         while run._update():
@@ -286,18 +305,18 @@ def test_batches_of_the_task_this_one_replaced_are_dropped_not_counted(redis_url
     codec = options.codec(namespace)
     frame = codec.open_batch(batch("a", 0, 0))
     columns, priorities = frame.arrays()
-    old_task = codec.encode_batch(BatchHeader("old", 0, 0, 0, 0, 8, time.time(), task=run.task_tag ^ 1), columns,
+    old_task = codec.encode_batch(BatchHeader("old", 0, 0, 0, 0, 8, time.time(), task=run.ingest.task_tag ^ 1), columns,
                                   priorities)
-    this_task = codec.encode_batch(BatchHeader("new", 0, 0, 0, 0, 8, time.time(), task=run.task_tag), columns,
+    this_task = codec.encode_batch(BatchHeader("new", 0, 0, 0, 0, 8, time.time(), task=run.ingest.task_tag), columns,
                                    priorities)
     producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
     producer.put_many([old_task, this_task, batch("tool", 0, 8)])  # a hand-made batch says no task: taken
     queue = run.open_consumer()
     try:
-        while run.received_batches + run.other_task_batches < 3:
-            run.ingest_once(queue)
-        run.settle_count()
-        assert (run.received_batches, run.other_task_batches, run.bad_messages) == (2, 1, 0)
+        while run.ingest.received_batches + run.ingest.other_task_batches < 3:
+            run.ingest.ingest_once(queue)
+        run.ingest.settle_count()
+        assert (run.ingest.received_batches, run.ingest.other_task_batches, run.ingest.bad_messages) == (2, 1, 0)
         counters = board.get_counters()
         assert counters["other_task_batches"] == 1 and counters["received_batches"] == 2
         assert queue.depth() == 0  # acked: it is not delivered again

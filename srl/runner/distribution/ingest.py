@@ -1,0 +1,457 @@
+"""The trainer process's ingest thread: from the experience queue into the buffer, nothing lost.
+
+Owns: :class:`Ingest`, the path every batch takes in a trainer: read what the buffer has room for,
+open each message (frame, signature, size bounds, the task it belongs to), dedupe by ``(actor, seq)``
+(:class:`SeenBatches`), make the rows of the good ones as one block per layout, check them against the
+algorithm's schema, apply the version policy (:class:`~srl.runner.distribution.versions.VersionGate`),
+insert them, count the read on the board with a ledger of the last reads, then ack it. Must never: ack a
+read before its rows are in the buffer and its count is on the board, or let one message stop it
+(whatever a message does, it is counted, noted with its source, acked and skipped).
+
+The loop (the thread's ``run``)::
+
+    queue = open_consumer()
+    while not stopped:
+        messages = queue.get_many(what the buffer has room for)
+        counts, taken = ingest(messages)          # decode, dedupe, check, version policy, buffer.add
+        count on the board (counts, ledger)       # in a helper thread, while the next read comes
+        ack the read before this one              # once its count is on the board
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from srl.base.rl import Buffer, Columns
+from srl.base.schema import Schema
+from srl.runner.distribution.board import Board, BoardError, DeadLetter
+from srl.runner.distribution.codec import BatchFrame, Codec, DecodeError, join_frames, short
+from srl.runner.distribution.credentials import CredentialsError
+from srl.runner.distribution.options import TrainerOptions
+from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.task import StopFlag
+from srl.runner.distribution.versions import VersionGate
+
+Opened = tuple[Message, BatchFrame]
+"""a batch message taken from the queue, and its checked frame (arrays not made yet)"""
+Block = tuple[list[Opened], Columns, "np.ndarray | None"]
+"""valid batches and their rows as one block (columns, priorities)"""
+
+logger = logging.getLogger("srl.trainer")
+
+_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
+_WAIT_OUT: tuple[type[BaseException], ...] = (*_BOARD_AWAY, QueueError)
+
+MAX_INITIAL_PRIORITY = 1e6
+"""initial priorities from actors are clipped here (one huge value would starve every other row)"""
+LEDGER_READS = 3
+"""reads whose batches a trainer names in its ledger: the one it counts, and the two before, whose acks
+may still be on their way to the broker (Redis sends an ack with the next read; AMQP does not wait)"""
+
+
+class SeenBatches:
+    """Which ``(actor, seq)`` batches were ingested, in bounded memory.
+
+    Per actor: the highest seq seen and a bitmap of the ``window`` seqs below
+    it. A seq at or below ``highest - window`` is refused as a replay (an
+    actor's seqs only grow; a redelivery is never that late). At most
+    ``max_actors`` actors are remembered (least recently heard from forgotten
+    first): a run would need that many actor processes to go silent before a
+    replay of one of theirs could pass.
+    """
+
+    def __init__(self, window: int = 4096, max_actors: int = 65_536) -> None:
+        self.window = window
+        self.max_actors = max_actors
+        self._actors: OrderedDict[str, list[int]] = OrderedDict()  # actor -> [highest, bitmap]
+
+    def is_new(self, actor_id: str, seq: int) -> bool:
+        state = self._actors.get(actor_id)
+        if state is None:
+            return True
+        highest, bitmap = state
+        if seq > highest:
+            return True
+        back = highest - seq
+        return back < self.window and not (bitmap >> back) & 1
+
+    def mark(self, actor_id: str, seq: int) -> None:
+        state = self._actors.get(actor_id)
+        if state is None:
+            self._actors[actor_id] = [seq, 1]
+            while len(self._actors) > self.max_actors:
+                self._actors.popitem(last=False)
+            return
+        self._actors.move_to_end(actor_id)
+        highest, bitmap = state
+        if seq > highest:
+            bitmap = ((bitmap << (seq - highest)) | 1) & ((1 << self.window) - 1)
+            state[0], state[1] = seq, bitmap
+        else:
+            state[1] = bitmap | (1 << (highest - seq))
+
+    def __len__(self) -> int:
+        return len(self._actors)
+
+
+class StoppedWhileWaiting(Exception):
+    """The run stopped while a read's rows waited for room in the buffer: the read is not acked."""
+
+
+class Ingest:
+    """One trainer run's ingest: its own thread (``start``), counters and refused-message notes."""
+
+    def __init__(
+        self,
+        board: Board,
+        codec: Codec,
+        schema: Schema,
+        buffer: Buffer,
+        gate: VersionGate,
+        stop: StopFlag,
+        options: TrainerOptions,
+        max_message_rows: int,
+        task_tag: int,
+        open_consumer: Callable[[], ExperienceQueue],
+    ) -> None:
+        self.board = board
+        self.codec = codec
+        self.schema = schema
+        self.buffer = buffer
+        self.gate = gate
+        self.stop = stop
+        self.options = options
+        self.max_message_rows = max_message_rows
+        self.task_tag = task_tag
+        self.open_consumer = open_consumer
+        self.seen = SeenBatches()
+        self.data_arrived = threading.Event()
+        """set after each read: the main thread, waiting for rows to train on, looks again"""
+        # the (actor, seq) of the batches of the last reads, counted on the board before their acks: a
+        # trainer that takes over after this one dies counts their redeliveries as duplicates
+        self._ledger: deque[list[tuple[str, int]]] = deque(maxlen=LEDGER_READS)
+        # a read's count is written in this thread while the ingest reads the next one; acked once written
+        self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srl-trainer-count")
+        self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue]] = deque()
+        self.received_batches = 0
+        self.received_transitions = 0
+        self.bad_messages = 0
+        self.duplicates = 0
+        self.other_task_batches = 0
+        self.stale_rows = 0
+        self.last_bad = ""
+        self._bad_reported = 0
+        self._dead_letters: deque[DeadLetter] = deque(maxlen=100)
+        self._letters_lock = threading.Lock()
+        self._bad_log = Throttle(options.heartbeat_interval)
+        self._queue_log = Throttle()
+        self.fatal: str | None = None
+        self.refused_by: CredentialsError | None = None  # the queue refused this trainer's login
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="srl-trainer-ingest", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def bad_report(self) -> str | None:
+        """A line for the board's event log on the messages refused since the last one (one event per
+        heartbeat, not one per message); None when none were."""
+        if self.bad_messages <= self._bad_reported:
+            return None
+        text = f"{self.bad_messages - self._bad_reported} bad message(s) skipped; last from {self.last_bad}"
+        self._bad_reported = self.bad_messages
+        return text
+
+    def skip_counted_redeliveries(self) -> None:
+        """Batches that trainers before this one counted, and may not have acked before they died, come
+        again: mark them seen, so they count as duplicates here, not as received twice."""
+        try:
+            ledgers = with_retry(self.board.get_ledgers, "reading the trainers' ledgers")
+        except BoardError as e:
+            logger.warning("the trainers' ledgers cannot be read (%s): batches a dead trainer counted may be "
+                           "counted again", short(e))
+            return
+        marked = 0
+        for taken in ledgers.values():  # this process's own earlier run too: this run starts a new SeenBatches
+            for actor_id, seq in taken:
+                self.seen.mark(actor_id, seq)
+                marked += 1
+        if marked:
+            logger.info("%d batch(es) an earlier trainer counted are taken as duplicates if they come again",
+                        marked)
+
+    def ingest_once(self, queue: ExperienceQueue) -> int:
+        """One step of the ingest path: read what the buffer has room for, decode, validate and insert; the
+        read is then counted on the board and acked once counted. The count's round trip overlaps the next
+        read: a read is acked when the one after it is in the buffer, or when the queue runs dry. The
+        number of messages read (0 when none came within the read timeout or there is no room)."""
+        room = self.buffer.room()
+        count = self.options.ingest_max_messages
+        if room is not None:  # a full buffer is not read into: the queue fills, actors wait
+            count = min(count, room // self.max_message_rows)
+            if count < 1:
+                self.settle_count()
+                queue.send_acks()  # the next read may be a while: actors see the room they made
+                self.stop.wait(0.005)
+                return 0
+        # with a read still to ack, only look: a dry queue gets it acked before the long wait
+        messages = queue.get_many(count, timeout=0.0 if self._counting else 0.2)
+        if not messages:
+            self.settle_count()
+            return 0
+        counts, taken = self._ingest(messages)
+        self._counting.append((self._counter.submit(self._count, counts, taken), messages, queue))
+        self.data_arrived.set()
+        self.settle_count(keep=1)  # the read before: counted while this one was read, acked now
+        return len(messages)
+
+    def settle_count(self, keep: int = 0) -> None:
+        """Wait for the counts of the reads in flight (all but the newest ``keep``) to be on the board, and
+        ack each read once its count is (after every message is in the buffer, or refused, and counted).
+        Raises StoppedWhileWaiting, and acks nothing more, when the run stopped before a count was
+        written: that read is delivered again."""
+        while len(self._counting) > keep:
+            future, messages, queue = self._counting[0]
+            future.result()
+            self._counting.popleft()
+            queue.ack_many(messages)
+
+    def _count(self, counts: dict[str, float], taken: list[tuple[str, int]]) -> None:
+        """Count a read on the board before it is acked (one round trip), with the ledger of the last reads.
+        Killed between the two, this trainer leaves the read counted and named: the next trainer counts its
+        redelivery as duplicates. Counted after the ack, a killed trainer would lose the read from the
+        counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
+        from these counts, so they see room as soon as it is made."""
+        if counts.get("bad_messages"):  # their notes are on the board by the time the count says they came
+            with contextlib.suppress(*_BOARD_AWAY):  # else the next heartbeat writes them
+                self.flush_dead_letters()
+        self._ledger.append(taken)
+        ledger = [key for read in self._ledger for key in read]
+        uid = self.options.uid
+        while True:
+            try:
+                answer = with_retry(lambda: self.board.note_received(uid, counts, ledger),
+                                    "counting received batches", should_stop=self.stop.is_set)
+            except BoardUnreachableError:  # stopping while the board is away
+                answer = "not held"
+            if answer == "noted":
+                return
+            if self.stop.is_set():  # the read stays unacked: delivered again, to whoever holds the lease
+                raise StoppedWhileWaiting(f"the run stopped before its read of {len(taken)} batches was counted")
+            # the lease lapsed (an outage) or the task is another one: the board thread takes the lease back
+            # or stops the run
+            self.stop.wait(0.05)
+
+    def run(self) -> None:
+        """The thread: read, ingest, count, ack until the run stops; a queue away is waited out."""
+        queue = None
+        delay = 0.1
+        try:
+            while not self.stop.is_set():
+                try:
+                    if queue is None:
+                        queue = self.open_consumer()
+                    self.ingest_once(queue)
+                    delay = 0.1
+                except StoppedWhileWaiting:
+                    break
+                except CredentialsError as e:  # the queue (or the board) refused it: this node stops, the task stays
+                    logger.error("%s", e)
+                    self.refused_by = e
+                    self.stop.set(f"refused: {e}")
+                    break
+                except _WAIT_OUT as e:
+                    if self._queue_log.ready():
+                        logger.warning("experience queue unavailable (%s); retrying", short(e))
+                    if queue is not None:
+                        _close_quietly(queue)  # unacked messages come again (counted: as this run's duplicates)
+                        queue = None
+                    for future, _, _ in self._counting:  # counted or not, their messages come again
+                        with contextlib.suppress(Exception):
+                            future.result()
+                    self._counting.clear()
+                    self.stop.wait(delay)
+                    delay = min(delay * 2, 2.0)
+        except Exception as e:  # a bug, not a message: stop the trainer instead of training on nothing
+            logger.exception("ingest thread crashed")
+            self.fatal = f"ingest thread crashed: {type(e).__name__}: {short(e)}"
+            self.stop.set(self.fatal)
+        finally:
+            if queue is not None:
+                with contextlib.suppress(Exception):  # what was counted is acked; else it comes again
+                    self.settle_count()
+                _close_quietly(queue)
+            self._counting.clear()
+            self._counter.shutdown(wait=True)
+
+    def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[tuple[str, int]]]:
+        """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
+        board and the ``(actor, seq)`` of the batches received. Never raises for a message.
+
+        Each message is opened (frame, signature, head, sizes) and deduplicated alone; the good ones'
+        rows are then made as one block per layout, checked against the schema, filtered and added
+        (one array per column, one validation and one buffer insert per read instead of per message:
+        per-call costs dominate small batches). Should a block fail its check, each message is
+        checked alone, so only the bad one is refused.
+        """
+        bad = dups = other_task = 0
+        opened: list[Opened] = []
+        taking: set[tuple[str, int]] = set()  # (sender, seq) in this read: a copy of one is a duplicate
+        for message in messages:
+            try:
+                if message.refused:
+                    raise DecodeError(message.refused)
+                frame = self.codec.open_batch(message.data)
+                header = frame.header
+                if header.count > self.max_message_rows:
+                    raise DecodeError(f"batch of {header.count} rows; a message of this task carries at most "
+                                      f"{self.max_message_rows}")
+                if header.task and header.task != self.task_tag:  # the task this one replaced: its actors stop soon
+                    other_task += 1
+                    continue
+                key = (header.actor_id, header.seq)
+                if key in taking or not self.seen.is_new(*key):
+                    dups += 1
+                    continue
+                taking.add(key)
+                opened.append((message, frame))
+            except Exception as e:  # whatever one message causes stays that message's problem
+                bad += 1
+                self._note_bad(message, e)
+        blocks, unfit = self._valid_blocks(opened)
+        bad += unfit
+        received = rows = stale = 0
+        taken: list[tuple[str, int]] = []
+        for block, columns, priorities in blocks:
+            try:
+                kept, refused = self._accept_and_add(block, columns, priorities)
+            except StoppedWhileWaiting:
+                raise
+            except Exception as e:  # not a message's fault (they passed every check): count them all bad
+                bad += len(block)
+                for message, _ in block:
+                    self._note_bad(message, e)
+                continue
+            for _, frame in block:
+                self.seen.mark(frame.header.actor_id, frame.header.seq)
+                taken.append((frame.header.actor_id, frame.header.seq))
+            received += len(block)
+            rows += kept
+            stale += refused
+        self.received_batches += received
+        self.received_transitions += rows
+        self.bad_messages += bad
+        self.duplicates += dups
+        self.stale_rows += stale
+        self.other_task_batches += other_task
+        return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
+                "duplicates": dups, "stale_rows": stale, "other_task_batches": other_task}, taken
+
+    def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
+        """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
+        columns and whether priorities come), each made in one copy per column; and how many did not
+        fit (noted as bad)."""
+        groups: dict[bytes, list[Opened]] = {}
+        for item in opened:
+            groups.setdefault(item[1].layout, []).append(item)
+        blocks: list[Block] = []
+        unfit = 0
+        for group in groups.values():
+            try:
+                columns, priorities = join_frames([frame for _, frame in group])
+                fits = self.schema.problem(columns, priorities) is None
+            except ValueError:  # DecodeError: shapes numpy cannot make
+                fits = False
+            if not fits:  # each alone: refuse only the ones that do not fit
+                fitting = []
+                for message, frame in group:
+                    try:
+                        frame.arrays(self.schema)
+                    except DecodeError as e:
+                        unfit += 1
+                        self._note_bad(message, e)
+                        continue
+                    fitting.append((message, frame))
+                if not fitting:
+                    continue
+                group = fitting
+                columns, priorities = join_frames([frame for _, frame in group])
+            blocks.append((group, columns, priorities))
+        return blocks, unfit
+
+    def _accept_and_add(self, block: list[Opened], columns: Columns, priorities: np.ndarray | None) -> tuple[int, int]:
+        """Apply the version policy to a block of valid batches and add what it keeps; (rows kept, rows
+        refused)."""
+        if priorities is not None:
+            priorities = np.minimum(priorities, MAX_INITIAL_PRIORITY)
+        gate = self.gate
+        with gate.lock:  # the version cannot move between the check and the add
+            keep = gate.keep(columns["version"])
+            if keep is not None:
+                columns = {name: column[keep] for name, column in columns.items()}
+                priorities = None if priorities is None else priorities[keep]
+            gate.lag.note(columns["version"], gate.version)
+            kept = len(columns["version"])
+            if kept:
+                self._add_when_room(columns, priorities)
+                senders = []  # who delivered rows of this version (the sync wait)
+                start = 0
+                for _, frame in block:
+                    header = frame.header
+                    senders.append((header.actor_index, header.count if keep is None
+                                    else int(keep[start:start + header.count].sum())))
+                    start += header.count
+                gate.arrived(senders)
+        return kept, 0 if keep is None else len(keep) - kept
+
+    def _add_when_room(self, columns: Columns, priorities: np.ndarray | None) -> None:
+        n = len(columns["version"])
+        while (room := self.buffer.room()) is not None and room < n:
+            if self.stop.is_set():  # the read's messages stay unacked: delivered again, not lost
+                raise StoppedWhileWaiting(f"the run stopped with {n} rows waiting for room in the buffer")
+            self.stop.wait(0.005)  # the trainer is taking rows out; we hold the message meanwhile
+        self.buffer.add(columns, priorities)
+
+    def flush_dead_letters(self) -> None:
+        """Put the notes of refused messages taken since the last flush on the board (kept on failure); the
+        count thread and the board thread both do, one at a time."""
+        with self._letters_lock:
+            letters = [self._dead_letters.popleft() for _ in range(len(self._dead_letters))]
+            if letters:
+                try:
+                    self.board.add_dead_letters(letters)
+                except BaseException:
+                    self._dead_letters.extendleft(reversed(letters))
+                    raise
+
+    def _note_bad(self, message: Message, error: BaseException) -> None:
+        source = short(getattr(message, "source", "?"), 200)
+        reason = short(error if isinstance(error, DecodeError) else f"{type(error).__name__}: {error}")
+        self.last_bad = f"{source}: {reason}"
+        size = len(message.data) if isinstance(message.data, (bytes, bytearray)) else 0
+        self._dead_letters.append(DeadLetter(time.time(), source, reason, size))
+        if self._bad_log.ready():
+            more = self._bad_log.take_suppressed()
+            logger.warning("skipped a bad message from %s: %s%s", source, reason,
+                           f" (and {more} more since the last line)" if more else "")
+
+
+
+def _close_quietly(queue: ExperienceQueue) -> None:
+    try:
+        queue.close()
+    except Exception as e:
+        logger.debug("closing the queue: %s", e)

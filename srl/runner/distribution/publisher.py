@@ -1,0 +1,136 @@
+"""The trainer process's params publication: the main thread hands weights over, the board thread writes.
+
+Owns: :class:`Publisher`: encoding the learner's weights as params version ``gate.version`` (signed,
+with the epoch and train_count), the one pending blob the board thread writes next (a newer one replaces
+an older one not yet written: versions that come faster than the board takes them are merged), when the
+next publication is due (``min_publish_interval``), and the run's last weights. Must never: write params
+without the trainer's epoch (``Board.publish_params`` fences every write), or give a version to two sets of
+weights.
+
+The calls::
+
+    main thread:   publisher.request(train_count)          # after an update the data path publishes
+                   publisher.due()                          # a version the board lacks, and time for it
+    board thread:  publisher.flush()                        # writes the pending blob, if any
+    at the end:    publisher.request_final(train_count)     # weights trained since get a version of their own
+                   publisher.wait(stop) / publisher.flush() # written before the run lets go of its lease
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from srl.base.rl import Parameter
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.codec import Codec
+from srl.runner.distribution.task import StopFlag
+from srl.runner.distribution.versions import VersionGate
+
+
+class Publisher:
+    """One trainer run's publications, under its epoch."""
+
+    def __init__(
+        self,
+        board: Board,
+        codec: Codec,
+        uid: str,
+        epoch: int,
+        parameter: Parameter,
+        algorithm: str,
+        gate: VersionGate,
+        min_interval: float,
+        take_lease_back: Callable[[], bool],
+    ) -> None:
+        self.board = board
+        self.codec = codec
+        self.uid = uid
+        self.epoch = epoch
+        self.parameter = parameter
+        self.algorithm = algorithm
+        self.gate = gate
+        self.min_interval = min_interval
+        self.take_lease_back = take_lease_back
+        """called when the board refuses a write for a lapsed lease; True: held again, write once more"""
+        self.wake = threading.Event()
+        """set when a blob is pending: the board thread writes it without waiting for its next heartbeat"""
+        self._lock = threading.Lock()
+        self._pending: tuple[int, int, bytes] | None = None
+        self.published_version = 0
+        """the newest version on the board (written by this run, or found there when it started)"""
+        self.requested = (0, -1)
+        """(version, train_count) last handed to the board thread"""
+        self._last = 0.0
+
+    def restored(self, version: int) -> None:
+        """The board (or a checkpoint) has ``version`` already: the numbering goes on from it."""
+        self.published_version = version
+
+    def request(self, train_count: int) -> int:
+        """Hand the learner's weights, as params version ``gate.version``, to the board thread."""
+        version = self.gate.version
+        self.parameter.version = version
+        self.requested = (version, train_count)
+        self._last = time.monotonic()
+        self.gate.published(version, train_count)
+        blob = self.codec.encode_params(
+            self.parameter.to_arrays(),
+            {"epoch": self.epoch, "version": version, "train_count": train_count, "algorithm": self.algorithm},
+        )
+        with self._lock:
+            self._pending = (version, train_count, blob)
+        self.wake.set()
+        return version
+
+    def pending(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
+    def flush(self) -> None:
+        """Write the pending blob (the board thread's, or the run's at its end); kept for the next try when
+        the board is away, unless a newer one came meanwhile."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        version, train_count, blob = pending
+        try:
+            ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
+            if not ok and self.take_lease_back():
+                ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
+        except BaseException:
+            with self._lock:
+                if self._pending is None:  # keep it for the next try, unless a newer one came
+                    self._pending = pending
+            raise
+        if ok:
+            self.published_version = version
+
+    def due(self) -> bool:
+        """A version the board does not have yet, and ``min_interval`` since the last publication
+        (versions that come faster are merged: the next publication skips to the newest)."""
+        if self.gate.version <= self.requested[0]:
+            return False
+        return time.monotonic() - self._last >= self.min_interval
+
+    def request_final(self, train_count: int) -> bool:
+        """Hand the weights over as the run's last params: those trained past the last publication get a
+        version of their own, one past it, whatever the data path's rule would count (a version names one
+        set of weights). False when the board has them already."""
+        if train_count > self.requested[1]:
+            self.gate.version = max(self.gate.version, self.requested[0] + 1)
+        if (self.gate.version, train_count) == self.requested:
+            return False
+        self.request(train_count)
+        return True
+
+    def wait(self, stop: StopFlag) -> bool:
+        """Wait until the last requested version is on the board (False when the run stopped first)."""
+        version = self.requested[0]
+        while self.published_version < version:
+            if stop.is_set():
+                return False
+            time.sleep(0.01)
+        return True
