@@ -78,9 +78,7 @@ class Config(RLConfig):
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """replay memory (uniform or proportional)"""
     batch_size: int = 64
-    """transitions per gradient step (64 with a target copy every 750 steps: over 24 seeds, Pendulum
-    episodes stuck near the bottom 17/720 -> 3/720 against 32 and 500, and Acrobot and CartPole no
-    worse; docs/benchmarks.md)"""
+    """transitions per gradient step"""
     warmup_size: int = 1000
     """transitions in memory before training starts"""
     env_steps_per_train: float | None = 1.0
@@ -88,8 +86,7 @@ class Config(RLConfig):
     together step at most this many; None: actors run flat out, the Ape-X way for many actors and a
     big memory)"""
     publish_every: int = 100
-    """distributed: train steps between params publications (actors act with params about this old;
-    at 1 s between publications distributed Pendulum lost 1 run in 3)"""
+    """distributed: train steps between params publications (actors act with params about this old)"""
     lr: float = 1e-3
     """Adam learning rate"""
     gamma: float = 0.99
@@ -117,16 +114,12 @@ class Config(RLConfig):
     """the greedy policy (``runner.evaluate``, evaluation during training, the final params) acts with an
     average of the online network's weights: their mean over the steps so far, then an exponential average
     moved this far towards them after each gradient step (0.0002: about the last 5,000 steps; never more
-    than the last quarter of a planned run). Exploring actors act with the online network. 0: the online
-    network itself. None: 0.0002 for a binned Box action space, 0 for Discrete and MultiDiscrete. Why: the
-    greedy choice among binned torques flickers from step to step, and on Pendulum some weights keep one
-    torque from rest where it balances gravity and stay stuck near the bottom; over 20 one-process runs the
-    average's expected evaluation beat the online net's in 14 (median -148.9 against -155.9), with stuck
-    starts in 1 run instead of 3. On CartPole, still improving at 30k steps, it lagged the online net (median
-    of 10 seeds 418 -> 367 at 0.001), and Acrobot did not change (docs/benchmarks.md)"""
+    than the last quarter of a planned run); exploring actors keep the online network. 0: the online network
+    itself. None: 0.0002 for a binned Box action space (its greedy choice among neighbouring bins flickers
+    from step to step), 0 for Discrete and MultiDiscrete"""
     loss: str = "huber"
     """TD loss: "huber" (smooth L1: squared below an error of 1, linear beyond; Ape-X, SB3) or "mse" (squared
-    error throughout; CleanRL). Over 16 Pendulum seeds neither was clearly better (docs/benchmarks.md)"""
+    error throughout; CleanRL)"""
     value_rescale: bool = False
     """learn h(Q) with R2D2's h(x) = sign(x)(sqrt(|x|+1)-1) + 0.001x, so returns of any scale fall in the
     loss's useful range"""
@@ -134,17 +127,13 @@ class Config(RLConfig):
     """gradient norm clip"""
     reward_scale: float | None = 1.0
     """rewards are multiplied by this before learning. None: set before training to 1 / the reward std of
-    1,000 random-action steps of the env, as a power of sqrt(10), at most 1 (``probe_reward_scale``; Pendulum
-    0.316, CartPole and Acrobot 1). On distributed Pendulum, 30 runs each: 0.3 left 1 run stuck below -250
-    where 1.0 left 3, but the median fell from -154.8 to -160.7; 0.1 left none of 20, and one process fell
-    from -130.9 to -163.2 over seeds 0-4 (docs/benchmarks.md). So it is a setting, not the default"""
+    1,000 random-action steps of the env, as a power of sqrt(10), at most 1 (``probe_reward_scale``)"""
     action_bins: int = 5
     """values per dimension when a Box action space is binned"""
     scale_obs: bool = False
-    """map each observation dimension with finite bounds onto [-1, 1] before the network (Pendulum's angular
-    velocity, within +-8, next to its cos and sin; MountainCar's velocity, within +-0.07): a fixed map from
-    the env's observation space, not running statistics, so stored transitions keep their targets. On
-    distributed Pendulum it did not make runs more reliable (docs/benchmarks.md), so it is not the default"""
+    """map each observation dimension with finite bounds onto [-1, 1] before the network (e.g. MountainCar's
+    velocity, within +-0.07, next to its position): a fixed map from the env's observation space, not running
+    statistics, so stored transitions keep their targets"""
 
     def validate(self) -> None:
         super().validate()
