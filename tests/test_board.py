@@ -509,6 +509,8 @@ def test_end_of_run_summary_names_each_node_and_ignores_malformed_stats(board: B
     assert len(lines) == 4 and "not-a-slot" not in "\n".join(lines)
     assert "1 NOT ACCOUNTED FOR" in summary_lines(board, status, elapsed=10.0, queued=0)[1]
     assert "1 still queued or in flight (this broker does not tell" in summary_lines(board, status, 10.0)[1]
+    over = summary_lines(board, status, elapsed=10.0, queued=3)[1]  # 2 counted, still queued: a trainer died
+    assert "2 more than the actors counted as sent" in over and "a trainer died between counting" in over, over
 
 
 def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:
