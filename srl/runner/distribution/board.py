@@ -387,7 +387,7 @@ if not stored or epoch < stored then return 0 end
 local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', t[2])
 redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'version', ARGV[3], 'train_count', ARGV[4],
-           'blob', ARGV[5], 'published_at', now)
+           'blob', ARGV[5], 'published_at', now, 'task', ARGV[6])
 redis.call('HSET', KEYS[4], 'params_epoch', ARGV[2], 'params_version', ARGV[3], 'train_count', ARGV[4])
 return 1
 """
@@ -1053,11 +1053,13 @@ class Board:
             size = int(self.client.hstrlen(self._params_key, "blob"))
             if size > max_bytes:
                 raise BoardDataError(f"params blob is {size} bytes, over the {max_bytes} this network needs")
-        epoch, version, train_count, blob = self.client.hmget(
-            self._params_key, "epoch", "version", "train_count", "blob"
+        epoch, version, train_count, blob, task = self.client.hmget(
+            self._params_key, "epoch", "version", "train_count", "blob", "task"
         )
         if epoch is None or version is None or train_count is None or not isinstance(blob, bytes):
             return None
+        if self.task_id and task is not None and _str(task) != self.task_id:
+            return None  # the params of the task that replaced this one: an old node never acts with them
         if max_bytes is not None and len(blob) > max_bytes:  # replaced between the two reads
             raise BoardDataError(f"params blob is {len(blob)} bytes, over the {max_bytes} this network needs")
         return ParamsRecord(_int(epoch, "epoch"), _int(version, "version"), _int(train_count, "train_count"), blob)
