@@ -68,6 +68,9 @@ def test_a_misspelled_setting_raises_with_the_closest_name() -> None:
                                                       r"'batch_size'"),
     ({"trainer_options": {"checkpoint_dri": "x"}}, TypeError, r"did you mean 'checkpoint_dir'"),
     ({"trainer_options": {"train_ahead": 0.5}}, ValueError, r"trainer_options: train_ahead must be a number >= 1"),
+    ({"overwrite": "yes"}, TypeError, r"overwrite must be True or False, got 'yes' \(a str\)"),
+    ({"attach": 1}, TypeError, r"attach must be True, False or None, got 1$"),
+    ({"log_dir": 5}, TypeError, r"log_dir must be a path \(str or pathlib\.Path\) or None, got 5"),
     ({"trainer_options": {"keep_checkpoints": "3"}}, ValueError, r"trainer_options\.keep_checkpoints: expected an "
                                                                  r"integer, got '3'"),
     ({"actor_options": {"lease_ttl": 0.5, "heartbeat_interval": 1.0}}, ValueError,

@@ -180,7 +180,9 @@ def train_distribution(
                      queue_capacity=queue_capacity, secret=secret, actor_options=actor_options,
                      trainer_options=trainer_options, eval_interval=eval_interval, eval_every=eval_every,
                      eval_episodes=eval_episodes, checkpoint_interval=checkpoint_interval,
-                     keep_checkpoints=keep_checkpoints)
+                     keep_checkpoints=keep_checkpoints, overwrite=overwrite, attach=attach,
+                     local_processes=local_processes, delete_task=delete_task, checkpoint_memory=checkpoint_memory,
+                     log_dir=log_dir, resume_from=resume_from)
     runner.rl_config.validate()  # it may have changed since the Runner was made (config.lr = "0.001")
     ensure_logging()
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
@@ -395,6 +397,15 @@ def _check_arguments(redis_params: Any, queue_params: Any, **arguments: Any) -> 
         _check_count("eval_every", a["eval_every"], 1, 2**62)
     if a["secret"] is not None and not isinstance(a["secret"], str):
         raise TypeError(f"secret must be text or None, got {type(a['secret']).__name__}")
+    for name in ("overwrite", "delete_task", "checkpoint_memory"):
+        if not isinstance(a[name], bool):
+            raise TypeError(f"{name} must be True or False, got {shown(a[name])}")
+    for name in ("attach", "local_processes"):
+        if a[name] is not None and not isinstance(a[name], bool):
+            raise TypeError(f"{name} must be True, False or None, got {shown(a[name])}")
+    for name in ("log_dir", "resume_from"):
+        if a[name] is not None and not isinstance(a[name], (str, os.PathLike)):
+            raise TypeError(f"{name} must be a path (str or pathlib.Path) or None, got {shown(a[name])}")
     for name, cls in (("actor_options", ActorOptions), ("trainer_options", TrainerOptions)):
         options = a[name]
         if options is None:
