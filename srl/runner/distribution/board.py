@@ -738,8 +738,13 @@ class Board:
             keys = sorted(self.task_keys(), key=lambda k: k != self._task_key)
             if not keys:
                 break
-            for start in range(0, len(keys), _SCAN_COUNT):
-                removed += int(self.client.unlink(*keys[start : start + _SCAN_COUNT]))
+            removed += self._delete_keys(keys)
+        return removed
+
+    def _delete_keys(self, keys: list[str]) -> int:
+        removed = 0
+        for start in range(0, len(keys), _SCAN_COUNT):
+            removed += int(self.client.unlink(*keys[start : start + _SCAN_COUNT]))
         return removed
 
     def delete_orphans(self) -> int:
@@ -807,8 +812,6 @@ class Board:
         state = _text(self.client.hget(self._task_key, "status"))
         if state in ("INIT", "ACTIVE") and not overwrite:
             raise self._exists_error(state)
-        if state is not None:
-            self.delete_task()
         task_id = uuid.uuid4().hex[:16]
         fields: list[str] = [
             "task_id", task_id, "status", TaskState.INIT.value, "end_reason", "",
@@ -818,9 +821,13 @@ class Board:
             "format", str(BOARD_FORMAT_VERSION), "srl_version", _srl_version(), "config", config_json,
             "config_sig", signature, "trainer_uid", "", "trainer_epoch", "0",
         ]
+        # the old task's record is replaced in one step, so its nodes never see no task here ("gone") but
+        # another one ("replaced"), and their writes are refused from then on; its other keys go after
         answer = _text(self._create(keys=[self._task_key], args=["1" if overwrite else "0", *fields]))
         if answer != "OK":  # another client created it between our check and our write
             raise self._exists_error(answer)
+        if state is not None:
+            self._delete_keys([k for k in self.task_keys() if k != self._task_key])
         status = self.get_status()
         if status is None or status.task_id != task_id:
             raise TaskExistsError(f"task {self.task_name!r} was replaced by another client while this one submitted "
