@@ -201,7 +201,8 @@ class Dashboard:
             "holder": _scalar(holder), "lease_ttl_ms": ttl, "heartbeat_age_s": _heartbeat_age(trainer, now),
             "stats": _clean_stats(trainer),
         }
-        detail["train_count"] = trainer.train_count if trainer is not None else status.train_count
+        detail["train_count"] = trainer.train_count if trainer is not None and trainer.train_count else \
+            status.train_count
 
         actors = []
         actor_stats = []

@@ -135,7 +135,9 @@ def test_stats_read_from_a_board_fit_their_types_whatever_was_written() -> None:
     back = ActorStats.from_record({**written, "updated_at": 5.0})
     assert (back.slot, back.env_steps, back.reward, back.extra, back.updated_at) == (2, 10, -1.5, {"epsilon": 0.4}, 5.0)
     forged = TrainerStats.from_record({"train_count": "12199", "memory": float("nan"), "loss": True,
-                                       "device": 7, "epoch": 2.5, "huge": 1e400, "x": [1]})
+                                       "device": 7, "epoch": 2.5, "huge": 1e400, "x": [1], "duplicates": 10**400,
+                                       "beyond": -(10**400)})
     assert (forged.train_count, forged.memory, forged.loss, forged.device, forged.epoch) == (0, 0, None, "", 0)
+    assert forged.duplicates == 0  # an int beyond a float's range is no number here, not an OverflowError
     assert forged.extra == {}
     assert TrainerStats.from_record("not a record") == TrainerStats()

@@ -1065,7 +1065,7 @@ class Board:
         )
         if epoch is None or version is None or train_count is None or not isinstance(blob, bytes):
             return None
-        if self.task_id and task is not None and _str(task) != self.task_id:
+        if self.task_id and task and _str(task) != self.task_id:
             return None  # the params of the task that replaced this one: an old node never acts with them
         if max_bytes is not None and len(blob) > max_bytes:  # replaced between the two reads
             raise BoardDataError(f"params blob is {len(blob)} bytes, over the {max_bytes} this network needs")

@@ -552,12 +552,15 @@ def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S) -> N
     logger.info("waiting up to %.0fs for trainer %s to publish its final params (Ctrl-C again to skip)",
                 max_wait, holder)
     deadline = time.monotonic() + max_wait
-    while board.lease_holder("trainer")[0] is not None:
-        if time.monotonic() >= deadline:
-            logger.warning("trainer %s did not let go within %.0fs: loading the last params it published",
-                           holder, max_wait)
-            return
-        time.sleep(0.1)
+    try:
+        while board.lease_holder("trainer")[0] is not None:
+            if time.monotonic() >= deadline:
+                logger.warning("trainer %s did not let go within %.0fs: loading the last params it published",
+                               holder, max_wait)
+                return
+            time.sleep(0.1)
+    except KeyboardInterrupt:  # only the wait is skipped: the params on the board are loaded all the same
+        logger.warning("not waiting for trainer %s: loading the last params it published", holder)
 
 
 def _load_final_params(board: Board, runner: Runner, codec: Codec) -> None:

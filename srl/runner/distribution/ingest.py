@@ -166,14 +166,17 @@ class Ingest:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def bad_report(self) -> str | None:
-        """A line for the board's event log on the messages refused since the last one (one event per
-        heartbeat, not one per message); None when none were."""
+    def bad_report(self) -> tuple[str, int] | None:
+        """A line for the board's event log on the messages refused since the last report (one event per
+        heartbeat, not one per message), and the count to pass to ``bad_reported`` once the line is on the
+        board; None when none were refused."""
         if self.bad_messages <= self._bad_reported:
             return None
         text = f"{self.bad_messages - self._bad_reported} bad message(s) skipped; last from {self.last_bad}"
-        self._bad_reported = self.bad_messages
-        return text
+        return text, self.bad_messages
+
+    def bad_reported(self, count: int) -> None:
+        self._bad_reported = max(self._bad_reported, count)
 
     def skip_counted_redeliveries(self) -> None:
         """Batches that trainers before this one counted, and may not have acked before they died, come
@@ -447,7 +450,6 @@ class Ingest:
             more = self._bad_log.take_suppressed()
             logger.warning("skipped a bad message from %s: %s%s", source, reason,
                            f" (and {more} more since the last line)" if more else "")
-
 
 
 def _close_quietly(queue: ExperienceQueue) -> None:

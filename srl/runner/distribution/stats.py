@@ -40,7 +40,7 @@ class NodeStats:
         """The flat record the board keeps (``extra`` beside the fields; ``updated_at`` is the board's)."""
         record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in ("extra", "updated_at")}
-        return {**{k: v for k, v in self.extra.items() if k not in record}, **record}
+        return {**record, **{k: v for k, v in self.extra.items() if k not in record}}  # fields first
 
     @classmethod
     def from_record(cls: type[StatsT], record: Any) -> StatsT:
@@ -69,7 +69,11 @@ class NodeStats:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond a float's range
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _fitting(value: Any, annotation: str) -> Any:

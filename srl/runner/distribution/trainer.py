@@ -203,7 +203,6 @@ class TrainerRun:
             wake.wait(max(0.0, min(next_beat - time.monotonic(), opts.heartbeat_interval)))
             wake.clear()
 
-
     def _stats(self, train_per_s: float, received_per_s: float) -> dict[str, Any]:
         learner = {k: round(v, 6) for k, v in self.last_stats.items()}
         lag = {k: round(v, 2) for k, v in self.gate.lag.summary().items()}
@@ -233,8 +232,9 @@ class TrainerRun:
         opts = self.options
         board = self.board
         bad = self.ingest.bad_report()
-        if bad is not None:
-            board.log_event(bad, level="WARNING", source=opts.uid)
+        if bad is not None:  # reported once on the board: a board that is away gets it at the next heartbeat
+            board.log_event(bad[0], level="WARNING", source=opts.uid)
+            self.ingest.bad_reported(bad[1])
         self.ingest.flush_dead_letters()
         hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats)
         self._server_time = (hb.server_time, time.monotonic())
@@ -297,16 +297,30 @@ class TrainerRun:
         return self.publisher.wait(self.stop)
 
     def _flush_final(self) -> None:
-        """Write what is still pending once the board thread stopped (the weights of a task ended on the
-        board: a cancelling client waits for this trainer to let go, then loads them)."""
+        """Write what is still pending once the board thread stopped."""
         if not self.publisher.pending() or self.fenced or self.task_replaced or self.task_gone:
             return
+        before = self.publisher.published_version
         try:
             self.publisher.flush()
-            logger.info("final params published: version %d, train_count %d", self.publisher.published_version,
-                        self.learner.train_count)
         except Exception as e:
             logger.warning("could not publish the final params: %s", short(e))
+            return
+        if self.publisher.published_version > before:
+            logger.info("final params published: version %d, train_count %d", self.publisher.published_version,
+                        self.learner.train_count)
+
+    def _finish_ended_task(self, board_thread: threading.Thread) -> None:
+        """The task was ended on the board (a client's cancel): the board thread, which renewed the lease with
+        its heartbeats, has stopped, so the lease is kept here while the last weights go (first: the client
+        waits for them) and then the last checkpoint; the client loads both once this trainer lets go."""
+        opts = self.options
+        self.publisher.wake.set()
+        board_thread.join(timeout=opts.heartbeat_interval + 5)  # one writer of the board's params at a time
+        with lease_kept(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval, opts.max_start_s):
+            self.publisher.request_final(self.learner.train_count)
+            self._flush_final()
+            self.checkpoints.keep(self.env_steps_total)
 
     def _limit_reached(self) -> str | None:
         task = self.task
@@ -396,8 +410,8 @@ class TrainerRun:
                     if board_every is not None and now >= next_on_board:
                         next_on_board = time.monotonic() + board_every
             if self.task_ended and not (self.fenced or self.task_gone or self.task_replaced):
-                self.publisher.request_final(self.learner.train_count)  # a client's cancel: flushed below
-            if not self.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
+                self._finish_ended_task(board_thread)
+            elif not self.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
                 self.checkpoints.keep(self.env_steps_total)
             # final params first, then END: a client that sees END finds them
             if end_reason and not self.stop.is_set() and self._publish_and_wait():
@@ -408,7 +422,7 @@ class TrainerRun:
             self.publisher.wake.set()
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             self.ingest.join(timeout=10)
-            self._flush_final()
+            self._flush_final()  # a publication the board thread had not written yet
             try:
                 # a fenced trainer's stats would overwrite its successor's: it only lets go
                 stats = None if self.fenced else self._stats(*self._last_rates)
@@ -446,11 +460,11 @@ def trainer_run_forever(
     """
     ensure_logging()
     opts = apply_overrides(options or TrainerOptions(), option_overrides, "trainer_run_forever")
+    opts.validate()
     opts.run_once = opts.run_once or run_once
     opts.set_default_uid("trainer")
     require_remote(redis_params, "trainer_run_forever")
     check_queue(queue_params)  # an unknown scheme, a malformed URL, a missing library: now, not when a task comes
-    opts.validate()
     board = Board(redis_params.connect(), redis_params.task_name)
     where = f"{redis_params.describe()} task {redis_params.task_name!r}"
     logger.info("trainer %s ready (cuda available: %s); waiting for a task on %s", opts.uid,

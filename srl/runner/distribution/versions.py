@@ -4,9 +4,9 @@ Owns: :class:`VersionGate`, the one place the trainer process's ingest thread an
 version the learner's weights have now, the algorithm's version policy applied to the rows that come
 (``DataPath``: sync takes only the current version, ``max_policy_lag`` bounds the age, otherwise any
 version already published), who delivered rows of the current version (sync PPO's wait), and
-:class:`PolicyLag`, the lag of the rows taken, in versions and in train steps. Must never: block on I/O
-while holding its lock (the ingest thread adds rows under it, the main thread trains and moves the version
-under it, so no row of an old version slips in between).
+:class:`PolicyLag`, the lag of the rows taken, in versions and in train steps. Must never: let the version
+move between a block's check and its insert (the ingest thread checks and adds rows under its lock, waiting
+there for room in the buffer; the main thread trains and moves the version under it), or do I/O under it.
 """
 
 from __future__ import annotations
