@@ -33,7 +33,7 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, seed_everything
 from srl.base.rollout import Rollout
-from srl.runner.distribution.board import Board, BoardDataError, BoardError
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardDataError
 from srl.runner.distribution.codec import (
     DEFAULT_MAX_BYTES,
     BatchHeader,
@@ -65,7 +65,6 @@ logger = logging.getLogger("srl.actor")
 _RUNS = itertools.count()
 """runs of actors in this process"""
 
-_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
 _QUEUE_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, QueueError)
 
 
@@ -191,7 +190,7 @@ class ActorRun:
                     self._note_head(head[0], head[2])
                     if head[1] > 0 and head[1] != self.latest_version:
                         self._fetch_params()
-            except _BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
+            except BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
                 away_since = away_since or time.monotonic()
                 if self._board_log.ready():
                     logger.warning("board unreachable or unreadable for %.0fs (%s); retrying",

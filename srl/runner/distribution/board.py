@@ -70,6 +70,8 @@ from typing import Any, Literal
 
 import redis
 
+from srl.runner.distribution.retry import TRANSIENT_ERRORS
+
 BOARD_FORMAT_VERSION = 3
 """version of the key layout and field encoding above; bumped on any incompatible change (3: task ids)"""
 EVENT_LOG_CAP = 1000
@@ -139,6 +141,10 @@ def list_tasks(client: redis.Redis, limit: int = 1000) -> list[str]:
 
 class BoardError(RuntimeError):
     """The board is not in the state the caller expected."""
+
+
+BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
+"""what a node waits out, retrying: the board unreachable, or a record on it it cannot read"""
 
 
 class TaskExistsError(BoardError):

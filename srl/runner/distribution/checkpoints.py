@@ -19,7 +19,7 @@ import numpy as np
 
 from srl.base.checkpoint import build_checkpoint, checkpoint_memory, split_checkpoint, task_config
 from srl.base.rl import Buffer, Learner, Parameter
-from srl.runner.distribution.board import Board, BoardError
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError
 from srl.runner.distribution.codec import (
     MAX_CHECKPOINT_MEMORY_BYTES,
     Codec,
@@ -29,14 +29,14 @@ from srl.runner.distribution.codec import (
 )
 from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.publisher import Publisher
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
+from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.task import TaskConfigError, TaskSpec
 from srl.runner.distribution.versions import VersionGate
 from srl.runner.run_log import write_checkpoint
 
 logger = logging.getLogger("srl.trainer")
 
-_BOARD_AWAY_OR_TOO_BIG: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError, ValueError)
+_BOARD_AWAY_OR_TOO_BIG: tuple[type[BaseException], ...] = (*BOARD_AWAY, ValueError)  # ValueError: over a bound
 
 
 class TrainerCheckpoints:

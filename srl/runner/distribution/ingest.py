@@ -32,12 +32,12 @@ import numpy as np
 
 from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
-from srl.runner.distribution.board import Board, BoardError, DeadLetter
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import BatchFrame, Codec, DecodeError, join_frames, short
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.retry import BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.task import StopFlag
 from srl.runner.distribution.versions import VersionGate
 
@@ -48,8 +48,7 @@ Block = tuple[list[Opened], Columns, "np.ndarray | None"]
 
 logger = logging.getLogger("srl.trainer")
 
-_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
-_WAIT_OUT: tuple[type[BaseException], ...] = (*_BOARD_AWAY, QueueError)
+_WAIT_OUT: tuple[type[BaseException], ...] = (*BOARD_AWAY, QueueError)
 
 MAX_INITIAL_PRIORITY = 1e6
 """initial priorities from actors are clipped here (one huge value would starve every other row)"""
@@ -239,7 +238,7 @@ class Ingest:
         counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
         from these counts, so they see room as soon as it is made."""
         if counts.get("bad_messages"):  # their notes are on the board by the time the count says they came
-            with contextlib.suppress(*_BOARD_AWAY):  # else the next heartbeat writes them
+            with contextlib.suppress(*BOARD_AWAY):  # else the next heartbeat writes them
                 self.flush_dead_letters()
         self._ledger.append(taken)
         ledger = [key for read in self._ledger for key in read]

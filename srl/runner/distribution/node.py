@@ -29,12 +29,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from srl.base.env import allowed_env_modules
-from srl.runner.distribution.board import Board, BoardError
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError
 from srl.runner.distribution.codec import short
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.options import NodeOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
+from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.task import (
     QueueMismatchError,
     TaskConfigError,
@@ -46,7 +46,6 @@ from srl.runner.distribution.task import (
 
 logger = logging.getLogger("srl.node")
 
-_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
 
 REFUSAL_NOTE_INTERVAL_S = 10.0
 """while a node refuses a task, how often it renews its note on the board (the client shows recent ones)"""
@@ -200,13 +199,13 @@ def serve(
         # only the task this was (the bound board): a client may have replaced it meanwhile
         if not with_retry(lambda: task_board.end_task("FAILED", reason), "ending the task FAILED"):
             return
-        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+        with contextlib.suppress(*BOARD_AWAY):
             task_board.log_event(f"task FAILED: {reason}", level="ERROR", source=uid)
 
     def refuse(task_board: Board, reason: str) -> None:
         """Say on the board that this node refuses the task and why: the client shows it."""
         nonlocal refused
-        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+        with contextlib.suppress(*BOARD_AWAY):
             if f"{task_board.task_id} {reason}" != refused:
                 refused = f"{task_board.task_id} {reason}"
                 task_board.log_event(f"{role} {uid} refuses the task: {reason}", level="ERROR", source=uid)
@@ -216,7 +215,7 @@ def serve(
             task_board.note_refusal(uid, role, reason)
 
     def release(task_board: Board, claimed: int) -> None:
-        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+        with contextlib.suppress(*BOARD_AWAY):
             task_board.release_lease(lease_name(claimed), uid)  # free it now, not when it expires
 
     while True:
@@ -255,7 +254,7 @@ def serve(
         try:
             claimed = with_retry(lambda: claim(task_board, task), f"claiming a {role} lease")  # noqa: B023
         except BaseException:  # stopped mid-claim: the board may have granted a lease this node never learned of
-            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            with contextlib.suppress(*BOARD_AWAY):
                 task_board.release_leases_of(uid, task.actor_num)
             raise
         if claimed is None:
@@ -265,7 +264,7 @@ def serve(
         try:
             note.reset()
             refused = ""
-            with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+            with contextlib.suppress(*BOARD_AWAY):
                 task_board.clear_refusal(uid)
                 task_board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
             with lease_kept(task_board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval,
@@ -300,7 +299,7 @@ def serve(
             release(task_board, claimed)
             raise
         logger.info("%s %s stopped: %s (%s)", role, uid, reason, run.summary())
-        with contextlib.suppress(*TRANSIENT_ERRORS, BoardError):
+        with contextlib.suppress(*BOARD_AWAY):
             task_board.log_event(f"{role} {uid} stopped: {reason} ({run.summary()})", source=uid)
         if options.run_once and _task_over(board):
             return
@@ -314,7 +313,7 @@ def remove_orphans(board: Board) -> None:
     the board's Redis) wrote back under the task's prefix as it stopped, unless a new task took the name."""
     try:
         removed = board.delete_orphans()
-    except _BOARD_AWAY as e:
+    except BOARD_AWAY as e:
         logger.warning("could not remove the keys left of the vanished task %r: %s", board.task_name, short(e))
         return
     if removed:

@@ -61,10 +61,6 @@ class NodeStats:
                  if k not in names and _number(v) is not None}
         return cls(**values, extra=extra)
 
-    def get(self, name: str) -> float | None:
-        """A number of ``extra`` (None when the role did not report it)."""
-        return self.extra.get(name)
-
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -46,7 +46,7 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, DataPath, seed_everything
 from srl.base.schema import Schema
-from srl.runner.distribution.board import Board, BoardError
+from srl.runner.distribution.board import BOARD_AWAY, Board
 from srl.runner.distribution.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.distribution.credentials import CredentialsError
@@ -56,7 +56,7 @@ from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.publisher import Publisher
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle, with_retry
+from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.stats import TrainerStats
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.distribution.versions import VersionGate
@@ -64,7 +64,6 @@ from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.trainer")
 
-_BOARD_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, BoardError)
 
 
 def machine_memory_bytes() -> int:
@@ -182,7 +181,7 @@ class TrainerRun:
                     last_train, last_recv, last_time = train_count, received, now
                     self._heartbeat(stats)
                     next_beat = time.monotonic() + opts.heartbeat_interval
-            except _BOARD_AWAY as e:
+            except BOARD_AWAY as e:
                 if self._lease_lost_at is None:
                     self._lease_lost_at = time.monotonic()
                 if self._board_log.ready():
