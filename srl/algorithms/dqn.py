@@ -53,6 +53,7 @@ from srl.base.rl import (
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
+from srl.rl.networks import EncoderConfig
 
 logger = logging.getLogger("srl.dqn")
 
@@ -74,7 +75,10 @@ class Config(RLConfig):
     weights_depend_on: ClassVar[tuple[str, ...]] = ("scale_obs", "value_rescale")
 
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
-    """the layers between observation and Q head"""
+    """the layers between a vector observation and the Q head (the ``mlp`` encoder)"""
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors,
+    the Nature CNN for images of 36x36 and up, the MinAtar CNN for smaller ones"""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """replay memory (uniform or proportional)"""
     batch_size: int = 64
@@ -138,6 +142,7 @@ class Config(RLConfig):
     def validate(self) -> None:
         super().validate()
         self.hidden_block.validate()
+        self.encoder.validate()
         self.memory.validate()
         check_int("batch_size", self.batch_size, 1, 1 << 16)
         check_int("warmup_size", self.warmup_size, 0, 1 << 30)
@@ -195,6 +200,7 @@ class Config(RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         action_table(spec, self.action_bins)
+        self.encoder.check(spec)
 
     def data_path(self) -> DataPath:
         return DataPath(rows="transitions", publish_every=self.publish_every,
@@ -203,7 +209,7 @@ class Config(RLConfig):
     def schema(self, spec: EnvSpec) -> Schema:
         """n-step transitions; ``discount`` is gamma**k, 0 after a terminal step; ``action`` an index."""
         n_actions = action_count(spec, self.action_bins)
-        obs = Column("float32", spec.obs_shape, low=-VALUE_BOUND, high=VALUE_BOUND)
+        obs = spec.obs_column()
         return Schema(
             {
                 "obs": obs,
@@ -300,7 +306,7 @@ class QNetwork(nn.Module):
     obs_center: torch.Tensor
     obs_inv_half: torch.Tensor
 
-    def __init__(self, config: Config, obs_size: int, n_actions: int,
+    def __init__(self, config: Config, spec: EnvSpec, n_actions: int,
                  obs_affine: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         super().__init__()
         self.scaled = obs_affine is not None
@@ -309,7 +315,7 @@ class QNetwork(nn.Module):
             center, half = obs_affine
             self.register_buffer("obs_center", torch.from_numpy(center), persistent=False)
             self.register_buffer("obs_inv_half", torch.from_numpy(1.0 / half), persistent=False)
-        self.body, size = config.hidden_block.build(obs_size)
+        self.body, size = config.encoder.build(spec, config.hidden_block)
         self.dueling = config.dueling
         if self.dueling:
             self.value = nn.Linear(size, 1)
@@ -336,8 +342,9 @@ class DQNParameter(Parameter):
         self.device = device
         self.n_actions = action_count(spec, config.action_bins)
         self.actions = action_table(spec, config.action_bins)
-        affine = spec.obs_affine() if config.scale_obs else None
-        self.q = QNetwork(config, spec.obs_shape[0], self.n_actions, affine).to(device)
+        affine = spec.obs_affine() if config.scale_obs and not spec.image else None
+        self.obs_dtype = spec.obs_dtype
+        self.q = QNetwork(config, spec, self.n_actions, affine).to(device)
         self.average_tau = config.greedy_average(spec)
         """how far the greedy average moves towards the online weights after each step (0: no average)"""
         self.q_average: QNetwork | None = None
@@ -470,10 +477,10 @@ class DQNWorker(Worker):
             return None
         rows = self._rows
         columns: Columns = {
-            "obs": np.stack(rows["obs"]).astype(np.float32, copy=False),
+            "obs": np.stack(rows["obs"]).astype(self.parameter.obs_dtype, copy=False),
             "action": np.asarray(rows["action"], dtype=np.int64),
             "reward": np.asarray(rows["reward"], dtype=np.float32),
-            "next_obs": np.stack(rows["next_obs"]).astype(np.float32, copy=False),
+            "next_obs": np.stack(rows["next_obs"]).astype(self.parameter.obs_dtype, copy=False),
             "discount": np.asarray(rows["discount"], dtype=np.float32),
             "version": np.asarray(rows["version"], dtype=np.int64),
         }

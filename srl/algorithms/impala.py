@@ -39,6 +39,7 @@ from srl.base.schema import Schema
 from srl.rl.actor_critic import ActorCriticParameter, LinearAnneal, SegmentWorker, check_actions, segment_schema
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
+from srl.rl.networks import EncoderConfig
 
 
 @dataclass
@@ -50,7 +51,10 @@ class Config(RLConfig):
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
     hidden_block: MLPBlockConfig = field(default_factory=lambda: MLPBlockConfig((64, 64), "tanh"))
-    """the layers of the policy and of the value network"""
+    """the layers of the policy and of the value network over vector observations"""
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors
+    and a CNN both heads share for images ("impala_cnn": the paper's residual network)"""
     normalize_obs: bool | None = False
     """normalize observations by running statistics (updated by the learner, published with the params)"""
     segment_length: int = 16
@@ -86,6 +90,7 @@ class Config(RLConfig):
     def validate(self) -> None:
         super().validate()
         self.hidden_block.validate()
+        self.encoder.validate()
         check_int("segment_length", self.segment_length, 1, 1 << 16)
         check_int("batch_segments", self.batch_segments, 1, 1 << 16)
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
@@ -104,6 +109,7 @@ class Config(RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "impala")
+        self.encoder.check(spec)
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag)
@@ -202,7 +208,7 @@ class IMPALALearner(Learner):
         frac = self.anneal.advance(n * horizon, self.train_count)
         lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
-        obs = to_device(segments["obs"].reshape(n * horizon, -1), dev)
+        obs = to_device(segments["obs"].reshape(n * horizon, *segments["obs"].shape[2:]), dev)
         action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
         logprob, entropy, value = net.evaluate(obs, action)
         logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)

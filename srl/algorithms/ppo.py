@@ -57,31 +57,37 @@ from srl.rl.actor_critic import (
 )
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
+from srl.rl.networks import EncoderConfig
 
-# Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box).
-PRESETS: dict[str, tuple[Any, Any]] = {
-    "segment_length": (32, 256),
-    "epochs": (20, 10),
-    "minibatches": (1, 32),
-    "lr": (1e-3, 1e-3),
-    "gamma": (0.98, 0.9),
-    "gae_lambda": (0.8, 0.95),
-    "ent_coef": (0.0, 0.0),
-    "normalize_obs": (False, True),
-    "normalize_reward": (False, True),
+# Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box, images). The
+# images column is CleanRL's ppo_atari.py (Atari's rewards are clipped by its preprocessing instead).
+PRESETS: dict[str, tuple[Any, Any, Any]] = {
+    "segment_length": (32, 256, 128),
+    "epochs": (20, 10, 4),
+    "minibatches": (1, 32, 4),
+    "lr": (1e-3, 1e-3, 2.5e-4),
+    "gamma": (0.98, 0.9, 0.99),
+    "gae_lambda": (0.8, 0.95, 0.95),
+    "ent_coef": (0.0, 0.0, 0.01),
+    "normalize_obs": (False, True, False),
+    "normalize_reward": (False, True, False),
 }
 
 
 @dataclass
 class Config(RLConfig):
-    """PPO settings; ``None`` fields take the preset of the env's action family (see ``PRESETS``)."""
+    """PPO settings; ``None`` fields take the preset of the env's family: its action space for vector
+    observations, or images (see ``PRESETS``)."""
 
     algorithm: ClassVar[str] = "ppo"
 
     envs_per_actor: int = 8
     """envs each actor (and Runner.train) steps at once; one segment per env per update"""
     hidden_block: MLPBlockConfig = field(default_factory=lambda: MLPBlockConfig((64, 64), "tanh"))
-    """the layers of the policy and of the value network (separate, as in CleanRL)"""
+    """the layers of the policy and of the value network over vector observations (separate, as in CleanRL)"""
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors
+    and a CNN both heads share for images"""
     segment_length: int | None = None
     """T: steps per env per update (preset: 32 Discrete, 256 Box)"""
     epochs: int | None = None
@@ -127,13 +133,14 @@ class Config(RLConfig):
 
     def resolved(self, spec: EnvSpec) -> Config:
         """A copy with every ``None`` field set to the preset of ``spec``'s action family."""
-        family = 1 if isinstance(spec.actions, BoxActions) else 0
+        family = 2 if spec.image else 1 if isinstance(spec.actions, BoxActions) else 0
         changes = {name: preset[family] for name, preset in PRESETS.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
         super().validate()
         self.hidden_block.validate()
+        self.encoder.validate()
         if self.segment_length is not None:
             check_int("segment_length", self.segment_length, 1, 1 << 16)
         if self.epochs is not None:
@@ -155,6 +162,7 @@ class Config(RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "ppo")
+        self.encoder.check(spec)
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=0, sync=self.sync,
@@ -290,7 +298,7 @@ class PPOLearner(Learner):
         if config.normalize_reward:
             reward = self._scale_rewards(reward, segments["done"])
         values = segments["value"]
-        obs = to_device(segments["obs"].reshape(n * horizon, -1), dev)
+        obs = to_device(segments["obs"].reshape(n * horizon, *segments["obs"].shape[2:]), dev)
         with torch.no_grad():
             last_value = net.value(to_device(segments["last_obs"], dev)).cpu().numpy()
             if not config.sync:  # acted with older params: the current critic's values, not the actor's
@@ -340,7 +348,7 @@ class PPOLearner(Learner):
                 steps += 1
             if config.target_kl is not None and kl.item() > config.target_kl:
                 break
-        if config.normalize_obs:  # the next version's actors normalize with what this update saw
+        if net.normalize_obs:  # the next version's actors normalize with what this update saw
             net.obs_rms.update(obs)
         self.train_count += steps
         variance = float(np.var(returns))

@@ -1,10 +1,13 @@
 """The environment adapter: gymnasium envs as srl sees them.
 
-Owns: ``EnvConfig`` (which env, with which keyword arguments), building the
-env with a clear error when it does not exist (and never importing a module a
-node did not allow), ``EnvSpec`` — the observation shape and the action space
-an algorithm is built for — and ``ObsTransform``. Observations are flattened to
-a float32 vector (a Discrete observation becomes one-hot). Actions are native:
+Owns: ``EnvConfig`` (which env, with which keyword arguments and which named
+preprocessing), building the env with a clear error when it does not exist (and
+never importing a module a node did not allow), ``EnvSpec`` — the observation
+shape and dtype and the action space an algorithm is built for — and
+``ObsTransform``. Images (a uint8 or bool Box of 2 or 3 dimensions: Atari
+frames, MinAtar grids) keep their dtype and shape; networks scale them. Other
+observations are flattened to a float32 vector (a Discrete observation becomes
+one-hot). Actions are native:
 ``DiscreteActions`` (an int), ``BoxActions`` (a float array, bounded or not)
 and ``MultiDiscreteActions`` (an int array); an algorithm that needs another
 form (DQN bins a Box) does that itself. Must never: know about algorithms, or
@@ -21,6 +24,23 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+
+from srl.base.preprocessing import (
+    PreprocessingError,
+    TrainingSignal,
+    atari_make_kwargs,
+    check_preprocessing,
+    register_known_envs,
+    resolve_preprocessing,
+    training_signal,
+    wrap,
+)
+from srl.base.schema import Column
+
+IMAGE_DTYPES = ("uint8", "bool")
+"""the dtypes of observations kept as images (with 2 or 3 dimensions)"""
+VALUE_BOUND = 1e9
+"""float observations beyond this are refused as rows (no env of sense produces them)"""
 
 
 class EnvError(ValueError):
@@ -48,16 +68,31 @@ def env_module(env_id: str) -> str | None:
 
 
 class EnvConfig:
-    """Which gymnasium environment to run: ``EnvConfig("Pendulum-v1", g=9.81)``."""
+    """Which gymnasium environment to run: ``EnvConfig("Pendulum-v1", g=9.81)``.
 
-    def __init__(self, id: str, **kwargs: Any) -> None:
+    ``preprocessing``: one of ``srl.base.preprocessing.PREPROCESSINGS`` — "atari" (the standard DQN
+    preprocessing: no-op starts, frame skip 4 with max-pool, 84x84 grey, 4 frames stacked, and while
+    training clipped rewards and a lost life as a terminal step), "minatar" (MinAtar's 10x10xC grids as
+    channels first) or "none". None (the default) picks "atari" for ALE's ids ("ALE/Pong-v5"), "minatar"
+    for "MinAtar/..." ids and "none" otherwise. Every other keyword goes to ``gymnasium.make``.
+    """
+
+    def __init__(self, id: str, preprocessing: str | None = None, **kwargs: Any) -> None:
         if not isinstance(id, str) or not id:
             raise EnvError(f"EnvConfig needs a gymnasium id such as 'CartPole-v1', got {id!r}")
+        try:
+            check_preprocessing(preprocessing)
+        except PreprocessingError as e:
+            raise EnvError(f"env {id!r}: {e}") from None
         self.id = id
+        self.preprocessing = preprocessing
         self.kwargs = dict(kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "kwargs": dict(self.kwargs)}
+        data: dict[str, Any] = {"id": self.id, "kwargs": dict(self.kwargs)}
+        if self.preprocessing is not None:
+            data["preprocessing"] = self.preprocessing
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EnvConfig:
@@ -66,11 +101,27 @@ class EnvConfig:
         kwargs = data.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise EnvError(f"env kwargs must be an object, got {kwargs!r}")
-        return cls(data["id"], **kwargs)
+        preprocessing = data.get("preprocessing")
+        if preprocessing is not None and not isinstance(preprocessing, str):
+            raise EnvError(f"an env's preprocessing is a name, got {preprocessing!r}")
+        return cls(data["id"], preprocessing, **kwargs)
 
     @classmethod
     def coerce(cls, env: str | EnvConfig) -> EnvConfig:
         return env if isinstance(env, EnvConfig) else cls(env)
+
+    def resolved_preprocessing(self) -> str:
+        """The preprocessing this env gets (``preprocessing``, or the one its id implies)."""
+        try:
+            register_known_envs(self.id)
+            return resolve_preprocessing(self.id, self.preprocessing)
+        except PreprocessingError as e:
+            raise EnvError(str(e)) from None
+
+    def training_signal(self) -> TrainingSignal:
+        """What a training worker sees instead of the env's rewards and episode ends (clipped, cut at a
+        lost life) under this env's preprocessing."""
+        return training_signal(self.resolved_preprocessing())
 
     def check_allowed(self, allow_modules: Collection[str] | None) -> None:
         """Refuse a ``module:Env`` id whose module is not in ``allow_modules`` (None: no restriction).
@@ -96,9 +147,13 @@ class EnvConfig:
         :meth:`check_allowed`); None (a user's own process) allows any.
         """
         self.check_allowed(allow_modules)
+        preprocessing = self.resolved_preprocessing()
         try:
             extra: dict[str, Any] = {} if render_mode is None else {"render_mode": render_mode}
-            return gym.make(self.id, **extra, **self.kwargs)
+            kwargs = atari_make_kwargs(self.kwargs) if preprocessing == "atari" else self.kwargs
+            return wrap(gym.make(self.id, **extra, **kwargs), preprocessing)
+        except PreprocessingError as e:
+            raise EnvError(f"env {self.id!r}: {e}") from None
         except gym.error.Error as e:
             known = list(gym.registry.keys())
             close = difflib.get_close_matches(self.id, known, n=3, cutoff=0.6)
@@ -111,7 +166,8 @@ class EnvConfig:
             raise EnvError(f"env {self.id!r} rejected its keyword arguments {self.kwargs}: {e}") from e
 
     def __repr__(self) -> str:
-        args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
+        args = "" if self.preprocessing is None else f", preprocessing={self.preprocessing!r}"
+        args += "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
         return f"EnvConfig({self.id!r}{args})"
 
     def __eq__(self, other: object) -> bool:
@@ -170,7 +226,8 @@ ActionSpace = DiscreteActions | BoxActions | MultiDiscreteActions
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """What an algorithm is built for: a flat float32 observation and a native action space."""
+    """What an algorithm is built for: an observation (an image of its own dtype and shape, or a flat
+    float32 vector) and a native action space."""
 
     env_id: str
     obs_shape: tuple[int, ...]
@@ -181,6 +238,28 @@ class EnvSpec:
     """a Box observation space's lower bounds, flattened like the obs (each may be infinite)"""
     obs_high: np.ndarray | None = field(default=None, repr=False, compare=False)
     """its upper bounds"""
+    obs_dtype: str = "float32"
+    """"float32" for vectors; an image's own dtype ("uint8", "bool")"""
+
+    @property
+    def image(self) -> bool:
+        """Whether the observation is an image (kept as it is: ``obs_dtype``, ``obs_shape``)."""
+        return self.obs_dtype != "float32"
+
+    @property
+    def obs_bounds(self) -> tuple[float | None, float | None]:
+        """The bounds a row's observation must lie in: 0..255 for uint8 images, none for bool (two values
+        already), +-``VALUE_BOUND`` for float vectors."""
+        if self.obs_dtype == "uint8":
+            return 0, 255
+        if self.obs_dtype == "bool":
+            return None, None
+        return -VALUE_BOUND, VALUE_BOUND
+
+    def obs_column(self, *leading: int) -> Column:
+        """The schema column of observations, each of shape ``(*leading, *obs_shape)`` (a segment's: (T,))."""
+        low, high = self.obs_bounds
+        return Column(self.obs_dtype, (*leading, *self.obs_shape), low=low, high=high)
 
     def obs_affine(self, max_range: float = 1e4) -> tuple[np.ndarray, np.ndarray] | None:
         """``(center, half_range)`` per obs dimension that maps a bounded dimension onto [-1, 1]
@@ -209,8 +288,13 @@ def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
     obs_space, act_space = env.observation_space, env.action_space
     onehot = 0
     obs_low = obs_high = None
-    if isinstance(obs_space, gym.spaces.Box):
-        obs_shape: tuple[int, ...] = (int(np.prod(obs_space.shape)),)
+    obs_dtype = "float32"
+    if (isinstance(obs_space, gym.spaces.Box) and np.dtype(obs_space.dtype).name in IMAGE_DTYPES
+            and len(obs_space.shape) in (2, 3)):
+        obs_shape: tuple[int, ...] = tuple(int(s) for s in obs_space.shape)
+        obs_dtype = np.dtype(obs_space.dtype).name
+    elif isinstance(obs_space, gym.spaces.Box):
+        obs_shape = (int(np.prod(obs_space.shape)),)
         with np.errstate(over="ignore"):  # float64 bounds beyond float32 become infinite: "no bound"
             obs_low = np.asarray(obs_space.low, np.float32).reshape(-1)
             obs_high = np.asarray(obs_space.high, np.float32).reshape(-1)
@@ -239,17 +323,20 @@ def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
         raise EnvError(
             f"srl cannot use the action space {act_space} of {env_id!r}: it takes Discrete, Box or MultiDiscrete"
         )
-    return EnvSpec(env_id, obs_shape, actions, onehot, obs_low, obs_high)
+    return EnvSpec(env_id, obs_shape, actions, onehot, obs_low, obs_high, obs_dtype)
 
 
 class ObsTransform:
-    """Observations as algorithms see them: float32, flattened per env; Discrete ones one-hot."""
+    """Observations as algorithms see them: images as they are; the rest float32, flattened per env,
+    Discrete ones one-hot."""
 
     def __init__(self, spec: EnvSpec) -> None:
         self.spec = spec
 
     def one(self, obs: Any) -> np.ndarray:
         """One env's observation -> shape ``spec.obs_shape``."""
+        if self.spec.image:
+            return np.ascontiguousarray(obs, dtype=self.spec.obs_dtype)
         if self.spec.obs_onehot:
             out = np.zeros(self.spec.obs_onehot, dtype=np.float32)
             out[int(obs)] = 1.0
@@ -258,6 +345,8 @@ class ObsTransform:
 
     def batch(self, obs: Any) -> np.ndarray:
         """``E`` envs' observations (a vector env's) -> shape ``(E, *spec.obs_shape)``."""
+        if self.spec.image:
+            return np.ascontiguousarray(obs, dtype=self.spec.obs_dtype)
         if self.spec.obs_onehot:
             index = np.asarray(obs, dtype=np.int64).reshape(-1)
             out = np.zeros((index.size, self.spec.obs_onehot), dtype=np.float32)

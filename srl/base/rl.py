@@ -188,6 +188,17 @@ class RLConfig(Settings, ABC):
     def copy(self) -> RLConfig:
         return dataclasses.replace(self)
 
+    def imported_modules(self) -> list[str]:
+        """The modules building this config's networks would import (a ``module:callable`` encoder): a node
+        refuses a task naming one it does not allow, before it builds anything."""
+        found: list[str] = []
+        for f in dataclasses.fields(self):
+            imported = getattr(getattr(self, f.name), "imported_module", None)
+            name = imported() if callable(imported) else None
+            if isinstance(name, str):
+                found.append(name)
+        return found
+
     def check_spec(self, spec: EnvSpec) -> None:
         """Raise EnvError when this algorithm cannot act in ``spec``'s spaces (say which it takes)."""
 

@@ -5,7 +5,10 @@ process per env, where the env itself is slow) with same-step autoreset (an
 env whose episode ends is reset at once and alone: the others never notice),
 turning observations into what algorithms see, asking the worker for all E
 actions at once (batched inference), telling it what happened (the final
-observation of an ended episode, not the reset one), and counting episodes.
+observation of an ended episode, not the reset one; while it trains, the
+preprocessing's training signal: clipped rewards, a lost life as a terminal
+step), and counting episodes with the env's own rewards and ends (full games,
+real scores).
 It serves ``Runner.train``, ``Runner.evaluate`` and the distributed actor.
 Must never: learn, send anything, or know which algorithm runs.
 
@@ -88,9 +91,10 @@ class Rollout:
                 env_config.id,
             )
             self.transform = ObsTransform(self.spec)
+            self.signal = env_config.training_signal()
             self.worker = worker
             self.num_envs = num_envs
-            obs, _ = self.envs.reset(seed=seed)
+            obs, reset_info = self.envs.reset(seed=seed)
             self.obs = self.transform.batch(obs)
         except BaseException:
             self.envs.close()
@@ -99,6 +103,9 @@ class Rollout:
         self.episodes = 0
         self._returns = np.zeros(num_envs, dtype=np.float64)
         self._lengths = np.zeros(num_envs, dtype=np.int64)
+        lives = reset_info.get("lives")
+        self._lives: np.ndarray | None = None if lives is None else np.asarray(lives, dtype=np.int64)
+        """each env's lives after its last step (the training signal cuts the worker's episode at a loss)"""
         worker.reset(np.arange(num_envs), self.obs)
 
     def step(self) -> list[Episode]:
@@ -117,7 +124,11 @@ class Rollout:
             mask = info.get("_final_obs", done)
             for i in np.flatnonzero(mask):
                 final[i] = self.transform.one(info["final_obs"][i])
-        self.worker.observe(reward, final, terminated, truncated)
+        if self.signal.active and self.worker.training:
+            signal_reward, signal_terminated = self._training_signal(reward, terminated, done, info)
+            self.worker.observe(signal_reward, final, signal_terminated, truncated)
+        else:
+            self.worker.observe(reward, final, terminated, truncated)
         self._returns += reward
         self._lengths += 1
         self.env_steps += self.num_envs
@@ -132,6 +143,20 @@ class Rollout:
             self.worker.reset(ended, next_obs[ended])
         self.obs = next_obs
         return episodes
+
+    def _training_signal(self, reward: np.ndarray, terminated: np.ndarray, done: np.ndarray,
+                         info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The reward and terminal flags a training worker sees (see ``TrainingSignal``)."""
+        if self.signal.clip_reward:
+            reward = np.sign(reward).astype(np.float32)
+        lives = info.get("lives")
+        if self.signal.life_loss_terminal and lives is not None:
+            lives = np.asarray(lives, dtype=np.int64)
+            if self._lives is not None:
+                # an env that just ended reports its new game's lives (same-step autoreset): not a loss
+                terminated = terminated | ((lives < self._lives) & ~done)
+            self._lives = lives
+        return reward, terminated
 
     def close(self) -> None:
         self.envs.close()

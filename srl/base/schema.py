@@ -63,6 +63,11 @@ class Schema:
         """Bytes one row takes (priorities included when declared)."""
         return sum(c.row_nbytes for c in self.columns.values()) + (4 if self.priorities else 0)
 
+    @property
+    def has_images(self) -> bool:
+        """Whether a column holds images (uint8 or bool rows of 1 KiB and more): what compresses well."""
+        return any(c.dtype in ("uint8", "bool") and c.row_nbytes >= 1024 for c in self.columns.values())
+
     def allocate(self, rows: int) -> dict[str, np.ndarray]:
         """Storage for ``rows`` rows of every column (what a buffer holds)."""
         return {name: np.zeros((rows, *c.shape), dtype=c.dtype) for name, c in self.columns.items()}

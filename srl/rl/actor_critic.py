@@ -40,6 +40,7 @@ from srl.base.rl import (
 )
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig
+from srl.rl.networks import EncoderConfig, orthogonal_init
 
 VALUE_BOUND = 1e9
 """observations, rewards and raw actions beyond this are refused as rows"""
@@ -49,12 +50,13 @@ class ActorCriticSettings(Protocol):
     """What the shared pieces read from an algorithm's config."""
 
     hidden_block: MLPBlockConfig
+    encoder: EncoderConfig
     normalize_obs: bool | None
 
 
 def segment_schema(spec: EnvSpec, horizon: int) -> Schema:
     """Columns of a segment of ``horizon`` steps of one env (see the module docstring)."""
-    obs = Column("float32", (horizon, *spec.obs_shape), low=-VALUE_BOUND, high=VALUE_BOUND)
+    obs = spec.obs_column(horizon)
     actions = spec.actions
     if isinstance(actions, DiscreteActions):
         action = Column("int64", (horizon,), low=0, high=actions.n - 1)
@@ -69,7 +71,7 @@ def segment_schema(spec: EnvSpec, horizon: int) -> Schema:
         "value": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "reward": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "done": Column("bool", (horizon,)),
-        "last_obs": Column("float32", spec.obs_shape, low=-VALUE_BOUND, high=VALUE_BOUND),
+        "last_obs": spec.obs_column(),
         "version": Column("int64", (), low=0),
     })
 
@@ -144,20 +146,29 @@ class LinearAnneal:
 
 
 class ActorCritic(nn.Module):
-    """Separate policy and value MLPs (CleanRL's ``Agent``)."""
+    """Separate policy and value MLPs over vectors (CleanRL's ``Agent``); over images one encoder (a CNN)
+    that both heads share (CleanRL's ``ppo_atari.py``)."""
 
     def __init__(self, config: ActorCriticSettings, spec: EnvSpec) -> None:
         super().__init__()
-        obs_size = spec.obs_shape[0]
-        self.normalize_obs = bool(config.normalize_obs)
-        self.obs_rms = RunningMeanStd(spec.obs_shape)
-        self.critic_body, size = config.hidden_block.build(obs_size)
-        self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
-        self.actor_body, size = config.hidden_block.build(obs_size)
-        for body in (self.critic_body, self.actor_body):
-            for layer in body.modules():
-                if isinstance(layer, nn.Linear):
-                    layer_init(layer)
+        self.normalize_obs = bool(config.normalize_obs) and not spec.image
+        # an image's statistics would be a float64 per pixel in every params message: images are scaled
+        # by their encoder instead, so the (unused) statistics keep one entry
+        self.obs_rms = RunningMeanStd((1,) if spec.image else spec.obs_shape)
+        self.shared: nn.Module | None = None
+        if config.encoder.check(spec) == "mlp":
+            self.critic_body, size = config.encoder.build(spec, config.hidden_block)
+            self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
+            self.actor_body, size = config.encoder.build(spec, config.hidden_block)
+            for body in (self.critic_body, self.actor_body):
+                for layer in body.modules():
+                    if isinstance(layer, nn.Linear):
+                        layer_init(layer)
+        else:
+            self.shared, size = config.encoder.build(spec, config.hidden_block)
+            orthogonal_init(self.shared)
+            self.critic_body = self.actor_body = nn.Identity()
+            self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
         actions = spec.actions
         self.continuous = isinstance(actions, BoxActions)
         if isinstance(actions, DiscreteActions):
@@ -170,20 +181,36 @@ class ActorCritic(nn.Module):
         self.actor_head = layer_init(nn.Linear(size, sum(self.splits)), std=0.01)
 
     def prepare(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            features: torch.Tensor = self.shared(obs)
+            return features
         return self.obs_rms.normalize(obs) if self.normalize_obs else obs
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic_head(self.critic_body(self.prepare(obs))).squeeze(-1)
 
     def distribution(self, obs: torch.Tensor) -> Normal | list[Categorical]:
-        out = self.actor_head(self.actor_body(self.prepare(obs)))
+        return self._distribution(self.actor_body(self.prepare(obs)))
+
+    def _distribution(self, features: torch.Tensor) -> Normal | list[Categorical]:
+        out = self.actor_head(features)
         if self.continuous:
             return Normal(out, self.logstd.expand_as(out).exp())
         return [Categorical(logits=logits) for logits in torch.split(out, self.splits, dim=-1)]
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """log π(action|obs), entropy, V(obs)."""
+        if self.shared is not None:  # the shared encoder once for both heads
+            features = self.shared(obs)
+            dist = self._distribution(self.actor_body(features))
+            logprob, entropy = self._logprob_entropy(dist, action)
+            return logprob, entropy, self.critic_head(features).squeeze(-1)
         dist = self.distribution(obs)
+        logprob, entropy = self._logprob_entropy(dist, action)
+        return logprob, entropy, self.value(obs)
+
+    @staticmethod
+    def _logprob_entropy(dist: Normal | list[Categorical], action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(dist, Normal):
             logprob, entropy = dist.log_prob(action).sum(-1), dist.entropy().sum(-1)
         elif len(dist) == 1:
@@ -191,7 +218,7 @@ class ActorCritic(nn.Module):
         else:
             logprob = torch.stack([d.log_prob(action[..., i]) for i, d in enumerate(dist)]).sum(0)
             entropy = torch.stack([d.entropy() for d in dist]).sum(0)
-        return logprob, entropy, self.value(obs)
+        return logprob, entropy
 
 
 class ActorCriticParameter(Parameter):
@@ -224,7 +251,7 @@ class SegmentWorker(Worker):
         spec = parameter.spec
         act = spec.actions
         act_dtype = np.float32 if isinstance(act, BoxActions) else np.int64
-        self._obs = np.zeros((self.T, num_envs, *spec.obs_shape), np.float32)
+        self._obs = np.zeros((self.T, num_envs, *spec.obs_shape), spec.obs_dtype)
         self._action = np.zeros((self.T, num_envs, *act.shape), act_dtype)
         self._logprob = np.zeros((self.T, num_envs), np.float32)
         self._value = np.zeros((self.T, num_envs), np.float32)
@@ -299,7 +326,7 @@ class SegmentWorker(Worker):
                 "value": self._value.T.copy(),
                 "reward": self._reward.T.copy(),
                 "done": self._done.T.copy(),
-                "last_obs": next_obs.astype(np.float32).copy(),
+                "last_obs": np.array(next_obs, dtype=self._obs.dtype),
                 "version": np.full(self.num_envs, self._version, np.int64),
             })
 

@@ -98,7 +98,8 @@ class ActorRun:
         self.parameter: Parameter = config.make_parameter(self.spec, config.resolve_device())
         self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
         self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
-        self.codec = options.codec(board.task_name, compress=options.compress,
+        compress = options.compress if options.compress is not None else config.schema(self.spec).has_images
+        self.codec = options.codec(board.task_name, compress=compress,
                                    max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
         self.max_rows = max_message_rows(task)
         self.queue: ExperienceQueue = open_queue(

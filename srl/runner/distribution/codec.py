@@ -1,8 +1,8 @@
 """The wire format of experience batches, parameters and the signed task config.
 
 Owns: every byte that crosses a broker or the board between an actor, the
-trainer and a client — the frame, its version byte, the optional zlib
-compression and the optional HMAC-SHA256 signature. Must never: use pickle (or
+trainer and a client — the frame, its version byte, the optional compression
+(zstd; zlib is still read) and the optional HMAC-SHA256 signature. Must never: use pickle (or
 anything else that runs code) on bytes read from a broker, raise anything but
 :class:`DecodeError` on bad input, or allocate more than twice ``max_bytes``
 while decoding one message (a decompressed payload is at most ``max_bytes``;
@@ -21,7 +21,9 @@ Frame::
     b"SRLW" | u8 wire version | u8 kind | u8 flags | payload | [32-byte HMAC-SHA256]
 
 ``kind`` is :data:`KIND_BATCH` or :data:`KIND_PARAMS`; ``flags`` bit 0 means the
-payload is zlib-compressed, bit 1 means the 32-byte trailer is present.
+payload is zlib-compressed, bit 2 that it is one zstd frame that states its size
+(refused unstated or past ``max_bytes`` before anything is allocated), bit 1
+that the 32-byte trailer is present.
 
 A BATCH payload is fixed binary, no JSON (decoding one is a struct unpack, a
 dictionary lookup and one ``np.frombuffer`` per column)::
@@ -54,28 +56,54 @@ import math
 import os
 import struct
 import sys
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+import zstandard
 
 from srl.base.arrays import ArrayFormatError, pack_arrays, unpack_arrays
 from srl.base.schema import Schema
 
 MAGIC = b"SRLW"
 """first four bytes of every srl message"""
-WIRE_VERSION = 4
-"""bumped whenever the frame or the batch/params layout changes incompatibly (4: the task id in a batch)"""
+WIRE_VERSION = 5
+"""bumped whenever the frame or the batch/params layout changes incompatibly (4: the task id in a batch;
+5: zstd payloads, image columns)"""
 KIND_BATCH = 1
 KIND_PARAMS = 2
 FLAG_COMPRESSED = 0x01
 FLAG_SIGNED = 0x02
-_KNOWN_FLAGS = FLAG_COMPRESSED | FLAG_SIGNED
+FLAG_ZSTD = 0x04
+_KNOWN_FLAGS = FLAG_COMPRESSED | FLAG_SIGNED | FLAG_ZSTD
+COMPRESSIONS = ("zstd", "zlib")
+"""what ``Codec(compression=...)`` writes; both are read"""
 _KIND_NAMES = {KIND_BATCH: "BATCH", KIND_PARAMS: "PARAMS"}
 
 _FRAME = struct.Struct("<4sBBB")
+_ZSTD = threading.local()
+"""each thread's zstd contexts (a context is not to be used by two threads at once)"""
+
+
+def _zstd_decompressor() -> zstandard.ZstdDecompressor:
+    reader: zstandard.ZstdDecompressor | None = getattr(_ZSTD, "reader", None)
+    if reader is None:
+        reader = _ZSTD.reader = zstandard.ZstdDecompressor()
+    return reader
+
+
+def _zstd_compress(payload: bytes, level: int) -> bytes:
+    writers: dict[int, zstandard.ZstdCompressor] | None = getattr(_ZSTD, "writers", None)
+    if writers is None:
+        writers = _ZSTD.writers = {}
+    writer = writers.get(level)
+    if writer is None:
+        writer = writers[level] = zstandard.ZstdCompressor(level=level)  # frames state their size
+    out: bytes = writer.compress(payload)
+    return out
 SIGNATURE_BYTES = 32
 SECRET_ENV = "SRL_SECRET"
 SECRET_FILE_ENV = "SRL_SECRET_FILE"
@@ -402,9 +430,10 @@ class Codec:
     unsigned messages are refused; without one, signed messages are refused
     too (a half-configured deployment should fail loudly, not silently skip
     verification). ``task``: the task name bound into every signature.
-    ``compress``: zlib-compress payloads at ``compress_level`` when encoding
-    (decoding accepts either). ``max_bytes``: the largest message accepted,
-    and the largest payload a compressed message may expand to.
+    ``compress``: compress payloads with ``compression`` ("zstd" or "zlib") at
+    ``compress_level`` when encoding (decoding accepts any). ``max_bytes``: the
+    largest message accepted, and the largest payload a compressed message may
+    expand to.
     """
 
     def __init__(
@@ -415,9 +444,13 @@ class Codec:
         max_bytes: int = DEFAULT_MAX_BYTES,
         *,
         task: str = "",
+        compression: str = "zstd",
     ) -> None:
-        if not 0 <= compress_level <= 9:
-            raise ValueError(f"compress_level must be 0..9 (zlib), found {compress_level}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, found {compression!r}")
+        if not (0 <= compress_level <= 9 if compression == "zlib" else 1 <= compress_level <= 19):
+            raise ValueError(f"compress_level must be {'0..9' if compression == 'zlib' else '1..19'} "
+                             f"({compression}), found {compress_level}")
         if max_bytes < 1024:
             raise ValueError(f"max_bytes must be at least 1024, found {max_bytes}")
         key = load_secret(secret)
@@ -427,6 +460,7 @@ class Codec:
             task_key = hmac.new(key, b"srl-task\x00" + task.encode(), hashlib.sha256).digest()
             self._mac = hmac.new(task_key, digestmod=hashlib.sha256)
         self.compress = compress
+        self.compression = compression
         self.compress_level = compress_level
         self.max_bytes = max_bytes
 
@@ -446,7 +480,10 @@ class Codec:
 
     def _seal(self, kind: int, payload: bytes) -> bytes:
         flags = 0
-        if self.compress:
+        if self.compress and self.compression == "zstd":
+            payload = _zstd_compress(payload, self.compress_level)
+            flags |= FLAG_ZSTD
+        elif self.compress:
             payload = zlib.compress(payload, self.compress_level)
             flags |= FLAG_COMPRESSED
         if self._mac is not None:
@@ -514,8 +551,12 @@ class Codec:
                 f"unsigned message refused: a secret is set here; set {SECRET_ENV} on the sender too"
             )
         payload = view[_FRAME.size : end]
+        if flags & FLAG_COMPRESSED and flags & FLAG_ZSTD:
+            raise DecodeError("flags say the payload is both zlib and zstd compressed")
         if flags & FLAG_COMPRESSED:
             return self._inflate(payload)
+        if flags & FLAG_ZSTD:
+            return self._unzstd(payload)
         return payload if isinstance(data, bytes) else bytes(payload)
 
     def _inflate(self, payload: memoryview) -> bytes:
@@ -530,6 +571,25 @@ class Codec:
             raise DecodeError("truncated compressed payload")
         if inflater.unused_data:
             raise DecodeError(f"{len(inflater.unused_data)} stray bytes after the compressed payload")
+        return out
+
+    def _unzstd(self, payload: memoryview) -> bytes:
+        """One zstd frame that states its size, at most ``max_bytes``: the size is checked before anything
+        is allocated, and libzstd refuses a frame whose output differs from what it states."""
+        try:
+            size = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError as e:
+            raise DecodeError(f"corrupt zstd payload: {short(e)}") from None
+        if size < 0:
+            raise DecodeError("zstd payload does not state its size; refused")
+        if size > self.max_bytes:
+            raise DecodeError(f"compressed payload expands to {size} bytes, past max_bytes={self.max_bytes}; refused")
+        try:
+            out: bytes = _zstd_decompressor().decompress(payload, max_output_size=max(size, 1), allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            raise DecodeError(f"corrupt zstd payload: {short(e)}") from None
+        if len(out) != size:
+            raise DecodeError(f"zstd payload stated {size} bytes and gave {len(out)}")
         return out
 
     @staticmethod

@@ -83,8 +83,9 @@ class ActorOptions(NodeOptions):
     params_wait_poll_interval: float = 0.01
     """the same while the actor waits for a version to act with (sync PPO's lockstep, the first
     params): the wait is idle time, so the new version is picked up within this"""
-    compress: bool = False
-    """zlib-compress batches (helps on slow links, costs CPU)"""
+    compress: bool | None = None
+    """zstd-compress batches; unset: when the task's rows hold images (frames compress several times over;
+    float vectors barely do and pay the CPU)"""
 
     def validate(self) -> None:
         super().validate()

@@ -19,6 +19,7 @@ from srl.algorithms import UnknownAlgorithmError, config_class
 from srl.base.config import ConfigError, config_from_dict
 from srl.base.env import EnvConfig, EnvError
 from srl.base.rl import RLConfig
+from srl.rl.networks import check_module_allowed
 from srl.runner.distribution.board import MAX_ACTORS
 from srl.runner.distribution.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, short
 
@@ -115,6 +116,8 @@ def build_task(
             )
         env_config = EnvConfig.from_dict(data["env"])
         env_config.check_allowed(allow_modules)
+        for module in rl_config.imported_modules():
+            check_module_allowed(module, allow_modules)
         actor_num = _bounded(data, "actor_num", int, MAX_ACTORS, 1)
         if actor_num < 1:
             raise TaskConfigError("task field 'actor_num' must be at least 1")

@@ -1,0 +1,304 @@
+"""Pixels: image observations kept as they are, encoders, the Atari and MinAtar envs, images on the wire."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from torch import nn
+
+import srl
+from srl.algorithms import dqn, impala, ppo
+from srl.base.env import EnvConfig, EnvError, EnvSpec, env_spec
+from srl.base.rl import Worker
+from srl.base.rollout import Rollout
+from srl.base.schema import Column, Schema
+from srl.rl.memories import MemoryConfig
+from srl.rl.networks import EncoderConfig, EncoderError
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.codec import FLAG_ZSTD, MAGIC, WIRE_VERSION, BatchHeader, Codec, DecodeError
+from srl.runner.distribution.task import TaskConfigError, build_task
+from tests.nodes import board_for
+
+PONG = "ALE/Pong-v5"
+BREAKOUT = "ALE/Breakout-v5"
+MINATAR = "MinAtar/Breakout-v1"
+
+
+class TinyEncoder(nn.Module):
+    """A user's own encoder: it gets observations as the env gives them (here bool grids)."""
+
+    def __init__(self, spec: EnvSpec) -> None:
+        super().__init__()
+        self.linear = nn.Linear(int(np.prod(spec.obs_shape)), 8)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(obs.flatten(1).float()))
+
+
+def tiny_encoder(spec: EnvSpec) -> nn.Module:
+    """``tests.test_pixels:tiny_encoder``"""
+    return TinyEncoder(spec)
+
+
+def small_dqn(**changes: object) -> dqn.Config:
+    config = dqn.Config(batch_size=16, warmup_size=64, seed=1, memory=MemoryConfig(kind="replay", capacity=2000))
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
+
+
+# ------------------------------------------------------------------ observations keep dtype and shape
+def test_images_keep_their_dtype_and_shape_and_vectors_stay_flat_float32() -> None:
+    pong, minatar, cartpole = (env_spec(EnvConfig(i)) for i in (PONG, MINATAR, "CartPole-v1"))
+    assert (pong.obs_dtype, pong.obs_shape, pong.image) == ("uint8", (4, 84, 84), True)
+    assert (minatar.obs_dtype, minatar.obs_shape) == ("bool", (4, 10, 10))  # channels first after "minatar"
+    assert (cartpole.obs_dtype, cartpole.obs_shape, cartpole.image) == ("float32", (4,), False)
+    assert pong.obs_column() == Column("uint8", (4, 84, 84), 0, 255)
+    assert minatar.obs_column(16) == Column("bool", (16, 4, 10, 10))
+    assert dqn.Config().schema(pong).columns["obs"].row_nbytes == 4 * 84 * 84  # one byte a pixel, not four
+
+
+def test_the_atari_preprocessing_is_the_default_for_ale_ids_and_can_be_turned_off() -> None:
+    assert EnvConfig(PONG).resolved_preprocessing() == "atari"
+    assert EnvConfig(MINATAR).resolved_preprocessing() == "minatar"
+    assert EnvConfig("CartPole-v1").resolved_preprocessing() == "none"
+    raw = env_spec(EnvConfig(PONG, preprocessing="none"))
+    assert (raw.obs_dtype, raw.obs_shape) == ("uint8", (210, 160, 3))
+    env = EnvConfig(PONG).make()
+    try:
+        obs, _ = env.reset(seed=0)
+        first = np.asarray(obs)
+        obs, *_ = env.step(0)
+        # the stack moves by one frame a step: the newest three frames before are the oldest three now
+        np.testing.assert_array_equal(np.asarray(obs)[:3], first[1:])
+    finally:
+        env.close()
+    assert EnvConfig.from_dict(EnvConfig(PONG, preprocessing="none").to_dict()) == EnvConfig(PONG, preprocessing="none")
+
+
+def test_an_unknown_preprocessing_is_refused_before_anything_starts_with_the_closest_name() -> None:
+    with pytest.raises(EnvError, match=r"preprocessing 'atary' is not one of .*did you mean 'atari'"):
+        EnvConfig(PONG, preprocessing="atary")
+    with pytest.raises(EnvError, match="preprocessing 'atary'"):
+        srl.Runner(EnvConfig(PONG, preprocessing="atary"), small_dqn())
+    # the same name read from a board is refused as a task no node can build (never imported, never a wrapper)
+    task = srl.Runner(MINATAR, small_dqn()).task_config()
+    task["env"]["preprocessing"] = "atary"
+    with pytest.raises(TaskConfigError, match="atary"):
+        build_task(json.dumps(task))
+    with pytest.raises(EnvError, match="frameskip=4 would skip again"):
+        EnvConfig(PONG, frameskip=4).make()
+
+
+class Recorder(Worker):
+    """Acts at random and keeps what ``observe`` was told."""
+
+    def __init__(self, n_actions: int) -> None:
+        self.rng = np.random.default_rng(0)
+        self.n_actions = n_actions
+        self.rewards: list[float] = []
+        self.terminated: list[bool] = []
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        return self.rng.integers(self.n_actions, size=len(obs))
+
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        self.rewards.append(float(reward[0]))
+        self.terminated.append(bool(terminated[0]))
+
+    def pending(self) -> int:
+        return 0
+
+    def take(self) -> None:
+        return None
+
+
+@pytest.mark.slow
+def test_a_training_worker_sees_clipped_rewards_and_lost_lives_while_episodes_count_full_games() -> None:
+    worker = Recorder(4)
+    with Rollout(EnvConfig(BREAKOUT), worker, num_envs=1, seed=3) as rollout:
+        episodes = []
+        while not episodes:
+            episodes = rollout.step()
+    rewards, ends = np.array(worker.rewards), np.array(worker.terminated)
+    assert set(np.unique(rewards)) <= {0.0, 1.0}
+    # Breakout has 5 lives: the worker saw 5 terminal steps in one game, the episode counts one
+    assert ends.sum() == 5 and ends[-1]
+    assert len(episodes) == 1 and episodes[0].length == len(rewards)
+    assert episodes[0].total_reward >= rewards.sum()  # unclipped (bricks of higher rows are worth 4 and 7)
+    # evaluating (training False) sees the env's own signal: one terminal step at game over
+    watcher = Recorder(4)
+    watcher.training = False
+    with Rollout(EnvConfig(BREAKOUT), watcher, num_envs=1, seed=3) as rollout:
+        while not rollout.step():
+            pass
+    assert sum(watcher.terminated) == 1
+
+
+# ------------------------------------------------------------------ encoders
+def test_encoders_are_chosen_from_the_observation() -> None:
+    pong, minatar, cartpole = (env_spec(EnvConfig(i)) for i in (PONG, MINATAR, "CartPole-v1"))
+    auto = EncoderConfig()
+    assert (auto.check(pong), auto.check(minatar), auto.check(cartpole)) == ("nature_cnn", "minatar_cnn", "mlp")
+    parameter = dqn.Config().make_parameter(pong, torch.device("cpu"))
+    weights = sum(p.numel() for p in parameter.q.parameters())
+    assert 1_650_000 < weights < 1_700_000  # the Nature CNN with a dueling head over Pong's 6 actions
+    q = parameter.q(torch.zeros((2, 4, 84, 84), dtype=torch.uint8))
+    assert q.shape == (2, 6)
+    ac = ppo.Config(encoder=EncoderConfig("impala_cnn")).make_parameter(minatar, torch.device("cpu"))
+    grids, actions = torch.zeros((3, 4, 10, 10), dtype=torch.bool), torch.zeros(3, dtype=torch.long)
+    logprob, entropy, value = ac.net.evaluate(grids, actions)
+    assert logprob.shape == entropy.shape == value.shape == (3,)
+    assert ac.net.obs_rms.mean.shape == (1,)  # no per-pixel statistics travel with image params
+    with pytest.raises(EncoderError, match="'mlp' takes vector observations"):
+        EncoderConfig("mlp").check(pong)
+    with pytest.raises(EncoderError, match="takes images"):
+        EncoderConfig("nature_cnn").check(cartpole)
+    with pytest.raises(EncoderError, match="36x36 and up"):
+        EncoderConfig("nature_cnn").check(minatar)
+    with pytest.raises(ValueError, match="did you mean 'nature_cnn'"):
+        EncoderConfig("natur_cnn").validate()
+
+
+def test_channels_last_images_are_moved_first_inside_the_network() -> None:
+    spec = EnvSpec("hwc", (10, 10, 4), env_spec(EnvConfig(MINATAR)).actions, obs_dtype="bool")
+    chw = EnvSpec("chw", (4, 10, 10), spec.actions, obs_dtype="bool")
+    torch.manual_seed(0)
+    a, _ = EncoderConfig("minatar_cnn").build(spec, dqn.Config().hidden_block)
+    torch.manual_seed(0)
+    b, _ = EncoderConfig("minatar_cnn").build(chw, dqn.Config().hidden_block)
+    grid = torch.rand((2, 4, 10, 10)) > 0.5
+    torch.testing.assert_close(a(grid.permute(0, 2, 3, 1)), b(grid))
+
+
+def test_a_module_encoder_is_imported_only_where_the_node_allows_it() -> None:
+    config = small_dqn(encoder=EncoderConfig("tests.test_pixels:tiny_encoder"))
+    task = srl.Runner(MINATAR, config).task_config()
+    with pytest.raises(TaskConfigError, match=r"import the module 'tests.test_pixels'.*--allow-env-modules"):
+        build_task(json.dumps(task), allow_modules=frozenset())
+    built = build_task(json.dumps(task), allow_modules=frozenset({"tests"}))
+    spec = env_spec(built.env_config)
+    parameter = built.rl_config.make_parameter(spec, torch.device("cpu"))
+    assert parameter.q(torch.zeros((1, 4, 10, 10), dtype=torch.bool)).shape == (1, 3)
+
+
+# ------------------------------------------------------------------ images on the wire and on disk
+def image_rows(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    frames = np.zeros((n, 4, 84, 84), np.uint8)
+    frames[:, :, 30:40, 20:30] = rng.integers(0, 256, (n, 4, 10, 10), dtype=np.uint8)  # mostly background
+    return {"obs": frames, "grid": rng.random((n, 4, 10, 10)) < 0.1, "version": np.zeros(n, np.int64)}
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_uint8_and_bool_columns_round_trip(compress: bool) -> None:
+    codec = Codec(compress=compress)
+    rows = image_rows(32)
+    schema = Schema({"obs": Column("uint8", (4, 84, 84), 0, 255), "grid": Column("bool", (4, 10, 10)),
+                     "version": Column("int64", (), 0)})
+    assert schema.has_images
+    blob = codec.encode_batch(BatchHeader("a", 0, 1, 0, 1, 32, 1.0), rows, None)
+    assert (blob[6] & FLAG_ZSTD != 0) == compress
+    if compress:
+        assert len(blob) < rows["obs"].nbytes / 5  # frames of background compress many times over
+    _, columns, _ = codec.decode_batch(blob, schema)
+    for name, column in rows.items():
+        assert columns[name].dtype == column.dtype
+        np.testing.assert_array_equal(columns[name], column)
+
+
+def test_a_uint8_value_beyond_its_declared_bound_is_refused() -> None:
+    codec = Codec()
+    rows = {"obs": np.full((2, 3), 7, np.uint8)}
+    blob = codec.encode_batch(BatchHeader("a", 0, 1, 0, 1, 2, 1.0), rows, None)
+    with pytest.raises(DecodeError, match="above its upper bound 3"):
+        codec.decode_batch(blob, Schema({"obs": Column("uint8", (3,), 0, 3)}))
+    with pytest.raises(DecodeError, match="dtype uint8, expected bool"):
+        codec.decode_batch(blob, Schema({"obs": Column("bool", (3,))}))
+
+
+def zstd_frame(payload: bytes, write_content_size: bool = True) -> bytes:
+    body = zstandard.ZstdCompressor(level=1, write_content_size=write_content_size).compress(payload)
+    return MAGIC + bytes([WIRE_VERSION, 1, FLAG_ZSTD]) + body
+
+
+def test_a_zstd_bomb_and_a_frame_of_unstated_size_are_refused_before_they_expand() -> None:
+    codec = Codec(max_bytes=1 << 20)
+    with pytest.raises(DecodeError, match=r"expands to 67108864 bytes, past max_bytes=1048576"):
+        codec.decode_batch(zstd_frame(bytes(64 << 20)))
+    with pytest.raises(DecodeError, match="does not state its size"):
+        codec.decode_batch(zstd_frame(bytes(100), write_content_size=False))
+    good = zstd_frame(bytes(100))
+    with pytest.raises(DecodeError, match="corrupt zstd payload"):
+        codec.decode_batch(good[:-4])
+    with pytest.raises(DecodeError, match="corrupt zstd payload"):
+        codec.decode_batch(good + b"trailing")
+    # a header that understates the size: libzstd refuses output past what the frame states
+    body = bytearray(zstandard.ZstdCompressor(level=1).compress(bytes(5000)))
+    descriptor = body[4]  # after the 4-byte magic: the size field's width, and whether a window byte follows
+    assert descriptor >> 6 == 1, "a 2-byte size field (stored as size - 256)"
+    size_at = 5 if descriptor & 0x20 else 6
+    body[size_at:size_at + 2] = (300 - 256).to_bytes(2, "little")
+    assert zstandard.frame_content_size(bytes(body)) == 300
+    with pytest.raises(DecodeError, match="corrupt zstd payload"):
+        codec.decode_batch(MAGIC + bytes([WIRE_VERSION, 1, FLAG_ZSTD]) + bytes(body))
+
+
+def test_cnn_weights_travel_through_the_codec_and_a_checkpoint(tmp_path: Path) -> None:
+    config = small_dqn()
+    runner = srl.Runner(PONG, config)
+    parameter = config.make_parameter(runner.spec, torch.device("cpu"))
+    arrays = parameter.to_arrays()
+    assert sum(a.size for a in arrays.values()) > 1_600_000
+    codec = Codec(secret="k", task="t")
+    _, back = codec.decode_params(codec.encode_params(arrays, {"version": 3}))
+    other = config.make_parameter(runner.spec, torch.device("cpu"))
+    other.from_arrays(back)
+    for name, array in other.to_arrays().items():
+        np.testing.assert_array_equal(array, arrays[name])
+    from srl.base.arrays import load_arrays, save_arrays
+    save_arrays(tmp_path / "w.safetensors", arrays, {"version": 3})
+    _, loaded = load_arrays(tmp_path / "w.safetensors")
+    assert loaded.keys() == arrays.keys() and all(np.array_equal(loaded[k], arrays[k]) for k in arrays)
+
+
+# ------------------------------------------------------------------ one process and distributed, per algorithm
+def minatar_configs() -> dict[str, object]:
+    return {
+        "dqn": small_dqn(env_steps_per_train=4.0, publish_every=20),
+        "ppo": ppo.Config(envs_per_actor=2, segment_length=16, epochs=1, minibatches=1, seed=1),
+        "impala": impala.Config(envs_per_actor=2, segment_length=8, batch_segments=2, buffer_segments=8, seed=1),
+    }
+
+
+@pytest.mark.parametrize("algorithm", ["dqn", "ppo", "impala"])
+def test_minatar_trains_in_one_process_and_evaluates(algorithm: str) -> None:
+    runner = srl.Runner(MINATAR, minatar_configs()[algorithm])  # type: ignore[arg-type]
+    runner.train(max_steps=400)
+    scores = runner.evaluate(max_episodes=2)
+    assert len(scores) == 2 and all(s >= 0 for s in scores)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["dqn", "ppo", "impala"])
+def test_a_short_distributed_minatar_run_ends_with_an_evaluation(
+    algorithm: str, redis_url: str, namespace: str
+) -> None:
+    runner = srl.Runner(MINATAR, minatar_configs()[algorithm])  # type: ignore[arg-type]
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_train_count=30,
+                              progress_interval=None, local_processes=True,
+                              actor_options={"batch_size": 64, "batch_max_age": 0.2})
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] > 0
+    assert runner.train_count >= 30
+    assert len(runner.evaluate(max_episodes=2)) == 2
+    board.delete_task()
