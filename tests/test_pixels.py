@@ -18,6 +18,7 @@ from srl.base.rl import Worker
 from srl.base.rollout import Rollout
 from srl.base.schema import Column, Schema
 from srl.rl.memories import MemoryConfig
+from srl.rl.memories.frames import stacks_of
 from srl.rl.networks import EncoderConfig, EncoderError
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
@@ -61,7 +62,8 @@ def test_images_keep_their_dtype_and_shape_and_vectors_stay_flat_float32() -> No
     assert (cartpole.obs_dtype, cartpole.obs_shape, cartpole.image) == ("float32", (4,), False)
     assert pong.obs_column() == Column("uint8", (4, 84, 84), 0, 255)
     assert minatar.obs_column(16) == Column("bool", (16, 4, 10, 10))
-    assert dqn.Config().schema(pong).columns["obs"].row_nbytes == 4 * 84 * 84  # one byte a pixel, not four
+    assert dqn.Config(store_frames_once=False).schema(pong).columns["obs"].row_nbytes == 4 * 84 * 84  # a byte a pixel
+    assert dqn.Config().schema(pong).columns["frame"].row_nbytes == 84 * 84  # and each frame once
 
 
 def test_the_atari_preprocessing_is_the_default_for_ale_ids_and_can_be_turned_off() -> None:
@@ -286,11 +288,11 @@ def test_minatar_trains_in_one_process_and_evaluates(algorithm: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["dqn", "ppo", "impala"])
-def test_a_short_distributed_minatar_run_ends_with_an_evaluation(
-    algorithm: str, redis_url: str, namespace: str
+@pytest.mark.parametrize(("algorithm", "env"), [("dqn", MINATAR), ("ppo", MINATAR), ("impala", MINATAR), ("dqn", PONG)])
+def test_a_short_distributed_pixel_run_ends_with_an_evaluation(
+    algorithm: str, env: str, redis_url: str, namespace: str
 ) -> None:
-    runner = srl.Runner(MINATAR, minatar_configs()[algorithm])  # type: ignore[arg-type]
+    runner = srl.Runner(env, minatar_configs()[algorithm])  # type: ignore[arg-type]
     runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_train_count=30,
                               progress_interval=None, local_processes=True,
                               actor_options={"batch_size": 64, "batch_max_age": 0.2})
@@ -302,3 +304,122 @@ def test_a_short_distributed_minatar_run_ends_with_an_evaluation(
     assert runner.train_count >= 30
     assert len(runner.evaluate(max_episodes=2)) == 2
     board.delete_task()
+
+
+# ------------------------------------------------------------------ frames once: the stacks the env produced
+class Tee(Worker):
+    """Acts with ``frames`` (a DQN worker on frame rows) and tells ``stacks`` (one on rows of stacks) the same
+    steps, so both describe one trajectory."""
+
+    def __init__(self, frames: dqn.DQNWorker, stacks: dqn.DQNWorker) -> None:
+        self.a, self.b = frames, stacks
+        self.num_envs = frames.num_envs
+
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        self.a.reset(env_ids, obs)
+        self.b.reset(env_ids, obs)
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        action = self.a.act(obs)
+        self.b._obs, self.b._action = obs, self.a._action
+        return action
+
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        self.a.observe(reward, next_obs, terminated, truncated)
+        self.b.observe(reward, next_obs, terminated, truncated)
+
+    def pending(self) -> int:
+        return self.a.pending()
+
+    def take(self) -> None:
+        return None
+
+
+def transition_set(obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
+                   discount: np.ndarray) -> list[tuple[bytes, bytes, int, float, float]]:
+    return sorted((o.tobytes(), n.tobytes(), int(a), round(float(r), 5), round(float(d), 5))
+                  for o, n, a, r, d in zip(obs, next_obs, action, reward, discount, strict=True))
+
+
+@pytest.mark.slow
+def test_frame_rows_and_the_frame_replay_give_back_exactly_the_stacks_the_env_produced() -> None:
+    # Breakout: a lost life is terminal for the worker while the stacks go on; a 300-frame limit truncates
+    # episodes; 3 envs autoreset on their own (same step); several takes split the streams
+    env = EnvConfig(BREAKOUT, max_episode_steps=300)
+    spec = env_spec(env)
+    assert spec.frame_stack == 4
+    frames_config = small_dqn(epsilon=1.0, envs_per_actor=3, memory=MemoryConfig(capacity=4000))  # prioritized
+    stacks_config = small_dqn(epsilon=1.0, envs_per_actor=3, store_frames_once=False)
+    assert frames_config.frame_rows(spec) and not stacks_config.frame_rows(spec)
+    a = frames_config.make_worker(spec, frames_config.make_parameter(spec, torch.device("cpu")), 0, 1, 5)
+    b = stacks_config.make_worker(spec, stacks_config.make_parameter(spec, torch.device("cpu")), 0, 1, 5)
+    memory = frames_config.make_buffer(spec)
+    schema = frames_config.schema(spec)
+    sent: list[dict[str, np.ndarray]] = []
+    ends = {"terminated": 0, "truncated": 0, "episodes": 0}
+    with Rollout(env, Tee(a, b), num_envs=3, seed=11) as rollout:
+        for step in range(700):
+            ends["episodes"] += len(rollout.step())
+            if step % 37 == 36 or step == 699:
+                rows = a.take()
+                if rows is not None:
+                    assert schema.problem(rows, a.initial_priorities(rows)) is None
+                    memory.add(rows, a.initial_priorities(rows))
+                    sent.append(rows)
+    assert ends["episodes"] >= 3  # truncations and game overs both happened in the run
+    expected = b.take()
+    assert expected is not None and (expected["discount"] == 0).any()  # lost lives (terminal steps) too
+    # the stacks the frame rows make, against the env's own stacks, frame by frame
+    got_obs, got_next, got = [], [], {k: [] for k in ("action", "reward", "discount")}
+    for rows in sent:
+        index, obs, next_obs = stacks_of(rows, 4)
+        got_obs.append(obs)
+        got_next.append(next_obs)
+        for name in got:
+            got[name].append(rows[name][index])
+    mine = transition_set(np.concatenate(got_obs), np.concatenate(got_next), *(np.concatenate(got[k]) for k in got))
+    theirs = transition_set(expected["obs"], expected["next_obs"], expected["action"], expected["reward"],
+                            expected["discount"])
+    assert mine == theirs
+    # the replay keeps each frame about once and rebuilds the same stacks when sampled
+    frames_sent = sum(len(rows["frame"]) for rows in sent)
+    assert len(memory) == len(expected["action"]) and frames_sent <= 1.5 * len(memory)
+    sample = memory.sample(4096)
+    drawn = transition_set(sample.batch["obs"], sample.batch["next_obs"], sample.batch["action"],
+                           sample.batch["reward"], sample.batch["discount"])
+    assert set(drawn) <= set(theirs) and len(set(drawn)) > len(theirs) // 2
+
+
+def test_frame_rows_that_refer_outside_their_batch_are_refused() -> None:
+    spec = env_spec(EnvConfig(PONG))
+    config = small_dqn(epsilon=1.0, envs_per_actor=2)
+    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    schema = config.schema(spec)
+    with Rollout(EnvConfig(PONG), worker, num_envs=2, seed=0) as rollout:
+        while worker.pending() < 20:
+            rollout.step()
+    rows = worker.take()
+    assert rows is not None and schema.problem(rows) is None
+    assert schema.counted(rows) == 20 < len(rows["frame"])
+
+    def broken(**changes: np.ndarray) -> str | None:
+        return schema.problem({**rows, **changes})
+
+    start = rows["stream_start"].copy()
+    start[0] = False
+    assert "begin a stream" in str(broken(stream_start=start))
+    last = np.flatnonzero(rows["transition"])[-1]
+    reach = last + rows["next_ahead"][last]  # the newest frame of the last transition's next observation
+    assert reach == len(rows["frame"]) - 1
+    cut = {name: column[:-1] for name, column in rows.items()}
+    assert "past the end of the batch" in str(schema.problem(cut))
+    for flag in ("stream_start", "first"):  # a stream or an episode that starts between a transition's stacks
+        split = rows[flag].copy()
+        split[reach] = True
+        assert "another stream or episode" in str(broken(**{flag: split}))
+    cut = {name: column[2:] for name, column in rows.items()}  # the first stack's older frames are gone
+    cut["stream_start"][0] = True
+    assert "reaches before" in str(schema.problem(cut))
+    ahead = rows["next_ahead"].copy()
+    ahead[np.flatnonzero(~rows["transition"])[0]] = 1
+    assert "without a transition" in str(broken(next_ahead=ahead))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import itertools
 import logging
 import math
@@ -53,6 +54,7 @@ from srl.base.rl import (
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
+from srl.rl.memories.frames import FrameMemory, FrameWriter, frame_row_columns, frame_rows_problem, stacks_of
 from srl.rl.networks import EncoderConfig
 
 logger = logging.getLogger("srl.dqn")
@@ -134,6 +136,9 @@ class Config(RLConfig):
     1,000 random-action steps of the env, as a power of sqrt(10), at most 1 (``probe_reward_scale``)"""
     action_bins: int = 5
     """values per dimension when a Box action space is binned"""
+    store_frames_once: bool = True
+    """for stacked frames (Atari's 4): send and keep each frame once, the transitions pointing at them, and
+    rebuild the stacks when sampling (``srl.rl.memories.frames``); False: every row carries its two stacks"""
     scale_obs: bool = False
     """map each observation dimension with finite bounds onto [-1, 1] before the network (e.g. MountainCar's
     velocity, within +-0.07, next to its position): a fixed map from the env's observation space, not running
@@ -206,21 +211,26 @@ class Config(RLConfig):
         return DataPath(rows="transitions", publish_every=self.publish_every,
                         env_steps_per_train=self.env_steps_per_train, warmup_rows=self.warmup_size)
 
+    def frame_rows(self, spec: EnvSpec) -> bool:
+        """Whether rows are frames (``store_frames_once`` and a stacked observation), not transitions."""
+        return self.store_frames_once and spec.frame_stack > 1
+
     def schema(self, spec: EnvSpec) -> Schema:
-        """n-step transitions; ``discount`` is gamma**k, 0 after a terminal step; ``action`` an index."""
+        """n-step transitions; ``discount`` is gamma**k, 0 after a terminal step; ``action`` an index. With
+        ``frame_rows``: a row per frame, the transition on the row of its observation's newest frame."""
         n_actions = action_count(spec, self.action_bins)
+        transition = {
+            "action": Column("int64", (), low=0, high=n_actions - 1),
+            "reward": Column("float32", (), low=-VALUE_BOUND, high=VALUE_BOUND),
+            "discount": Column("float32", (), low=0.0, high=1.0),
+            "version": Column("int64", (), low=0),
+        }
+        if self.frame_rows(spec):
+            columns = {**frame_row_columns(spec.obs_shape[1:], spec.obs_dtype, self.n_step), **transition}
+            return Schema(columns, priorities=True, counted_by="transition",
+                          check=functools.partial(frame_rows_problem, stack=spec.frame_stack))
         obs = spec.obs_column()
-        return Schema(
-            {
-                "obs": obs,
-                "action": Column("int64", (), low=0, high=n_actions - 1),
-                "reward": Column("float32", (), low=-VALUE_BOUND, high=VALUE_BOUND),
-                "next_obs": obs,
-                "discount": Column("float32", (), low=0.0, high=1.0),
-                "version": Column("int64", (), low=0),
-            },
-            priorities=True,
-        )
+        return Schema({"obs": obs, "next_obs": obs, **transition}, priorities=True)
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> DQNParameter:
         return DQNParameter(self, spec, device)
@@ -232,13 +242,25 @@ class Config(RLConfig):
         return DQNWorker(self, parameter, self.actor_epsilon(actor_index, actor_num), self.envs_per_actor, seed)
 
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Memory:
-        return self.memory.build(seed=self.seed, schema=self.schema(spec))
+        if not self.frame_rows(spec):
+            return self.memory.build(seed=self.seed, schema=self.schema(spec))
+        stack = spec.frame_stack
+        refs = Column("int64", (stack,), low=0)
+        transitions = Schema({"obs_frames": refs, "next_frames": refs,
+                              **{k: c for k, c in self.schema(spec).columns.items()
+                                 if k in ("action", "reward", "discount", "version")}}, priorities=True)
+        capacity = self.memory.capacity
+        # a batch sends the frames its first stacks reach back to again: room for 1/16 more frames
+        return FrameMemory(self.memory.build(seed=self.seed, schema=transitions), stack, spec.obs_shape[1:],
+                           spec.obs_dtype, capacity + capacity // 16 + FRAME_RING_SLACK)
 
     def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> DQNLearner:
         assert isinstance(parameter, DQNParameter) and isinstance(buffer, Memory)
         return DQNLearner(self, parameter, buffer)
 
 
+FRAME_RING_SLACK = 4096
+"""frames the ring holds beyond ``capacity * 17 / 16`` (a small memory's batches reach back as far)"""
 REWARD_PROBE_STEPS = 1000
 """random-action env steps ``probe_reward_scale`` looks at"""
 
@@ -344,6 +366,8 @@ class DQNParameter(Parameter):
         self.actions = action_table(spec, config.action_bins)
         affine = spec.obs_affine() if config.scale_obs and not spec.image else None
         self.obs_dtype = spec.obs_dtype
+        self.frame_stack = spec.frame_stack if config.frame_rows(spec) else 0
+        """frames each observation stacks when rows are frames (0: rows are transitions)"""
         self.q = QNetwork(config, spec, self.n_actions, affine).to(device)
         self.average_tau = config.greedy_average(spec)
         """how far the greedy average moves towards the online weights after each step (0: no average)"""
@@ -423,10 +447,17 @@ class DQNWorker(Worker):
         self._gammas = config.gamma ** np.arange(config.n_step + 1)
         self._obs: np.ndarray | None = None
         self._action = np.zeros(num_envs, dtype=np.int64)
+        self.frames: FrameWriter | None = None
+        """with frame rows: each env's stream of frames (a window's obs is then its newest frame's index)"""
+        if parameter.frame_stack:
+            self.frames = FrameWriter(num_envs, parameter.frame_stack, config.n_step)
+        self._newest = np.zeros(num_envs, dtype=np.int64)
 
     def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
-        for i in env_ids:
+        for k, i in enumerate(env_ids):
             self._windows[i].clear()
+            if self.frames is not None and self.training:
+                self._newest[i] = self.frames.start(int(i), obs[k])
 
     def act(self, obs: np.ndarray) -> np.ndarray:
         net = self.parameter.q if self.training else self.parameter.greedy_q
@@ -447,32 +478,44 @@ class DQNWorker(Worker):
             return
         version = self.parameter.version
         scale = self.reward_scale
+        frames = self.frames
         for i, window in enumerate(self._windows):
-            window.append((self._obs[i], int(self._action[i]), float(reward[i]) * scale, version))
+            obs: Any = self._obs[i]
+            nxt: Any = next_obs[i]
+            if frames is not None:  # the window keeps frame indices; the writer keeps the frames
+                obs, nxt = self._newest[i], frames.step(i, self._obs[i], next_obs[i])
+                self._newest[i] = nxt
+            window.append((obs, int(self._action[i]), float(reward[i]) * scale, version))
             bootstrap = not terminated[i]
             if len(window) == self.config.n_step:
-                self._emit(window, next_obs[i], bootstrap)
+                self._emit(i, window, nxt, bootstrap)
             if terminated[i] or truncated[i]:
                 while window:
-                    self._emit(window, next_obs[i], bootstrap)
+                    self._emit(i, window, nxt, bootstrap)
 
-    def _emit(self, window: deque[tuple[np.ndarray, int, float, int]], next_obs: np.ndarray, bootstrap: bool) -> None:
+    def _emit(self, env: int, window: deque[tuple[Any, int, float, int]], next_obs: Any, bootstrap: bool) -> None:
         """The oldest step of the window becomes one transition; it leaves the window."""
         k = len(window)
         ret = float(sum(self._gammas[i] * window[i][2] for i in range(k)))
         obs, action, _, version = window.popleft()
+        discount = float(self._gammas[k]) if bootstrap else 0.0
+        if self.frames is not None:
+            self.frames.transition(env, int(obs), int(next_obs), action, ret, discount, version)
+            return
         rows = self._rows
         rows["obs"].append(obs)
         rows["action"].append(action)
         rows["reward"].append(ret)
         rows["next_obs"].append(next_obs)
-        rows["discount"].append(self._gammas[k] if bootstrap else 0.0)
+        rows["discount"].append(discount)
         rows["version"].append(version)
 
     def pending(self) -> int:
-        return len(self._rows["action"])
+        return len(self._rows["action"]) if self.frames is None else self.frames.pending()
 
     def take(self) -> Columns | None:
+        if self.frames is not None:
+            return self.frames.take()
         if not self._rows["action"]:
             return None
         rows = self._rows
@@ -491,6 +534,12 @@ class DQNWorker(Worker):
     def initial_priorities(self, columns: Columns) -> np.ndarray:
         """|TD error| with this worker's weights (its copy stands in for the target network)."""
         device = self.parameter.device
+        rows: np.ndarray | None = None
+        total = len(columns["action"])
+        if self.frames is not None:  # the stacks the frame rows make, for their transition rows
+            rows, obs_stacks, next_stacks = stacks_of(columns, self.frames.stack)
+            columns = {"obs": obs_stacks, "next_obs": next_stacks,
+                       **{name: columns[name][rows] for name in ("action", "reward", "discount")}}
         with torch.inference_mode():
             obs = to_device(columns["obs"], device)
             next_obs = to_device(columns["next_obs"], device)
@@ -502,7 +551,12 @@ class DQNWorker(Worker):
                 q_next, q_next, to_device(columns["reward"], device),
                 to_device(columns["discount"], device), self.config.double_q, self.config.value_rescale,
             )
-            return (target - q_sa).abs().cpu().numpy().astype(np.float32)
+            td = (target - q_sa).abs().cpu().numpy().astype(np.float32)
+        if rows is None:
+            return td
+        priorities = np.zeros(total, np.float32)  # a row without a transition has nothing to prioritize
+        priorities[rows] = td
+        return priorities
 
     def stats(self) -> dict[str, float]:
         return {"epsilon": self.epsilon}

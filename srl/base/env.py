@@ -26,6 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from srl.base.preprocessing import (
+    ATARI_FRAMES,
     PreprocessingError,
     TrainingSignal,
     atari_make_kwargs,
@@ -117,6 +118,10 @@ class EnvConfig:
             return resolve_preprocessing(self.id, self.preprocessing)
         except PreprocessingError as e:
             raise EnvError(str(e)) from None
+
+    def frame_stack(self) -> int:
+        """Frames this env's observations stack on their first axis (1: none)."""
+        return ATARI_FRAMES if self.resolved_preprocessing() == "atari" else 1
 
     def training_signal(self) -> TrainingSignal:
         """What a training worker sees instead of the env's rewards and episode ends (clipped, cut at a
@@ -240,6 +245,9 @@ class EnvSpec:
     """its upper bounds"""
     obs_dtype: str = "float32"
     """"float32" for vectors; an image's own dtype ("uint8", "bool")"""
+    frame_stack: int = 1
+    """frames an image observation stacks on its first axis (4 under the atari preprocessing): each step's
+    stack is the one before moved by a frame, so a frame can be sent and stored once"""
 
     @property
     def image(self) -> bool:
@@ -283,8 +291,9 @@ class EnvSpec:
         return EnvError(f"{algorithm} cannot use the action space {self.actions} of {self.env_id!r}: it takes {takes}")
 
 
-def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
-    """Describe ``env``'s spaces; EnvError for a space srl cannot flatten or act in."""
+def make_spec(env: gym.Env, env_id: str, frame_stack: int = 1) -> EnvSpec:
+    """Describe ``env``'s spaces; EnvError for a space srl cannot flatten or act in. ``frame_stack``: the
+    frames its image observations stack (``EnvConfig.frame_stack``)."""
     obs_space, act_space = env.observation_space, env.action_space
     onehot = 0
     obs_low = obs_high = None
@@ -323,7 +332,8 @@ def make_spec(env: gym.Env, env_id: str) -> EnvSpec:
         raise EnvError(
             f"srl cannot use the action space {act_space} of {env_id!r}: it takes Discrete, Box or MultiDiscrete"
         )
-    return EnvSpec(env_id, obs_shape, actions, onehot, obs_low, obs_high, obs_dtype)
+    stacked = obs_dtype != "float32" and len(obs_shape) == 3 and obs_shape[0] == frame_stack
+    return EnvSpec(env_id, obs_shape, actions, onehot, obs_low, obs_high, obs_dtype, frame_stack if stacked else 1)
 
 
 class ObsTransform:
@@ -360,6 +370,6 @@ def env_spec(config: EnvConfig, allow_modules: Collection[str] | None = None) ->
     """Build ``config``'s env once to read its spaces."""
     env = config.make(allow_modules=allow_modules)
     try:
-        return make_spec(env, config.id)
+        return make_spec(env, config.id, config.frame_stack())
     finally:
         env.close()

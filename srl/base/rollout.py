@@ -89,6 +89,7 @@ class Rollout:
             self.spec: EnvSpec = make_spec(
                 _Spaces(self.envs.single_observation_space, self.envs.single_action_space),  # type: ignore[arg-type]
                 env_config.id,
+                env_config.frame_stack(),
             )
             self.transform = ObsTransform(self.spec)
             self.signal = env_config.training_signal()

@@ -10,7 +10,7 @@ Must never: trust a batch's own description of itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +49,12 @@ class Schema:
     columns: Mapping[str, Column]
     priorities: bool = False
     """batches may carry one initial priority (|TD error| >= 0) per row"""
+    counted_by: str | None = None
+    """a bool column: only its true rows count as rows received (frame rows: the transitions among them);
+    None: every row counts"""
+    check: Callable[[Mapping[str, np.ndarray]], str | None] | None = field(default=None, compare=False)
+    """a check of the rows as a whole after the columns passed theirs (frame rows: every reference inside
+    the batch); the reason they do not hold, or None"""
     names: tuple[str, ...] = field(init=False)
     _dtypes: Mapping[str, np.dtype] = field(init=False, repr=False, compare=False)
 
@@ -62,6 +68,12 @@ class Schema:
     def row_nbytes(self) -> int:
         """Bytes one row takes (priorities included when declared)."""
         return sum(c.row_nbytes for c in self.columns.values()) + (4 if self.priorities else 0)
+
+    def counted(self, columns: Mapping[str, np.ndarray]) -> int:
+        """How many of these rows count as rows received (see ``counted_by``)."""
+        if self.counted_by is None:
+            return len(next(iter(columns.values())))
+        return int(np.count_nonzero(columns[self.counted_by]))
 
     @property
     def has_images(self) -> bool:
@@ -118,4 +130,6 @@ class Schema:
             # a NaN or +inf makes the max non-finite; the min catches what is below zero (-inf too)
             if count and not (math.isfinite(priorities.max()) and priorities.min() >= 0):
                 return "priorities must be finite and >= 0"
+        if self.check is not None:
+            return self.check(columns)
         return None

@@ -107,7 +107,10 @@ class ProportionalMemory(Memory):
             beta = self._beta_at(self._sample_calls)
             self._sample_calls += 1
         # w_i / max_k w_k = (N P_i)^-beta / (N P_min)^-beta = (p_min / p_i)^beta: N and the total cancel.
-        weights = (priorities.min() / priorities) ** beta
+        # A forgotten slot (priority 0) is drawn only by the round-off clamp above; the caller drops it.
+        live = priorities > 0
+        p_min = priorities[live].min() if live.any() else 1.0
+        weights = np.where(live, p_min / np.where(live, priorities, 1.0), 1.0) ** beta
         return Sample(batch, indices, weights.astype(np.float32), generations)
 
     def update_priorities(
@@ -141,6 +144,12 @@ class ProportionalMemory(Memory):
             self._tree.set(indices, stored)
             if stored.size:
                 self._max_priority = max(self._max_priority, float(stored.max()))
+
+    def forget(self, indices: np.ndarray, generations: np.ndarray) -> None:
+        """Never sample these slots again (until they are written anew): their priority becomes 0."""
+        with self._lock:
+            current = self._ring.generations[indices] == generations
+            self._tree.set(indices[current], np.zeros(int(current.sum())))
 
     def __len__(self) -> int:
         return self._ring.size

@@ -86,6 +86,10 @@ class Memory(Buffer):
         that is gone.
         """
 
+    def forget(self, indices: np.ndarray, generations: np.ndarray) -> None:
+        """Stop sampling these slots where the memory can (a prioritized one); a uniform memory cannot, and its
+        caller draws again instead."""
+
     @abstractmethod
     def __len__(self) -> int:
         """Rows currently stored: ``min(total_added, capacity)``."""

@@ -98,7 +98,8 @@ class ActorRun:
         self.parameter: Parameter = config.make_parameter(self.spec, config.resolve_device())
         self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
         self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
-        compress = options.compress if options.compress is not None else config.schema(self.spec).has_images
+        self.schema = config.schema(self.spec)
+        compress = options.compress if options.compress is not None else self.schema.has_images
         self.codec = options.codec(board.task_name, compress=compress,
                                    max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
         self.max_rows = max_message_rows(task)
@@ -410,7 +411,7 @@ class ActorRun:
             self.seq += 1
             self.sent_batches += 1
             self._put([blob])
-            self.in_flight.sent(1, count)
+            self.in_flight.sent(1, self.schema.counted(chunk_cols))
 
     def _put(self, payloads: list[bytes]) -> None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is

@@ -888,7 +888,8 @@ def progress_lines(
             if trainer.waiting_for and not ended else ""
         lines.append(
             f"  trainer {holder or trainer.uid or '?'} (epoch {trainer.epoch}, {trainer.device or '?'}): "
-            f"{trainer.train_per_s} train/s, buffer {trainer.memory}, ingest {trainer.received_per_s} rows/s, "
+            f"{trainer.train_per_s} train/s, buffer {trainer.memory}{_buffer_size(trainer)}, "
+            f"ingest {trainer.received_per_s} rows/s, "
             f"loss {_g(trainer.loss) if trainer.loss is not None else '-'}, params v{trainer.params_version}"
             f"{lag}{waiting}"
         )
@@ -1001,6 +1002,14 @@ def _queue_depth(queue_params: Any, redis_params: RedisParameters) -> int | None
     except Exception as e:  # the summary goes on without it
         logger.debug("could not read the queue's depth: %s", e)
         return None
+
+
+def _buffer_size(trainer: TrainerStats) -> str:
+    """`` (1.2 GiB, 7,590 B/row)``: what the trainer's buffer reserved, when it said."""
+    if not trainer.memory_bytes:
+        return ""
+    per_row = f", {trainer.memory_bytes // trainer.memory_capacity:,} B/row" if trainer.memory_capacity else ""
+    return f" ({trainer.memory_bytes / 2**30:.2f} GiB{per_row})"
 
 
 def _g(value: Any) -> str:

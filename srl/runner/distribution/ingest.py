@@ -405,9 +405,11 @@ class Ingest:
             if keep is not None:
                 columns = {name: column[keep] for name, column in columns.items()}
                 priorities = None if priorities is None else priorities[keep]
-            gate.lag.note(columns["version"], gate.version)
-            kept = len(columns["version"])
-            if kept:
+            counted_by = self.schema.counted_by  # frame rows: only transition rows carry a version
+            gate.lag.note(columns["version"] if counted_by is None else columns["version"][columns[counted_by]],
+                          gate.version)
+            kept = self.schema.counted(columns)  # frame rows: the transitions among them
+            if len(columns["version"]):
                 self._add_when_room(columns, priorities)
                 senders = []  # who delivered rows of this version (the sync wait)
                 start = 0

@@ -138,6 +138,10 @@ class TrainerStats(NodeStats):
     """rows received per second since the previous heartbeat"""
     memory: int = 0
     """rows in its buffer (replay memory)"""
+    memory_bytes: int = 0
+    """bytes its buffer's storage takes, all reserved when it started"""
+    memory_capacity: int = 0
+    """rows its buffer holds when full (memory_bytes / memory_capacity: bytes per stored transition)"""
     received_batches: int = 0
     """batches received by this run"""
     bad_messages: int = 0

@@ -146,9 +146,12 @@ class TrainerRun:
 
     def _check_memory_fits(self, needed: int) -> None:
         limit = self.options.max_buffer_bytes or int(0.75 * machine_memory_bytes())
+        rows = buffer_capacity(self.buffer)
+        per_row = f"{needed // rows:,} bytes per stored row" if rows else f"{self.schema.row_nbytes} bytes per row"
+        logger.info("buffer: %s rows reserved in %.2f GiB (%s)", f"{rows:,}" if rows else "?", needed / 2**30, per_row)
         if limit and needed > limit:
             raise MemoryError(
-                f"the task's buffer needs {needed / 2**30:.2f} GiB ({self.schema.row_nbytes} bytes per row); this "
+                f"the task's buffer needs {needed / 2**30:.2f} GiB ({per_row}); this "
                 f"trainer allows {limit / 2**30:.2f} GiB (--max-buffer-bytes); make the buffer smaller "
                 "(e.g. memory.capacity)"
             )
@@ -213,6 +216,8 @@ class TrainerRun:
             train_per_s=round(train_per_s, 1),
             received_per_s=round(received_per_s, 1),
             memory=len(self.buffer),
+            memory_bytes=self.buffer.nbytes,
+            memory_capacity=buffer_capacity(self.buffer),
             received_batches=ingest.received_batches,
             bad_messages=ingest.bad_messages,
             duplicates=ingest.duplicates,
@@ -443,6 +448,12 @@ class TrainerRun:
         ingest = self.ingest
         return (f"epoch {self.epoch}, train_count {self.learner.train_count}, received {ingest.received_batches} "
                 f"batches, {ingest.bad_messages} bad, {ingest.duplicates} duplicates, {ingest.stale_rows} stale rows")
+
+
+def buffer_capacity(buffer: Buffer) -> int:
+    """The rows ``buffer`` holds when full (0: not said)."""
+    capacity = getattr(buffer, "capacity", 0)
+    return capacity if isinstance(capacity, int) else 0
 
 
 def trainer_run_forever(
