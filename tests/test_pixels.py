@@ -17,6 +17,7 @@ from srl.base.env import EnvConfig, EnvError, EnvSpec, env_spec
 from srl.base.rl import Worker
 from srl.base.rollout import Rollout
 from srl.base.schema import Column, Schema
+from srl.rl.actor_critic import segment_observations
 from srl.rl.memories import MemoryConfig
 from srl.rl.memories.frames import stacks_of
 from srl.rl.networks import EncoderConfig, EncoderError
@@ -288,7 +289,8 @@ def test_minatar_trains_in_one_process_and_evaluates(algorithm: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algorithm", "env"), [("dqn", MINATAR), ("ppo", MINATAR), ("impala", MINATAR), ("dqn", PONG)])
+@pytest.mark.parametrize(("algorithm", "env"), [("dqn", MINATAR), ("ppo", MINATAR), ("impala", MINATAR), ("dqn", PONG),
+                                              ("impala", PONG)])
 def test_a_short_distributed_pixel_run_ends_with_an_evaluation(
     algorithm: str, env: str, redis_url: str, namespace: str
 ) -> None:
@@ -423,3 +425,59 @@ def test_frame_rows_that_refer_outside_their_batch_are_refused() -> None:
     ahead = rows["next_ahead"].copy()
     ahead[np.flatnonzero(~rows["transition"])[0]] = 1
     assert "without a transition" in str(broken(next_ahead=ahead))
+
+
+class Recording(Worker):
+    """Forwards to ``worker`` and keeps every observation it acted on and every next observation."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.num_envs = worker.num_envs
+        self.acted: list[np.ndarray] = []
+        self.next: list[np.ndarray] = []
+
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        self.worker.reset(env_ids, obs)
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        self.acted.append(obs.copy())
+        return self.worker.act(obs)
+
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        self.next.append(next_obs.copy())
+        self.worker.observe(reward, next_obs, terminated, truncated)
+
+    def pending(self) -> int:
+        return self.worker.pending()
+
+    def take(self) -> None:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ppo", "impala"])
+def test_segments_carry_t_plus_4_frames_and_give_back_the_env_s_stacks(algorithm: str) -> None:
+    env = EnvConfig(BREAKOUT, max_episode_steps=200)
+    spec = env_spec(env)
+    config: ppo.Config | impala.Config = (ppo.Config(envs_per_actor=3, segment_length=16) if algorithm == "ppo"
+                                          else impala.Config(envs_per_actor=3, segment_length=16))
+    schema = config.schema(spec)
+    assert schema.columns["frames"].shape == (16 + 4, 84, 84) and "obs" not in schema.columns
+    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    recording = Recording(worker)
+    episodes = 0
+    with Rollout(env, recording, num_envs=3, seed=2) as rollout:
+        for _ in range(16 * 12):
+            episodes += len(rollout.step())
+    assert episodes >= 3  # resets inside segments, truncations and game overs among them
+    segments = worker.take()
+    assert segments is not None and schema.problem(segments) is None
+    obs, last_obs = segment_observations(segments, 4)
+    acted, after = np.stack(recording.acted), np.stack(recording.next)  # (steps, envs, 4, 84, 84)
+    # segments come segment by segment (12 of them), env by env within one
+    for k in range(12):
+        for env_index in range(3):
+            row = k * 3 + env_index
+            np.testing.assert_array_equal(obs[row], acted[k * 16:(k + 1) * 16, env_index])
+            np.testing.assert_array_equal(last_obs[row], after[(k + 1) * 16 - 1, env_index])
+    assert segments["first"][:, 4:].any()  # episodes started inside segments

@@ -36,7 +36,15 @@ from srl.base.rl import (
     TrainStats,
 )
 from srl.base.schema import Schema
-from srl.rl.actor_critic import ActorCriticParameter, LinearAnneal, SegmentWorker, check_actions, segment_schema
+from srl.rl.actor_critic import (
+    ActorCriticParameter,
+    LinearAnneal,
+    SegmentWorker,
+    check_actions,
+    segment_frames,
+    segment_observations,
+    segment_schema,
+)
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
@@ -55,6 +63,8 @@ class Config(RLConfig):
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors
     and a CNN both heads share for images ("impala_cnn": the paper's residual network)"""
+    store_frames_once: bool = True
+    """for stacked frames (Atari's 4): a segment carries T + 4 frames, not 4 per step and 4 for last_obs"""
     normalize_obs: bool | None = False
     """normalize observations by running statistics (updated by the learner, published with the params)"""
     segment_length: int = 16
@@ -115,7 +125,7 @@ class Config(RLConfig):
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag)
 
     def schema(self, spec: EnvSpec) -> Schema:
-        return segment_schema(spec, self.segment_length)
+        return segment_schema(spec, self.segment_length, segment_frames(self, spec))
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
         return ActorCriticParameter(self, spec, device)
@@ -208,7 +218,8 @@ class IMPALALearner(Learner):
         frac = self.anneal.advance(n * horizon, self.train_count)
         lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
-        obs = to_device(segments["obs"].reshape(n * horizon, *segments["obs"].shape[2:]), dev)
+        observations, last_obs = segment_observations(segments, self.parameter.frames)
+        obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
         action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
         logprob, entropy, value = net.evaluate(obs, action)
         logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
@@ -216,7 +227,7 @@ class IMPALALearner(Learner):
         rewards = to_device(segments["reward"], dev)
         discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
         with torch.no_grad():
-            bootstrap = net.value(to_device(segments["last_obs"], dev))
+            bootstrap = net.value(to_device(last_obs, dev))
             log_rhos = logprob.detach() - behaviour
             vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap,
                                     config.rho_bar, config.c_bar, config.vtrace_lambda)

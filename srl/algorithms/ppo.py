@@ -53,6 +53,8 @@ from srl.rl.actor_critic import (
     RunningMeanStd,
     SegmentWorker,
     check_actions,
+    segment_frames,
+    segment_observations,
     segment_schema,
 )
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
@@ -116,6 +118,8 @@ class Config(RLConfig):
     """normalize advantages per minibatch"""
     target_kl: float | None = None
     """stop an update's epochs early once the approximate KL exceeds this (None: never)"""
+    store_frames_once: bool = True
+    """for stacked frames (Atari's 4): a segment carries T + 4 frames, not 4 per step and 4 for last_obs"""
     normalize_obs: bool | None = None
     """normalize observations by running mean and std (preset: off Discrete, on Box); the statistics
     travel with the params, so actors normalize as the trainer does"""
@@ -171,7 +175,7 @@ class Config(RLConfig):
 
     def schema(self, spec: EnvSpec) -> Schema:
         """One row per segment of T steps of one env (``srl.rl.actor_critic.segment_schema``)."""
-        return segment_schema(spec, int(self.resolved(spec).segment_length or 1))
+        return segment_schema(spec, int(self.resolved(spec).segment_length or 1), segment_frames(self, spec))
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
         return ActorCriticParameter(self.resolved(spec), spec, device)
@@ -298,9 +302,10 @@ class PPOLearner(Learner):
         if config.normalize_reward:
             reward = self._scale_rewards(reward, segments["done"])
         values = segments["value"]
-        obs = to_device(segments["obs"].reshape(n * horizon, *segments["obs"].shape[2:]), dev)
+        observations, last_obs = segment_observations(segments, self.parameter.frames)
+        obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
         with torch.no_grad():
-            last_value = net.value(to_device(segments["last_obs"], dev)).cpu().numpy()
+            last_value = net.value(to_device(last_obs, dev)).cpu().numpy()
             if not config.sync:  # acted with older params: the current critic's values, not the actor's
                 values = net.value(obs).cpu().numpy().reshape(n, horizon).astype(np.float32)
         advantages, returns = gae(reward, values, segments["done"], last_value,

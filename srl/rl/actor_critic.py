@@ -16,6 +16,12 @@ behaviour policy's), ``value`` (the behaviour critic's), ``reward``, ``done``
 step, to bootstrap from) and ``version``. A time limit is not a failure: the
 worker adds γ·V(final obs) to the last reward of a truncated episode (as SB3
 does) and marks it done.
+
+Stacked frames (Atari's 4) go once: instead of ``obs`` and ``last_obs`` a
+segment carries ``frames`` (T + S: the S frames of its first observation's
+stack, then the newest frame of each later one and of ``last_obs``) and
+``first`` (which of them start an episode: a reset stack is copies of its
+frame); ``segment_observations`` rebuilds the stacks for the learner.
 """
 
 from __future__ import annotations
@@ -52,11 +58,44 @@ class ActorCriticSettings(Protocol):
     hidden_block: MLPBlockConfig
     encoder: EncoderConfig
     normalize_obs: bool | None
+    store_frames_once: bool
 
 
-def segment_schema(spec: EnvSpec, horizon: int) -> Schema:
-    """Columns of a segment of ``horizon`` steps of one env (see the module docstring)."""
-    obs = spec.obs_column(horizon)
+def segment_frames(config: ActorCriticSettings, spec: EnvSpec) -> int:
+    """Frames a stacked observation holds when segments carry each frame once (0: they carry stacks)."""
+    return spec.frame_stack if config.store_frames_once and spec.frame_stack > 1 else 0
+
+
+def segment_schema(spec: EnvSpec, horizon: int, frames: int = 0) -> Schema:
+    """Columns of a segment of ``horizon`` steps of one env (see the module docstring); ``frames``: the stack
+    size when each frame goes once (``segment_frames``)."""
+    if frames:
+        low, high = spec.obs_bounds
+        observations = {"frames": Column(spec.obs_dtype, (horizon + frames, *spec.obs_shape[1:]), low, high),
+                        "first": Column("bool", (horizon + frames,))}
+    else:
+        observations = {"obs": spec.obs_column(horizon), "last_obs": spec.obs_column()}
+    return _segment_schema(spec, horizon, observations)
+
+
+def segment_observations(segments: Mapping[str, np.ndarray], frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(obs, last_obs)`` of segments, ``(n, T, *obs)`` and ``(n, *obs)``: the columns, or the stacks rebuilt
+    from ``frames`` and ``first``."""
+    if not frames:
+        return segments["obs"], segments["last_obs"]
+    first = segments["first"].copy()
+    first[:, : frames - 1] = False  # the first stack's older frames are context, never an episode's start
+    n, length = first.shape
+    index = np.arange(length, dtype=np.int64)
+    last_first = np.maximum.accumulate(np.where(first, index, -1), axis=1)  # (n, T + S)
+    newest = index[frames - 1 :]  # the newest frame of obs_0 .. obs_T
+    oldest = newest[None, :, None] - (frames - 1) + np.arange(frames)[None, None, :]  # (1, T + 1, S)
+    sources = np.maximum(oldest, last_first[:, frames - 1 :, None])  # padded with an episode's first frame
+    stacks = segments["frames"][np.arange(n)[:, None, None], sources]  # (n, T + 1, S, H, W)
+    return stacks[:, :-1], stacks[:, -1]
+
+
+def _segment_schema(spec: EnvSpec, horizon: int, observations: dict[str, Column]) -> Schema:
     actions = spec.actions
     if isinstance(actions, DiscreteActions):
         action = Column("int64", (horizon,), low=0, high=actions.n - 1)
@@ -65,13 +104,12 @@ def segment_schema(spec: EnvSpec, horizon: int) -> Schema:
     else:
         action = Column("float32", (horizon, *actions.shape), low=-VALUE_BOUND, high=VALUE_BOUND)
     return Schema({
-        "obs": obs,
+        **observations,
         "action": action,
         "logprob": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "value": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "reward": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "done": Column("bool", (horizon,)),
-        "last_obs": spec.obs_column(),
         "version": Column("int64", (), low=0),
     })
 
@@ -227,6 +265,8 @@ class ActorCriticParameter(Parameter):
     def __init__(self, config: ActorCriticSettings, spec: EnvSpec, device: torch.device) -> None:
         self.device = device
         self.spec = spec
+        self.frames = segment_frames(config, spec)
+        """the stack size when segments carry each frame once (0: they carry stacks)"""
         self.net = ActorCritic(config, spec).to(device)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -234,6 +274,17 @@ class ActorCriticParameter(Parameter):
 
     def from_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         torch_from_arrays({"net": self.net}, arrays)
+
+
+def check_slides(before: np.ndarray, after: np.ndarray, starting: np.ndarray) -> None:
+    """Each env's stack ``after`` is ``before`` moved by one frame, or (``starting``) copies of one frame."""
+    going = ~starting
+    if going.any() and not np.array_equal(after[going, :-1], before[going, 1:]):
+        raise RuntimeError("segments of frames need stacks that slide by one frame a step; this env's do not "
+                           "(set store_frames_once=False)")
+    if starting.any() and not (after[starting] == after[starting, -1:]).all():
+        raise RuntimeError("segments of frames need an episode's first stack to be copies of its reset frame "
+                           "(gymnasium's FrameStackObservation with padding_type='reset')")
 
 
 class SegmentWorker(Worker):
@@ -251,7 +302,14 @@ class SegmentWorker(Worker):
         spec = parameter.spec
         act = spec.actions
         act_dtype = np.float32 if isinstance(act, BoxActions) else np.int64
-        self._obs = np.zeros((self.T, num_envs, *spec.obs_shape), spec.obs_dtype)
+        self.frames = parameter.frames
+        if self.frames:  # each frame once: the first stack's frames, then the newest of each observation
+            self._frames = np.zeros((self.T + self.frames, num_envs, *spec.obs_shape[1:]), spec.obs_dtype)
+            self._first = np.zeros((self.T + self.frames, num_envs), bool)
+            self._starting = np.zeros(num_envs, bool)  # an episode starts at the next observation
+            self._last: np.ndarray | None = None  # the observations acted on last, to check the stacks slide
+        else:
+            self._obs = np.zeros((self.T, num_envs, *spec.obs_shape), spec.obs_dtype)
         self._action = np.zeros((self.T, num_envs, *act.shape), act_dtype)
         self._logprob = np.zeros((self.T, num_envs), np.float32)
         self._value = np.zeros((self.T, num_envs), np.float32)
@@ -299,7 +357,11 @@ class SegmentWorker(Worker):
             if self._t == 0:
                 self._version = self.parameter.version
             t = self._t
-            self._obs[t], self._action[t] = obs, action
+            if self.frames:
+                self._keep_frames(t, obs)
+            else:
+                self._obs[t] = obs
+            self._action[t] = action
             self._logprob[t], self._value[t] = logprob.cpu().numpy(), value.cpu().numpy()
         if self._low is not None and self._high is not None:  # the env gets it clipped; the row keeps the sample
             return np.clip(action, self._low, self._high).astype(np.float32)
@@ -319,16 +381,38 @@ class SegmentWorker(Worker):
         self._t += 1
         if self._t == self.T:
             self._t = 0
+            if self.frames:
+                assert self._last is not None
+                check_slides(self._last, next_obs, np.zeros(self.num_envs, bool))
+                self._frames[-1], self._first[-1] = next_obs[:, -1], False
+                observations = {"frames": self._frames.swapaxes(0, 1).copy(), "first": self._first.T.copy()}
+            else:
+                observations = {"obs": self._obs.swapaxes(0, 1).copy(),
+                                "last_obs": np.array(next_obs, dtype=self._obs.dtype)}
             self._ready.append({
-                "obs": self._obs.swapaxes(0, 1).copy(),
+                **observations,
                 "action": self._action.swapaxes(0, 1).copy(),
                 "logprob": self._logprob.T.copy(),
                 "value": self._value.T.copy(),
                 "reward": self._reward.T.copy(),
                 "done": self._done.T.copy(),
-                "last_obs": np.array(next_obs, dtype=self._obs.dtype),
                 "version": np.full(self.num_envs, self._version, np.int64),
             })
+
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        if self.frames:
+            self._starting[env_ids] = True
+
+    def _keep_frames(self, t: int, obs: np.ndarray) -> None:
+        """Step ``t``'s observations as frames (all of the first stack's at ``t`` 0), checked against the last."""
+        start = self.frames - 1
+        if self._last is not None:
+            check_slides(self._last, obs, self._starting)
+        if t == 0:
+            self._frames[:start] = obs[:, :start].swapaxes(0, 1)
+        self._frames[start + t], self._first[start + t] = obs[:, -1], self._starting
+        self._starting[:] = False
+        self._last = obs
 
     def pending(self) -> int:
         return sum(len(rows["version"]) for rows in self._ready)
