@@ -481,3 +481,27 @@ def test_segments_carry_t_plus_4_frames_and_give_back_the_env_s_stacks(algorithm
             np.testing.assert_array_equal(obs[row], acted[k * 16:(k + 1) * 16, env_index])
             np.testing.assert_array_equal(last_obs[row], after[(k + 1) * 16 - 1, env_index])
     assert segments["first"][:, 4:].any()  # episodes started inside segments
+
+
+@pytest.mark.parametrize(("env", "changes"), [
+    ("CartPole-v1", {"value_rescale": True}), ("CartPole-v1", {"double_q": False, "n_step": 1}),
+    (BREAKOUT, {}), (BREAKOUT, {"store_frames_once": False})])
+def test_initial_priorities_from_the_q_values_acted_with_match_a_fresh_forward_pass(
+    env: str, changes: dict[str, object]
+) -> None:
+    config = small_dqn(epsilon=0.5, envs_per_actor=3, **changes)
+    env_config = EnvConfig(env, max_episode_steps=40 if env == "CartPole-v1" else 200)
+    spec = env_spec(env_config)
+    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    with Rollout(env_config, worker, num_envs=3, seed=4) as rollout:
+        ends = 0
+        for step in range(150):
+            ends += len(rollout.step())
+            if step % 50 == 49:  # taken with transitions still waiting for their next Q
+                rows = worker.take()
+                assert rows is not None
+                acted = worker.initial_priorities(rows)
+                fresh = worker.initial_priorities(dict(rows))  # not the taken rows: computed anew
+                np.testing.assert_allclose(acted, fresh, rtol=1e-4, atol=1e-4)
+                assert (acted > 0).sum() >= 0.5 * config.schema(spec).counted(rows)
+    assert ends > 0

@@ -430,6 +430,11 @@ class DQNWorker(Worker):
 
     Columns: obs, action (index), reward (the n-step return), next_obs, discount (gamma**k for a k-step
     return that bootstraps, 0 when the episode terminated), version (of the params that chose the action).
+
+    Initial priorities are |TD errors| from the Q values the worker computed to act (Ape-X's actors do the
+    same): Q(s, a) when it acted in s, max Q(s') when it acted in s' next; a truncated episode's final
+    observation, never acted in, and the next observations of transitions still waiting when rows are taken
+    get one forward pass of their own.
     """
 
     def __init__(self, config: Config, parameter: DQNParameter, epsilon: float, num_envs: int,
@@ -441,12 +446,18 @@ class DQNWorker(Worker):
         self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
         self.n_actions = parameter.n_actions
-        self._windows: list[deque[tuple[np.ndarray, int, float, int]]] = [deque() for _ in range(num_envs)]
+        self._windows: list[deque[tuple[Any, int, float, int, float]]] = [deque() for _ in range(num_envs)]
         self._rows: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "next_obs", "discount",
-                                                           "version")}
+                                                           "version", "priority")}
         self._gammas = config.gamma ** np.arange(config.n_step + 1)
         self._obs: np.ndarray | None = None
         self._action = np.zeros(num_envs, dtype=np.int64)
+        self._q = np.zeros((num_envs, self.n_actions), dtype=np.float32)
+        """the Q values of each env's observation acted on last"""
+        self._waiting: list[list[list[float]]] = [[] for _ in range(num_envs)]
+        """per env, the priorities ([return, discount, Q(s, a), |TD|]) waiting for Q of the next observation"""
+        self._next_obs: np.ndarray | None = None
+        self._taken: tuple[Columns, np.ndarray] | None = None
         self.frames: FrameWriter | None = None
         """with frame rows: each env's stream of frames (a window's obs is then its newest frame's index)"""
         if parameter.frame_stack:
@@ -463,6 +474,11 @@ class DQNWorker(Worker):
         net = self.parameter.q if self.training else self.parameter.greedy_q
         with torch.inference_mode():
             q = net(torch.from_numpy(obs).to(self.parameter.device))
+        if self.training:
+            self._q = q.float().cpu().numpy()
+            for i, waiting in enumerate(self._waiting):
+                if waiting:
+                    self._settle(waiting, float(self._q[i].max()))
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
         eps = self.epsilon if self.training else self.config.test_epsilon
         if eps > 0.0:
@@ -485,22 +501,33 @@ class DQNWorker(Worker):
             if frames is not None:  # the window keeps frame indices; the writer keeps the frames
                 obs, nxt = self._newest[i], frames.step(i, self._obs[i], next_obs[i])
                 self._newest[i] = nxt
-            window.append((obs, int(self._action[i]), float(reward[i]) * scale, version))
+            action = int(self._action[i])
+            window.append((obs, action, float(reward[i]) * scale, version, float(self._q[i, action])))
             bootstrap = not terminated[i]
             if len(window) == self.config.n_step:
                 self._emit(i, window, nxt, bootstrap)
             if terminated[i] or truncated[i]:
                 while window:
                     self._emit(i, window, nxt, bootstrap)
+        self._next_obs = next_obs
+        cut = np.flatnonzero(truncated & ~terminated)
+        if len(cut) and any(self._waiting[i] for i in cut):  # a final observation no act will see
+            self._settle_from(cut, next_obs[cut])
 
-    def _emit(self, env: int, window: deque[tuple[Any, int, float, int]], next_obs: Any, bootstrap: bool) -> None:
+    def _emit(self, env: int, window: deque[tuple[Any, int, float, int, float]], next_obs: Any,
+              bootstrap: bool) -> None:
         """The oldest step of the window becomes one transition; it leaves the window."""
         k = len(window)
         ret = float(sum(self._gammas[i] * window[i][2] for i in range(k)))
-        obs, action, _, version = window.popleft()
+        obs, action, _, version, q_sa = window.popleft()
         discount = float(self._gammas[k]) if bootstrap else 0.0
+        priority = [ret, discount, q_sa, 0.0]
+        if discount == 0.0:
+            self._settle([priority], 0.0)
+        else:
+            self._waiting[env].append(priority)
         if self.frames is not None:
-            self.frames.transition(env, int(obs), int(next_obs), action, ret, discount, version)
+            self.frames.transition(env, int(obs), int(next_obs), action, ret, discount, version, priority)
             return
         rows = self._rows
         rows["obs"].append(obs)
@@ -509,30 +536,59 @@ class DQNWorker(Worker):
         rows["next_obs"].append(next_obs)
         rows["discount"].append(discount)
         rows["version"].append(version)
+        rows["priority"].append(priority)
+
+    def _settle(self, waiting: list[list[float]], next_value: float) -> None:
+        """Give each waiting priority its |TD error| now that max Q of its next observation is known."""
+        ret, discount, q_sa = (torch.tensor([p[j] for p in waiting], dtype=torch.float64) for j in range(3))
+        value = torch.full_like(ret, next_value)
+        target = td_targets(value[:, None], value[:, None], ret, discount, True, self.config.value_rescale)
+        for p, td in zip(waiting, (target - q_sa).abs().tolist(), strict=True):
+            p[3] = td
+        waiting.clear()
+
+    def _settle_from(self, envs: np.ndarray, obs: np.ndarray) -> None:
+        """Settle the waiting priorities of ``envs`` with Q of ``obs`` (their next observations)."""
+        with torch.inference_mode():
+            q = self.parameter.q(torch.from_numpy(obs).to(self.parameter.device)).float().cpu().numpy()
+        for k, i in enumerate(envs):
+            self._settle(self._waiting[i], float(q[k].max()))
 
     def pending(self) -> int:
         return len(self._rows["action"]) if self.frames is None else self.frames.pending()
 
     def take(self) -> Columns | None:
+        waiting = np.array([i for i, w in enumerate(self._waiting) if w], dtype=np.int64)
+        if len(waiting) and self._next_obs is not None:  # their next observation is each env's current one
+            self._settle_from(waiting, self._next_obs[waiting])
         if self.frames is not None:
-            return self.frames.take()
-        if not self._rows["action"]:
-            return None
-        rows = self._rows
-        columns: Columns = {
-            "obs": np.stack(rows["obs"]).astype(self.parameter.obs_dtype, copy=False),
-            "action": np.asarray(rows["action"], dtype=np.int64),
-            "reward": np.asarray(rows["reward"], dtype=np.float32),
-            "next_obs": np.stack(rows["next_obs"]).astype(self.parameter.obs_dtype, copy=False),
-            "discount": np.asarray(rows["discount"], dtype=np.float32),
-            "version": np.asarray(rows["version"], dtype=np.int64),
-        }
-        for v in rows.values():
-            v.clear()
+            columns = self.frames.take()
+            if columns is None:
+                return None
+            priorities = columns.pop("priority")
+        else:
+            rows = self._rows
+            if not rows["action"]:
+                return None
+            columns = {
+                "obs": np.stack(rows["obs"]).astype(self.parameter.obs_dtype, copy=False),
+                "action": np.asarray(rows["action"], dtype=np.int64),
+                "reward": np.asarray(rows["reward"], dtype=np.float32),
+                "next_obs": np.stack(rows["next_obs"]).astype(self.parameter.obs_dtype, copy=False),
+                "discount": np.asarray(rows["discount"], dtype=np.float32),
+                "version": np.asarray(rows["version"], dtype=np.int64),
+            }
+            priorities = np.array([p[3] for p in rows["priority"]], dtype=np.float32)
+            for v in rows.values():
+                v.clear()
+        self._taken = (columns, priorities)
         return columns
 
     def initial_priorities(self, columns: Columns) -> np.ndarray:
-        """|TD error| with this worker's weights (its copy stands in for the target network)."""
+        """|TD error| with this worker's weights (its copy stands in for the target network): for the rows
+        ``take`` returned, from the Q values it acted with; for other rows, computed now."""
+        if self._taken is not None and self._taken[0] is columns:
+            return self._taken[1]
         device = self.parameter.device
         rows: np.ndarray | None = None
         total = len(columns["action"])

@@ -109,7 +109,8 @@ class FrameWriter:
         self._frames: list[list[np.ndarray]] = [[] for _ in range(num_envs)]
         self._first: list[list[bool]] = [[] for _ in range(num_envs)]
         self._base = [0] * num_envs  # the absolute index of each stream's oldest kept frame
-        self._pending: list[list[tuple[int, int, int, float, float, int]]] = [[] for _ in range(num_envs)]
+        self._pending: list[list[tuple[int, int, int, float, float, int, list[float]]]] = [
+            [] for _ in range(num_envs)]
         self._count = 0
 
     def newest(self, env: int) -> int:
@@ -136,15 +137,19 @@ class FrameWriter:
         return self.newest(env)
 
     def transition(self, env: int, obs: int, next_obs: int, action: int, reward: float, discount: float,
-                   version: int) -> None:
-        self._pending[env].append((obs, next_obs, action, reward, discount, version))
+                   version: int, priority: list[float]) -> None:
+        """A transition from the stack whose newest frame is ``obs`` to the one of ``next_obs`` (absolute
+        indices); ``priority[-1]`` is its initial priority by the time rows are taken."""
+        self._pending[env].append((obs, next_obs, action, reward, discount, version, priority))
         self._count += 1
 
     def pending(self) -> int:
         return self._count
 
     def take(self) -> dict[str, np.ndarray] | None:
-        """The pending transitions with the frames they need, env by env; None when there are none."""
+        """The pending transitions with the frames they need, env by env, and their initial priorities (a
+        ``priority`` column, 0 on rows without a transition: not one the schema sends); None when there are
+        none."""
         if not self._count:
             return None
         parts: list[dict[str, np.ndarray]] = []
@@ -156,7 +161,8 @@ class FrameWriter:
         self._count = 0
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
-    def _rows(self, env: int, pending: list[tuple[int, int, int, float, float, int]]) -> dict[str, np.ndarray]:
+    def _rows(self, env: int, pending: list[tuple[int, int, int, float, float, int, list[float]]]
+              ) -> dict[str, np.ndarray]:
         base, frames, first = self._base[env], self._frames[env], self._first[env]
         low = min(p[0] for p in pending)
         high = max(p[1] for p in pending)
@@ -177,10 +183,12 @@ class FrameWriter:
             "reward": np.zeros(n, np.float32),
             "discount": np.zeros(n, np.float32),
             "version": np.zeros(n, np.int64),
+            "priority": np.zeros(n, np.float32),
         }
         rows["stream_start"][0] = True
-        for obs, next_obs, action, reward, discount, version in pending:
+        for obs, next_obs, action, reward, discount, version, priority in pending:
             r = obs - start
+            rows["priority"][r] = priority[-1]
             rows["transition"][r] = True
             rows["next_ahead"][r] = next_obs - obs
             rows["action"][r], rows["reward"][r] = action, reward

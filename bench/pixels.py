@@ -1,0 +1,202 @@
+"""Pixels: what a transition of ALE Pong costs on the wire and in replay, and what sending costs the actor.
+
+    python bench/pixels.py                      # every table
+    python bench/pixels.py --only wire,replay   # some of them
+    python bench/pixels.py --steps 4000         # more env steps per measurement
+
+Tables (Pong with the standard Atari preprocessing: 4 stacked 84x84 grey frames, uint8):
+
+  wire    bytes per transition of DQN batches as an actor encodes them (``batch_size`` 256 transitions,
+          its default; E envs per actor), frame rows (srl's default) against rows of two stacks (the
+          naive layout, ``store_frames_once=False``), raw and zstd-compressed (the actor's default for
+          images); beside them one frame compressed alone.
+  replay  bytes per stored transition of DQN's replay: what it reports (``nbytes / capacity``) and what the
+          process's resident memory grew by when a memory of ``--replay-capacity`` was filled with real rows;
+          the 1M-transition size it would reserve.
+  actor   env steps/s of an actor's work (act, n-step rows, initial priorities, zstd encoding; no broker)
+          against the same envs and CNN policy stepped bare (greedy, nothing kept), E = 8.
+  params  bytes one params version of the Nature CNN takes, and what a version costs Redis with N actors
+          each fetching it (the Ape-X cadence: every 400 env steps an actor looks, and takes the new version).
+
+A ratio is taken within one run. Nothing else should run meanwhile (two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from srl.algorithms import dqn
+from srl.base.env import EnvConfig, env_spec
+from srl.base.rollout import Rollout
+from srl.rl.memories import MemoryConfig
+from srl.runner.distribution.codec import BatchHeader, Codec, params_message_bytes
+
+PONG = "ALE/Pong-v5"
+FRAME = 84 * 84
+NAIVE_BYTES = 2 * 4 * FRAME  # obs and next_obs stacks, uint8
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def config(envs: int, frames_once: bool, capacity: int = 10_000) -> dqn.Config:
+    return dqn.Config(envs_per_actor=envs, store_frames_once=frames_once, epsilon=1.0, seed=0,
+                      memory=MemoryConfig(capacity=capacity), warmup_size=64, batch_size=32)
+
+
+def actor_batches(envs: int, frames_once: bool, steps: int, batch_size: int = 256) -> list[dict[str, np.ndarray]]:
+    """The batches an actor of ``envs`` envs would send over ``steps`` env steps (taken at ``batch_size``
+    transitions, as the actor does)."""
+    cfg = config(envs, frames_once)
+    spec = env_spec(EnvConfig(PONG))
+    worker = cfg.make_worker(spec, cfg.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    batches = []
+    with Rollout(EnvConfig(PONG), worker, envs, seed=0) as rollout:
+        while rollout.env_steps < steps:
+            rollout.step()
+            if worker.pending() >= batch_size:
+                rows = worker.take()
+                assert rows is not None
+                batches.append(rows)
+    return batches
+
+
+def encoded(batches: list[dict[str, np.ndarray]], codec: Codec, worker_priorities: bool = False) -> int:
+    total = 0
+    for seq, rows in enumerate(batches):
+        priorities = np.ones(len(rows["action"]), np.float32)
+        header = BatchHeader("bench", 0, 1, seq, 1, len(rows["action"]), time.time())
+        total += len(codec.encode_batch(header, rows, priorities))
+    return total
+
+
+def transitions(batches: list[dict[str, np.ndarray]]) -> int:
+    return sum(int(b["transition"].sum()) if "transition" in b else len(b["action"]) for b in batches)
+
+
+def wire(steps: int) -> None:
+    print(f"\n## wire: bytes per transition, DQN on {PONG} (4x84x84 uint8), batches of 256 transitions\n")
+    print("| envs per actor | layout | frames per transition | raw B/transition | zstd B/transition "
+          "| one frame zstd alone | zstd ÷ one frame |")
+    print("|---|---|---|---|---|---|---|")
+    for envs in (1, 8):
+        naive = actor_batches(envs, False, steps)
+        frames = actor_batches(envs, True, steps)
+        alone = [frame for b in frames for frame in b["frame"]]
+        writer = zstandard.ZstdCompressor(level=1)
+        one_frame = float(np.mean([len(writer.compress(f.tobytes())) for f in alone[::7]]))
+        for name, batches in (("rows of two stacks (naive)", naive), ("frame rows (srl)", frames)):
+            n = transitions(batches)
+            per_frame = sum(len(b["frame"]) for b in batches) / n if "frame" in batches[0] else 8.0
+            raw = encoded(batches, Codec(compress=False)) / n
+            packed = encoded(batches, Codec(compress=True)) / n
+            print(f"| {envs} | {name} | {per_frame:.3f} | {raw:,.0f} | {packed:,.0f} | {one_frame:,.0f} "
+                  f"| {packed / one_frame:.2f} |")
+    print(f"\nnaive baseline (two stacks, uncompressed): {NAIVE_BYTES:,} B of frames per transition")
+
+
+def replay(steps: int, capacity: int) -> None:
+    print(f"\n## replay: bytes per stored transition, DQN on {PONG}\n")
+    print("| layout | reported B/transition | RSS growth B/transition (filled) | 1M transitions reserve |")
+    print("|---|---|---|---|")
+    spec = env_spec(EnvConfig(PONG))
+    for name, frames_once in (("rows of two stacks (naive)", False), ("frame ring (srl)", True)):
+        cap = capacity if frames_once else capacity // 8  # the naive one is 8x bigger a row
+        batches = actor_batches(1, frames_once, steps)
+        gc.collect()
+        before = rss_bytes()
+        memory = config(1, frames_once, cap).make_buffer(spec)
+        while len(memory) < cap or memory.total_added < cap + 2 * cap // 16:
+            for rows in batches:
+                memory.add(rows, np.ones(len(rows["action"]), np.float32))
+        grown = rss_bytes() - before
+        reported = memory.nbytes / cap
+        million = 1_000_000 * reported  # the slack of 4,096 frames is the only part that does not scale
+        print(f"| {name} | {reported:,.0f} | {grown / cap:,.0f} | {million / 2**30:.2f} GiB |")
+        del memory
+    print(f"\ntargets: <= 1.1 x {FRAME:,} = {1.1 * FRAME:,.0f} B per transition; 1M transitions <= 8 GB "
+          f"({8e9 / 2**30:.2f} GiB)")
+
+
+def actor(steps: int) -> None:
+    print(f"\n## actor: env steps/s, {PONG}, 8 envs, the Nature CNN policy on the CPU (torch threads 1)\n")
+    torch.set_num_threads(1)
+    envs = 8
+    spec = env_spec(EnvConfig(PONG))
+    results = {}
+    for name in ("bare", "sending"):
+        cfg = config(envs, True)
+        cfg.epsilon = 0.0  # every action from the network, in both
+        worker = cfg.make_worker(spec, cfg.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+        worker.training = name == "sending"
+        codec = Codec(compress=True)
+        with Rollout(EnvConfig(PONG), worker, envs, seed=0) as rollout:
+            for _ in range(20):
+                rollout.step()
+            t0 = time.perf_counter()
+            start = rollout.env_steps
+            seq = 0
+            while rollout.env_steps - start < steps:
+                rollout.step()
+                if worker.pending() >= 256:
+                    rows = worker.take()
+                    assert rows is not None
+                    priorities = worker.initial_priorities(rows)
+                    codec.encode_batch(BatchHeader("bench", 0, 1, seq, 1, len(rows["action"]), time.time()),
+                                       rows, priorities)
+                    seq += 1
+            results[name] = (rollout.env_steps - start) / (time.perf_counter() - t0)
+    print("| bare (act only) | sending (act, rows, priorities, zstd) | ratio |")
+    print("|---|---|---|")
+    print(f"| {results['bare']:,.0f} steps/s | {results['sending']:,.0f} steps/s "
+          f"| {results['sending'] / results['bare']:.2f} |")
+
+
+def params() -> None:
+    print("\n## params: one version of the Nature CNN (DQN, dueling, 6 actions)\n")
+    spec = env_spec(EnvConfig(PONG))
+    arrays: dict[str, Any] = dqn.Config().make_parameter(spec, torch.device("cpu")).to_arrays()
+    weights = sum(a.size for a in arrays.values())
+    size = params_message_bytes(arrays)
+    encoded_size = len(Codec().encode_params(arrays, {"version": 1}))
+    print(f"{weights:,} weights; a params message of {encoded_size / 2**20:.2f} MiB (bound {size / 2**20:.2f} MiB)")
+    print("\n| actors | Redis bytes out per version | per actor |")
+    print("|---|---|---|")
+    for n in (1, 16, 64):
+        print(f"| {n} | {n * encoded_size / 2**20:,.1f} MiB | {encoded_size / 2**20:.2f} MiB |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="wire,replay,actor,params")
+    parser.add_argument("--steps", type=int, default=3000, help="env steps per measurement")
+    parser.add_argument("--replay-capacity", type=int, default=100_000)
+    args = parser.parse_args()
+    parts = set(args.only.split(","))
+    if "wire" in parts:
+        wire(args.steps)
+    if "replay" in parts:
+        replay(args.steps, args.replay_capacity)
+    if "actor" in parts:
+        actor(args.steps)
+    if "params" in parts:
+        params()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
