@@ -15,8 +15,9 @@ Tables (Pong with the standard Atari preprocessing: 4 stacked 84x84 grey frames,
           the 1M-transition size it would reserve.
   actor   env steps/s of an actor's work (act, n-step rows, initial priorities, zstd encoding; no broker)
           against the same envs and CNN policy stepped bare (greedy, nothing kept), E = 8.
-  params  bytes one params version of the Nature CNN takes, and what a version costs Redis with N actors
-          each fetching it (the Ape-X cadence: every 400 env steps an actor looks, and takes the new version).
+  params  bytes one params version of the Nature CNN takes, and what a version costs Redis (bytes out) when
+          16 or 64 actors of one machine each fetch it, against the machine's params cache (one fetch per
+          machine). Needs Redis on 127.0.0.1:6379.
 
 A ratio is taken within one run. Nothing else should run meanwhile (two cores).
 """
@@ -25,13 +26,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import resource
 import sys
+import tempfile
+import threading
 import time
+import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 import torch
 import zstandard
 
@@ -41,7 +48,9 @@ from srl.algorithms import dqn
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.rl.memories import MemoryConfig
+from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader, Codec, params_message_bytes
+from srl.runner.distribution.params_cache import ParamsCache
 
 PONG = "ALE/Pong-v5"
 FRAME = 84 * 84
@@ -166,18 +175,56 @@ def actor(steps: int) -> None:
           f"| {results['sending'] / results['bare']:.2f} |")
 
 
-def params() -> None:
-    print("\n## params: one version of the Nature CNN (DQN, dueling, 6 actions)\n")
+def fetch_params(board: Board, cache: ParamsCache | None, head: tuple[int, int], max_bytes: int) -> None:
+    """What an actor does when the version on the board moves to ``head``."""
+    get = partial(board.get_params, max_bytes)
+    record = get() if cache is None else cache.get(head, get)
+    assert record is not None and record.version >= head[1]
+
+
+def params(versions: int) -> None:
+    print("\n## params: what a version of the Nature CNN (DQN, dueling, 6 actions) costs Redis\n")
     spec = env_spec(EnvConfig(PONG))
     arrays: dict[str, Any] = dqn.Config().make_parameter(spec, torch.device("cpu")).to_arrays()
     weights = sum(a.size for a in arrays.values())
-    size = params_message_bytes(arrays)
-    encoded_size = len(Codec().encode_params(arrays, {"version": 1}))
-    print(f"{weights:,} weights; a params message of {encoded_size / 2**20:.2f} MiB (bound {size / 2**20:.2f} MiB)")
-    print("\n| actors | Redis bytes out per version | per actor |")
-    print("|---|---|---|")
-    for n in (1, 16, 64):
-        print(f"| {n} | {n * encoded_size / 2**20:,.1f} MiB | {encoded_size / 2**20:.2f} MiB |")
+    blob = Codec(task="bench").encode_params(arrays, {"version": 1})
+    print(f"{weights:,} weights; a params message of {len(blob) / 2**20:.2f} MiB "
+          f"(bound {params_message_bytes(arrays) / 2**20:.2f} MiB)\n")
+    print(f"N simulated actors on this one machine (threads, a Redis connection each) fetch each of {versions} "
+          "versions as an actor does when the version on the board moves: each with its own GET (srl before), or "
+          "through the machine's params cache (srl's default). Redis bytes out from INFO's "
+          "total_net_output_bytes.\n")
+    print("| actors on the machine | each fetches its own: MiB out per version | shared per machine | ratio |")
+    print("|---|---|---|---|")
+    client = redis.Redis(host="127.0.0.1")
+    task = f"bench-params-{uuid.uuid4().hex[:6]}"
+    board = Board(client, task)
+    board = board.bound(board.create_task(json.dumps({"bench": True})).task_id)
+    epoch = board.claim_trainer("bench", 3_600_000)
+    assert epoch is not None
+    version = 0
+    for n in (16, 64):
+        out = {}
+        for mode in ("own", "shared"):
+            with tempfile.TemporaryDirectory() as directory:
+                boards = [Board(redis.Redis(host="127.0.0.1"), task).bound(board.task_id) for _ in range(n)]
+                caches = [ParamsCache(Path(directory), f"bench {board.task_id}") for _ in range(n)]
+                before = int(client.info("stats")["total_net_output_bytes"])
+                for _ in range(versions):
+                    version += 1
+                    assert board.publish_params("bench", epoch, version, blob, version)
+                    threads = [threading.Thread(target=fetch_params, args=(b, c if mode == "shared" else None,
+                                                                           (epoch, version), len(blob)))
+                               for b, c in zip(boards, caches, strict=True)]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                out[mode] = (int(client.info("stats")["total_net_output_bytes"]) - before) / versions / 2**20
+                for b in boards:
+                    b.client.close()
+        print(f"| {n} | {out['own']:,.1f} | {out['shared']:,.1f} | {out['shared'] / out['own']:.3f} |")
+    board.delete_task()
 
 
 def main() -> int:
@@ -185,6 +232,7 @@ def main() -> int:
     parser.add_argument("--only", default="wire,replay,actor,params")
     parser.add_argument("--steps", type=int, default=3000, help="env steps per measurement")
     parser.add_argument("--replay-capacity", type=int, default=100_000)
+    parser.add_argument("--versions", type=int, default=5, help="params versions fetched per measurement")
     args = parser.parse_args()
     parts = set(args.only.split(","))
     if "wire" in parts:
@@ -194,7 +242,7 @@ def main() -> int:
     if "actor" in parts:
         actor(args.steps)
     if "params" in parts:
-        params()
+        params(args.versions)
     return 0
 
 

@@ -25,6 +25,7 @@ import itertools
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, seed_everything
 from srl.base.rollout import Rollout
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardDataError
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardDataError, ParamsRecord
 from srl.runner.distribution.codec import (
     DEFAULT_MAX_BYTES,
     BatchHeader,
@@ -47,6 +48,7 @@ from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.in_flight import InFlight
 from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
+from srl.runner.distribution.params_cache import ParamsCache, default_directory, private_directory
 from srl.runner.distribution.queues import (
     ExperienceQueue,
     QueueError,
@@ -103,6 +105,13 @@ class ActorRun:
         self.codec = options.codec(board.task_name, compress=compress,
                                    max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
         self.max_rows = max_message_rows(task)
+        self.params_cache: ParamsCache | None = None
+        """the params this machine's actors share (None: each fetches its own)"""
+        if options.params_cache_dir != "":
+            directory = private_directory(Path(options.params_cache_dir) if options.params_cache_dir
+                                          else default_directory())
+            if directory is not None:
+                self.params_cache = ParamsCache(directory, f"{redis_params.describe()} {board.task_id}")
         self.queue: ExperienceQueue = open_queue(
             queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
         )
@@ -191,7 +200,7 @@ class ActorRun:
                 if head is not None:
                     self._note_head(head[0], head[2])
                     if head[1] > 0 and head[1] != self.latest_version:
-                        self._fetch_params()
+                        self._fetch_params((head[0], head[1]))
             except BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
                 away_since = away_since or time.monotonic()
                 if self._board_log.ready():
@@ -265,18 +274,35 @@ class ActorRun:
             self.latest_train_count = max(self.latest_train_count, train_count)
         self._trainer_epoch = max(self._trainer_epoch, epoch)
 
-    def _fetch_params(self) -> None:
-        """Fetch and decode the latest params; the main loop applies them when the worker may load them."""
+    def _fetch_params(self, head: tuple[int, int]) -> None:
+        """Fetch and decode the latest params (at least ``head``'s (epoch, version); from the machine's
+        params cache when another actor here fetched them); the main loop applies them when the worker may
+        load them."""
         try:
-            record = self.board.get_params(self.max_params_bytes)
+            def fetch() -> ParamsRecord | None:
+                return self.board.get_params(self.max_params_bytes)
+
+            cache = self.params_cache
+            record = fetch() if cache is None else cache.get(head, fetch)
             if record is None:
                 return
-            _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
+            try:
+                _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
+            except DecodeError:
+                if cache is None or not cache.discard(record):
+                    raise
+                # a record this machine kept that does not decode: the board's own blob, once
+                logger.warning("the params this machine shares for version %d do not decode; fetching them from "
+                               "the board", record.version)
+                record = fetch()
+                if record is None:
+                    return
+                _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
         except (DecodeError, BoardDataError) as e:
             logger.error("params on the board cannot be used (%s); keeping version %d", short(e), self.params_version)
             self.counters.add(bad_messages=1)
-            head = self.board.get_params_version()
-            self.latest_version = head[1] if head is not None else self.latest_version  # not this blob again
+            latest = self.board.get_params_version()
+            self.latest_version = latest[1] if latest is not None else self.latest_version  # not this blob again
             return
         with self._staged_lock:
             self._staged = (record.epoch, record.version, arrays)

@@ -83,6 +83,9 @@ class ActorOptions(NodeOptions):
     params_wait_poll_interval: float = 0.01
     """the same while the actor waits for a version to act with (sync PPO's lockstep, the first
     params): the wait is idle time, so the new version is picked up within this"""
+    params_cache_dir: str | None = None
+    """where the actors of one machine share the params versions they fetch (each is fetched from Redis once
+    per machine); unset: /dev/shm/srl-<uid> (memory); "": every actor fetches its own"""
     compress: bool | None = None
     """zstd-compress batches; unset: when the task's rows hold images (frames compress several times over;
     float vectors barely do and pay the CPU)"""

@@ -1,0 +1,101 @@
+"""Params shared by the actors of one machine: fetched from the board once per version."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from srl.runner.distribution.board import ParamsRecord
+from srl.runner.distribution.params_cache import LOCK_STALE_S, ParamsCache, private_directory
+
+
+class Board:
+    """Stands in for the board's get_params: counts fetches (the cache's only contact with Redis)."""
+
+    def __init__(self, version: int = 3) -> None:
+        self.fetches = 0
+        self.version = version
+        self.lock = threading.Lock()
+
+    def fetch(self) -> ParamsRecord:
+        with self.lock:
+            self.fetches += 1
+        time.sleep(0.05)  # a 7 MB read takes a while: the others find the lock taken
+        return ParamsRecord(1, self.version, 100 * self.version, b"weights v%d" % self.version)
+
+
+def test_a_version_is_fetched_once_per_machine_and_read_by_every_other_actor(tmp_path: Path) -> None:
+    board = Board()
+    caches = [ParamsCache(tmp_path, "redis://h:6379/0 task-1") for _ in range(8)]
+    got: list[ParamsRecord | None] = [None] * 8
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, caches[i].get((1, 3), board.fetch)))
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert board.fetches == 1
+    assert all(r == ParamsRecord(1, 3, 300, b"weights v3") for r in got)
+    assert sum(c.fetched for c in caches) == 1 and sum(c.shared for c in caches) == 7
+    # a newer version replaces the older file; another task on the same machine shares nothing with this one
+    board.version = 4
+    assert caches[0].get((1, 4), board.fetch) == ParamsRecord(1, 4, 400, b"weights v4")
+    assert caches[1].get((1, 4), board.fetch) is not None and board.fetches == 2
+    assert len(list(tmp_path.glob("params-*.bin"))) == 1
+    other = ParamsCache(tmp_path, "redis://h:6379/0 task-2")
+    assert other.get((1, 4), board.fetch) is not None and board.fetches == 3
+
+
+def test_a_lock_left_by_a_dead_fetcher_is_taken_over(tmp_path: Path) -> None:
+    board = Board()
+    cache = ParamsCache(tmp_path, "k", wait_s=60.0)
+    lock = cache._path(1, 3).with_suffix(".lock")
+    lock.touch()
+    old = time.time() - LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    assert cache.get((1, 3), board.fetch) is not None and board.fetches == 1
+    assert not lock.exists()
+    # a live lock whose holder is slow: fetched directly once the wait is over
+    lock.touch()
+    quick = ParamsCache(tmp_path, "k", wait_s=0.1)
+    board.version = 5
+    assert quick.get((1, 5), board.fetch) is not None and board.fetches == 2
+
+
+def test_a_directory_others_may_write_to_is_not_used(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    assert private_directory(mine) == mine and (mine.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert private_directory(shared) is None
+
+
+def test_an_unreadable_record_is_a_miss(tmp_path: Path) -> None:
+    board = Board()
+    cache = ParamsCache(tmp_path, "k")
+    cache._path(1, 3).write_bytes(b"garbage")
+    assert cache.get((1, 3), board.fetch) == ParamsRecord(1, 3, 300, b"weights v3") and board.fetches == 1
+
+
+@pytest.mark.slow
+def test_the_actors_of_one_machine_share_params_in_a_run(redis_url: str, namespace: str, tmp_path: Path) -> None:
+    import srl
+    from srl.runner.distribution import RedisParameters
+    from srl.runner.distribution.board import TaskState
+    from tests.nodes import board_for, tiny_config
+
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_train_count=300,
+                              progress_interval=None, local_processes=True,
+                              actor_options={"batch_size": 64, "batch_max_age": 0.2,
+                                             "params_cache_dir": str(tmp_path)})
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    assert list(tmp_path.glob("params-*.bin")), "the actors left the versions they shared"
+    board.delete_task()
