@@ -99,3 +99,40 @@ def test_the_actors_of_one_machine_share_params_in_a_run(redis_url: str, namespa
     assert status is not None and status.status == TaskState.END
     assert list(tmp_path.glob("params-*.bin")), "the actors left the versions they shared"
     board.delete_task()
+
+
+def test_float16_params_while_the_run_goes_on_and_float32_at_its_end() -> None:
+    import numpy as np
+    import torch
+
+    from srl.algorithms import dqn
+    from srl.base.env import EnvConfig, env_spec
+    from srl.runner.distribution.codec import Codec
+    from srl.runner.distribution.publisher import Publisher, half_precision
+    from srl.runner.distribution.versions import VersionGate
+
+    spec = env_spec(EnvConfig("CartPole-v1"))
+    config = dqn.Config()
+    parameter = config.make_parameter(spec, torch.device("cpu"))
+    codec = Codec(task="t")
+    gate = VersionGate(config.data_path())
+    publisher = Publisher(None, codec, "uid", 1, parameter, "dqn", gate, 0.0, lambda: False,  # type: ignore[arg-type]
+                          float16=True)
+    gate.version = 1
+    publisher.request(10)
+    assert publisher._pending is not None
+    _, sent = codec.decode_params(publisher._pending[2])
+    full = parameter.to_arrays()
+    assert all(sent[k].dtype == np.float16 for k in full if full[k].dtype == np.float32)
+    assert sum(a.nbytes for a in sent.values()) < 0.6 * sum(a.nbytes for a in full.values())
+    other = config.make_parameter(spec, torch.device("cpu"))
+    other.from_arrays(sent)  # loaded into float32 weights, within float16's precision
+    for name, array in other.to_arrays().items():
+        assert array.dtype == full[name].dtype
+        np.testing.assert_allclose(array, full[name], rtol=1e-3, atol=1e-4)
+    assert publisher.request_final(20)
+    _, last = codec.decode_params(publisher._pending[2])
+    assert all(last[k].dtype == full[k].dtype for k in full)
+    # a weight beyond float16's range keeps float32 (it would become infinite)
+    kept = half_precision({"big": np.array([1e6], np.float32), "small": np.array([1.0], np.float32)})
+    assert kept["big"].dtype == np.float32 and kept["small"].dtype == np.float16

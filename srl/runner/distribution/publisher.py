@@ -22,11 +22,25 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from srl.base.rl import Parameter
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import Codec
 from srl.runner.distribution.task import StopFlag
 from srl.runner.distribution.versions import VersionGate
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def half_precision(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """float32 arrays as float16 where every value fits (one that does not stays float32); a loader casts
+    them back to its parameters' dtype."""
+    out = {}
+    for name, array in arrays.items():
+        fits = array.dtype == np.float32 and (array.size == 0 or float(np.abs(array).max()) <= FLOAT16_MAX)
+        out[name] = array.astype(np.float16) if fits else array
+    return out
 
 
 class Publisher:
@@ -43,6 +57,7 @@ class Publisher:
         gate: VersionGate,
         min_interval: float,
         take_lease_back: Callable[[], bool],
+        float16: bool = False,
     ) -> None:
         self.board = board
         self.codec = codec
@@ -53,6 +68,8 @@ class Publisher:
         self.gate = gate
         self.min_interval = min_interval
         self.take_lease_back = take_lease_back
+        self.float16 = float16
+        """publish float32 weights as float16 but the last version (``request_final``)"""
         """called when the board refuses a write for a lapsed lease; True: held again, write once more"""
         self.wake = threading.Event()
         """set when a blob is pending: the board thread writes it without waiting for its next heartbeat"""
@@ -68,15 +85,19 @@ class Publisher:
         """The board (or a checkpoint) has ``version`` already: the numbering goes on from it."""
         self.published_version = version
 
-    def request(self, train_count: int) -> int:
-        """Hand the learner's weights, as params version ``gate.version``, to the board thread."""
+    def request(self, train_count: int, final: bool = False) -> int:
+        """Hand the learner's weights, as params version ``gate.version``, to the board thread (as float16
+        with ``float16``, unless ``final``)."""
         version = self.gate.version
         self.parameter.version = version
         self.requested = (version, train_count)
         self._last = time.monotonic()
         self.gate.published(version, train_count)
+        arrays = self.parameter.to_arrays()
+        if self.float16 and not final:
+            arrays = half_precision(arrays)
         blob = self.codec.encode_params(
-            self.parameter.to_arrays(),
+            arrays,
             {"epoch": self.epoch, "version": version, "train_count": train_count, "algorithm": self.algorithm},
         )
         with self._lock:
@@ -123,7 +144,7 @@ class Publisher:
             self.gate.version = max(self.gate.version, self.requested[0] + 1)
         if (self.gate.version, train_count) == self.requested:
             return False
-        self.request(train_count)
+        self.request(train_count, final=True)
         return True
 
     def wait(self, stop: StopFlag) -> bool:

@@ -122,7 +122,7 @@ class TrainerRun:
         self.learner = config.make_learner(self.spec, self.parameter, self.buffer, task.actor_num)
         self.gate = VersionGate(self.data_path)
         self.publisher = Publisher(board, self.codec, options.uid, epoch, self.parameter, config.algorithm, self.gate,
-                                   options.min_publish_interval, self._take_lease_back)
+                                   options.min_publish_interval, self._take_lease_back, options.params_float16)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
                              task_tag(board.task_id), self.open_consumer)
         self.checkpoints = TrainerCheckpoints(board, self.codec, task, options, epoch, self.parameter, self.learner,
