@@ -64,9 +64,23 @@ def dqn_readme() -> dqn.Config:
     return config
 
 
+def dqn_minatar() -> dqn.Config:
+    """DQN on MinAtar as the MinAtar paper's DQN learns (Young & Tian 2019): batches of 32, a train step
+    every 4 env steps, the target copied every 1,000 train steps, a replay of 100,000 (here prioritized,
+    with Ape-X's n-step 3 and ε per actor); the network is srl's "auto" for 10x10 grids (the paper's)."""
+    config = dqn.Config(batch_size=32, env_steps_per_train=4.0, target_update_interval=1000, warmup_size=5000)
+    config.memory.capacity = 100_000
+    return config
+
+
 def appo() -> ppo.Config:
     """Asynchronous PPO: ``ppo.Config(sync=False)``, everything else as it comes."""
     return ppo.Config(sync=False)
+
+
+MINATAR_BREAKOUT = "MinAtar/Breakout-v1"
+RANDOM_MINATAR_BREAKOUT = 0.41
+"""the mean return of uniform random actions on MinAtar Breakout-v1 (300 episodes, seeds 0..299)"""
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,15 @@ CASES = {case.name: case for case in [
          (Reference("SB3 DQN with the zoo's tuned settings -101", "120k"),), -110.0, "train:3000"),
     Case("dqn-lunarlander-box", "LunarLanderContinuous-v3", dqn.Config, "train:50000",
          (), 0.0, "train:3000", needs="Box2D"),
+    Case("ppo-minatar", MINATAR_BREAKOUT, ppo.Config, "steps:5000000",
+         (Reference("MinAtar paper AC(λ) and DQN learning curves (Young & Tian 2019, fig. 2)", "5M"),), 20.0,
+         "steps:50000", needs="minatar"),
+    Case("dqn-minatar", MINATAR_BREAKOUT, dqn_minatar, "steps:2000000",
+         (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0,
+         "steps:20000", needs="minatar"),
+    Case("impala-minatar", MINATAR_BREAKOUT, impala.Config, "steps:3000000",
+         (Reference(f"5x the random policy's {RANDOM_MINATAR_BREAKOUT} (measured: 300 episodes)", "-"),),
+         5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar"),
 ]}
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
             ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
@@ -220,8 +243,10 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
 
 
 def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, lag: int = 150,
-              chunk: int = 128, changes: dict[str, Any] | None = None) -> tuple[srl.Runner, Run]:
-    """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet)."""
+              chunk: int = 128, changes: dict[str, Any] | None = None, curve: float | None = None,
+              log_dir: Path | None = None) -> tuple[srl.Runner, Run]:
+    """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet).
+    ``curve``: evaluate every that many seconds into ``log_dir``'s eval.csv (modes one and dist)."""
     config = configured(case, changes)
     config.seed = seed
     runner = srl.Runner(case.env, config)
@@ -229,20 +254,28 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
     if mode == "lagged":
         env_steps, train_count = train_lagged(runner, lag, chunk, **limits(budget))
     else:
+        logging_: dict[str, Any] = {} if curve is None else {"log_dir": log_dir, "eval_interval": curve}
         if mode == "one":
-            runner.train(progress_interval=None, **limits(budget))
+            runner.train(progress_interval=None, **logging_, **limits(budget))
         else:
             runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
-                                      **limits(budget))
+                                      **logging_, **limits(budget))
         env_steps, train_count = runner.env_steps, runner.train_count
     wall = time.perf_counter() - started
     return runner, Run(case.name, mode, seed, float("nan"), wall, env_steps, train_count)
 
 
 def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = 10,
-             lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None) -> Run:
-    runner, run = train_run(case, mode, seed, budget, actors, queue, lag, chunk, changes)
+             lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None, curve: float | None = None,
+             curve_dir: Path | None = None) -> Run:
+    log_dir = None if curve_dir is None else curve_dir / f"{case.name}-{mode}-{seed}"
+    runner, run = train_run(case, mode, seed, budget, actors, queue, lag, chunk, changes, curve, log_dir)
     run.evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
+    if log_dir is not None and (log_dir / "eval.csv").exists():
+        with open(log_dir / "eval.csv") as f:
+            points = [(int(float(r["env_steps"])), r["eval_mean"]) for r in csv.DictReader(f) if r.get("eval_mean")]
+        print(f"{case.name} {mode} seed {seed} curve (env steps: mean evaluation): "
+              + ", ".join(f"{steps}: {float(mean):.1f}" for steps, mean in points), flush=True)
     return run
 
 
@@ -267,6 +300,9 @@ def main() -> None:
                         help="every case's budget instead of its own (a study at another length)")
     parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
     parser.add_argument("--csv", default=None, help="write one row per run here")
+    parser.add_argument("--curve", type=float, default=None, metavar="SECONDS",
+                        help="evaluate every SECONDS during each run (modes one and dist) and print the curve")
+    parser.add_argument("--log-dir", default="bench-runs", help="with --curve: each run's log_dir goes under here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args()
     if args.list:
@@ -308,12 +344,13 @@ def main() -> None:
     for name, mode in plan:
         case = CASES[name]
         if case.needs and importlib.util.find_spec(case.needs) is None:
-            print(f"skipping {name}: {case.needs} is not installed (pip install box2d)", flush=True)
+            extra = "box2d" if case.needs == "Box2D" else f"'srl[{case.needs}]'"
+            print(f"skipping {name}: {case.needs} is not installed (pip install {extra})", flush=True)
             continue
         budget = args.budget or (case.quick_budget if args.quick else case.budget)
         for seed in range(args.first_seed, args.first_seed + seeds):
             run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes, args.lag, args.chunk,
-                           changes)
+                           changes, args.curve, None if args.curve is None else Path(args.log_dir))
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)

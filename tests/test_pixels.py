@@ -505,3 +505,28 @@ def test_initial_priorities_from_the_q_values_acted_with_match_a_fresh_forward_p
                 np.testing.assert_allclose(acted, fresh, rtol=1e-4, atol=1e-4)
                 assert (acted > 0).sum() >= 0.5 * config.schema(spec).counted(rows)
     assert ends > 0
+
+
+def test_frame_rows_are_cut_into_messages_only_where_a_stream_starts() -> None:
+    from srl.runner.distribution.codec import split_columns
+
+    spec = env_spec(EnvConfig(PONG))
+    config = small_dqn(epsilon=1.0, envs_per_actor=4)
+    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    schema = config.schema(spec)
+    with Rollout(EnvConfig(PONG), worker, num_envs=4, seed=0) as rollout:
+        while worker.pending() < 80:
+            rollout.step()
+    rows = worker.take()
+    assert rows is not None and schema.split_at == "stream_start"
+    priorities = worker.initial_priorities(rows)
+    stream = int(np.diff(np.flatnonzero(rows["stream_start"])).max())
+    chunks = split_columns(rows, priorities, stream + 3, rows["stream_start"])
+    assert len(chunks) > 1
+    for columns, chunk_priorities in chunks:
+        assert columns["stream_start"][0] and schema.problem(columns, chunk_priorities) is None
+    for name, column in rows.items():
+        np.testing.assert_array_equal(np.concatenate([c[name] for c, _ in chunks]), column)
+    with pytest.raises(ValueError, match=r"must travel together.*lower the actor's batch_size"):
+        split_columns(rows, priorities, stream - 1, rows["stream_start"])
+    assert len(split_columns(rows, priorities, 7)) > 1  # cut anywhere, as transitions are

@@ -227,7 +227,7 @@ class Config(RLConfig):
         }
         if self.frame_rows(spec):
             columns = {**frame_row_columns(spec.obs_shape[1:], spec.obs_dtype, self.n_step), **transition}
-            return Schema(columns, priorities=True, counted_by="transition",
+            return Schema(columns, priorities=True, counted_by="transition", split_at="stream_start",
                           check=functools.partial(frame_rows_problem, stack=spec.frame_stack))
         obs = spec.obs_column()
         return Schema({"obs": obs, "next_obs": obs, **transition}, priorities=True)

@@ -52,6 +52,9 @@ class Schema:
     counted_by: str | None = None
     """a bool column: only its true rows count as rows received (frame rows: the transitions among them);
     None: every row counts"""
+    split_at: str | None = None
+    """a bool column: a batch may be cut into messages only before its true rows (frame rows: where an env's
+    stream starts); None: anywhere"""
     check: Callable[[Mapping[str, np.ndarray]], str | None] | None = field(default=None, compare=False)
     """a check of the rows as a whole after the columns passed theirs (frame rows: every reference inside
     the batch); the reason they do not hold, or None"""

@@ -423,7 +423,8 @@ class ActorRun:
     def _send(self, columns: Columns) -> None:
         priorities = self.worker.initial_priorities(columns)
         max_rows = min(self.max_rows, max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes)))
-        for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows):
+        cut_before = None if self.schema.split_at is None else columns[self.schema.split_at]
+        for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows, cut_before):
             count = len(next(iter(chunk_cols.values())))
             header = BatchHeader(
                 actor_id=self.sender, actor_index=self.slot, epoch=max(self.params_epoch, 0), seq=self.seq,

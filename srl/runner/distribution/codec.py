@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 import os
 import struct
@@ -263,9 +264,12 @@ def checkpoint_message_bytes(weights: Mapping[str, np.ndarray], with_memory: boo
 
 
 def split_columns(
-    columns: Mapping[str, np.ndarray], priorities: np.ndarray | None, max_rows: int
+    columns: Mapping[str, np.ndarray], priorities: np.ndarray | None, max_rows: int,
+    cut_before: np.ndarray | None = None,
 ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
-    """Cut a batch into consecutive chunks of at most ``max_rows`` rows (views, no copies)."""
+    """Cut a batch into consecutive chunks of at most ``max_rows`` rows (views, no copies). ``cut_before``: a
+    bool per row, the only rows a chunk may begin at (frame rows: where an env's stream starts); ValueError
+    when rows between two of them are more than ``max_rows``."""
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, found {max_rows}")
     lengths = {len(c) for c in columns.values()}
@@ -275,8 +279,20 @@ def split_columns(
         raise ValueError(f"columns and priorities have different lengths {sorted(lengths)}")
     count = lengths.pop() if lengths else 0
     chunks: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
-    for start in range(0, count, max_rows):
-        stop = start + max_rows
+    bounds = [*range(0, count, max_rows), count]
+    if cut_before is not None and count:
+        starts = [*(int(i) for i in np.flatnonzero(cut_before)), count]
+        if starts[0] != 0:
+            raise ValueError("the first row must be one a chunk may begin at")
+        bounds = [0]
+        for here, following in itertools.pairwise(starts):
+            if following - here > max_rows:
+                raise ValueError(f"{following - here} rows must travel together (an env's frames in one batch), "
+                                 f"more than the {max_rows} a message may carry; lower the actor's batch_size")
+            if following - bounds[-1] > max_rows:
+                bounds.append(here)
+        bounds.append(count)
+    for start, stop in itertools.pairwise(bounds):
         chunks.append(
             (
                 {name: column[start:stop] for name, column in columns.items()},
