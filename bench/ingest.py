@@ -4,10 +4,13 @@
     python bench/ingest.py --backends redis,amqp --rounds 5
     python bench/ingest.py --signed               # HMAC-signed batches (a secret set), as a secured cluster runs
     python bench/ingest.py --repeat 3 --rounds 5  # three sweeps, then each ratio's median and range
+    python bench/ingest.py --env ALE/Pong-v5 --rows 256 --messages 200   # pixels: DQN frame rows, zstd
 
 For each backend and message size, the queue is first filled with ``--messages`` valid batches
 (real DQN CartPole-v1 rows from the algorithm's own worker, a distinct sequence number each, as
-an actor sends them); then one consumer drains it while nothing else runs:
+an actor sends them; with ``--env ALE/Pong-v5``, DQN's frame rows of Pong with that many
+transitions a message, zstd-compressed as an actor sends images, into the frame replay); then one
+consumer drains it while nothing else runs:
 
   srl   a real ``TrainerRun`` of that task (the object ``srl trainer`` runs), its ingest path
         alone, no training: ``ingest_once`` = read what the buffer has room for, decode, validate
@@ -54,11 +57,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+import torch
 from queues import ENDPOINTS, RAW, RawPikaConsumer, unavailable  # bench/queues.py
 from scale import template_rows  # bench/scale.py
 
 import srl
 from srl.algorithms import dqn
+from srl.base.env import EnvConfig, env_spec
+from srl.base.rollout import Rollout
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader
 from srl.runner.distribution.queues import open_queue
@@ -73,6 +80,11 @@ def queue_params(backend: str) -> str | None:
     return None if backend == "redis" else ENDPOINTS[backend][2]  # Redis: the board's own Redis
 
 
+ENV = "CartPole-v1"
+"""the env whose rows the messages carry (``--env``)"""
+PIXELS = "ALE/Pong-v5"
+
+
 def make_config(capacity: int) -> dqn.Config:
     config = dqn.Config(env_steps_per_train=None, warmup_size=256, seed=0)
     config.hidden_block.set_mlp((64, 64))
@@ -80,12 +92,26 @@ def make_config(capacity: int) -> dqn.Config:
     return config
 
 
+def frame_rows(config: dqn.Config, transitions: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """One actor's batch of Pong frame rows holding exactly ``transitions`` transitions."""
+    spec = env_spec(EnvConfig(PIXELS))
+    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    with Rollout(EnvConfig(PIXELS), worker, 1, seed=0) as rollout:
+        while worker.pending() < transitions:
+            rollout.step()
+        rows = worker.take()
+    assert rows is not None and int(rows["transition"].sum()) == transitions, "an episode ended: pick another size"
+    return rows, worker.initial_priorities(rows)
+
+
 def encoded_batches(rows: int, count: int, task_name: str, options: TrainerOptions) -> list[bytes]:
-    """``count`` valid batch messages of ``rows`` rows each, as one actor sends them."""
-    columns, priorities = template_rows(make_config(1000), rows)
-    codec = options.codec(task_name)
+    """``count`` valid batch messages of ``rows`` rows (transitions) each, as one actor sends them."""
+    pixels = ENV == PIXELS
+    columns, priorities = frame_rows(make_config(1000), rows) if pixels else template_rows(make_config(1000), rows)
+    codec = options.codec(task_name, compress=pixels)
     actor_id = f"bench-{uuid.uuid4().hex[:8]}"
-    return [codec.encode_batch(BatchHeader(actor_id, 0, 0, seq, 0, rows, time.time()), columns, priorities)
+    count_rows = len(columns["action"])
+    return [codec.encode_batch(BatchHeader(actor_id, 0, 0, seq, 0, count_rows, time.time()), columns, priorities)
             for seq in range(count)]
 
 
@@ -124,7 +150,7 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
     board = Board(redis_params.connect(), task_name)
     # a ring of one round: the warm-up fills it, the timed rounds overwrite (a full memory, as in a long run)
     config = make_config(capacity=rows * messages)
-    config_json = srl.Runner("CartPole-v1", config).task_config()
+    config_json = srl.Runner(ENV, config).task_config()
     config_json.update(actor_num=1, max_train_count=10**9, queue={"scheme": backend})
     text = json.dumps(config_json)
     codec = options.codec(task_name)
@@ -360,17 +386,22 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=800, help="messages per fill (below Mosquitto's 1000)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--signed", action="store_true", help="sign batches with a shared secret (HMAC)")
+    parser.add_argument("--env", default="CartPole-v1", choices=["CartPole-v1", PIXELS],
+                        help="whose rows the messages carry")
     parser.add_argument("--repeat", type=int, default=1, help="run the whole sweep this many times and end with "
                         "the median and range of each ratio (they move by up to 0.15 from run to run on 2 cores)")
     args = parser.parse_args()
     if args.repeat < 1 or args.rounds < 1 or args.messages < 1:
         parser.error("--repeat, --rounds and --messages must be at least 1")
+    global ENV
+    ENV = args.env
     logging.getLogger("srl").setLevel(logging.WARNING)
     options = TrainerOptions(uid="bench-ingest", secret=uuid.uuid4().hex if args.signed else "")
     header = (f"{'backend':<8} {'rows/msg':>8} {'bytes/msg':>9} {'srl rows/s':>11} {'raw rows/s':>11} "
               f"{'ratio':>6} {'srl msg/s':>9} {'queue only':>11} {'ratio':>6} {'lost':>5} {'bad':>4}")
     print(f"ingest path alone (no training), {args.rounds} x {args.messages} messages per case after a warm-up round, "
-          f"{'signed' if args.signed else 'unsigned'}, batches of {options.ingest_max_messages} per read")
+          f"{'signed' if args.signed else 'unsigned'}, batches of {options.ingest_max_messages} per read, {ENV} rows"
+          f"{' (DQN frame rows, zstd)' if ENV == PIXELS else ''}")
     print(header)
     print("-" * len(header))
     failed = False

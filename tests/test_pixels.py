@@ -281,11 +281,15 @@ def minatar_configs() -> dict[str, object]:
 
 
 @pytest.mark.parametrize("algorithm", ["dqn", "ppo", "impala"])
-def test_minatar_trains_in_one_process_and_evaluates(algorithm: str) -> None:
+def test_minatar_trains_in_one_process_evaluates_and_round_trips_a_checkpoint(algorithm: str, tmp_path: Path) -> None:
     runner = srl.Runner(MINATAR, minatar_configs()[algorithm])  # type: ignore[arg-type]
     runner.train(max_steps=400)
-    scores = runner.evaluate(max_episodes=2)
+    scores = runner.evaluate(max_episodes=2, seed=7)
     assert len(scores) == 2 and all(s >= 0 for s in scores)
+    runner.save(tmp_path / "minatar.safetensors")
+    again = srl.Runner.from_checkpoint(tmp_path / "minatar.safetensors")
+    assert again.rl_config == runner.rl_config and again.env_config == runner.env_config
+    assert again.evaluate(max_episodes=2, seed=7) == scores
 
 
 @pytest.mark.slow
@@ -530,3 +534,17 @@ def test_frame_rows_are_cut_into_messages_only_where_a_stream_starts() -> None:
     with pytest.raises(ValueError, match=r"must travel together.*lower the actor's batch_size"):
         split_columns(rows, priorities, stream - 1, rows["stream_start"])
     assert len(split_columns(rows, priorities, 7)) > 1  # cut anywhere, as transitions are
+
+
+@pytest.mark.slow
+def test_a_replay_too_big_for_the_trainer_is_refused_with_its_real_size(redis_url: str, namespace: str) -> None:
+    from srl.runner.distribution.client import TaskFailedError
+
+    config = dqn.Config()
+    config.memory.capacity = 100_000
+    runner = srl.Runner(PONG, config)
+    with pytest.raises(TaskFailedError, match=r"needs 0\.7\d GiB \(7,\d{3} bytes per stored row\); this trainer "
+                                              r"allows 0\.09 GiB \(--max-buffer-bytes\)"):
+        runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=1,
+                                  max_train_count=10, local_processes=True, progress_interval=None,
+                                  trainer_options={"max_buffer_bytes": 100_000_000})
