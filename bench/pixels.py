@@ -134,8 +134,11 @@ def replay(steps: int, capacity: int) -> None:
                 memory.add(rows, np.ones(len(rows["action"]), np.float32))
         grown = rss_bytes() - before
         reported = memory.nbytes / cap
-        million = 1_000_000 * reported  # the slack of 4,096 frames is the only part that does not scale
-        print(f"| {name} | {reported:,.0f} | {grown / cap:,.0f} | {million / 2**30:.2f} GiB |")
+        # the frame ring's memory of a million is reserved, not touched (np.empty); rows of stacks would need
+        # 53 GiB, more than this machine may reserve: their size is the reported one times a million
+        million = config(1, True, 1_000_000).make_buffer(spec).nbytes if frames_once else 1_000_000 * reported
+        print(f"| {name} | {reported:,.0f} | {grown / cap:,.0f} | {million / 2**30:.2f} GiB "
+              f"({million / 1e6:,.0f} B/transition) |")
         del memory
     print(f"\ntargets: <= 1.1 x {FRAME:,} = {1.1 * FRAME:,.0f} B per transition; 1M transitions <= 8 GB "
           f"({8e9 / 2**30:.2f} GiB)")

@@ -19,7 +19,7 @@ from srl.base.rollout import Rollout
 from srl.base.schema import Column, Schema
 from srl.rl.actor_critic import segment_observations
 from srl.rl.memories import MemoryConfig
-from srl.rl.memories.frames import stacks_of
+from srl.rl.memories.frames import FrameMemory, stacks_of
 from srl.rl.networks import EncoderConfig, EncoderError
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
@@ -548,3 +548,37 @@ def test_a_replay_too_big_for_the_trainer_is_refused_with_its_real_size(redis_ur
         runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=1,
                                   max_train_count=10, local_processes=True, progress_interval=None,
                                   trainer_options={"max_buffer_bytes": 100_000_000})
+
+
+def test_a_frame_replay_saved_in_a_checkpoint_loads_with_the_same_stacks() -> None:
+    spec = env_spec(EnvConfig(PONG))
+    config = small_dqn(epsilon=1.0, envs_per_actor=2, memory=MemoryConfig(capacity=300))
+    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+    memory = config.make_buffer(spec)
+    with Rollout(EnvConfig(PONG), worker, num_envs=2, seed=0) as rollout:
+        while memory.total_added < 400:  # past its capacity: the ring has wrapped
+            rollout.step()
+            if worker.pending() >= 64:
+                rows = worker.take()
+                assert rows is not None
+                memory.add(rows, worker.initial_priorities(rows))
+    saved = memory.state_arrays()
+    assert saved is not None
+    arrays, meta = saved
+    assert memory.state_nbytes() >= arrays["frames"].nbytes
+    again = config.make_buffer(spec)
+    again.load_state_arrays(arrays, meta)
+    assert len(again) == len(memory) == 300
+
+    def stored(m: FrameMemory) -> list[tuple[bytes, bytes, int, float, float]]:
+        rows = m.inner._ring.state()  # type: ignore[attr-defined]  # oldest first
+        return transition_set(m._frames[rows["obs_frames"] % m.frame_capacity],
+                              m._frames[rows["next_frames"] % m.frame_capacity],
+                              rows["action"], rows["reward"], rows["discount"])
+
+    assert isinstance(memory, FrameMemory) and isinstance(again, FrameMemory)
+    assert stored(again) == stored(memory)
+    assert again.sample(64).batch["obs"].shape == (64, 4, 84, 84)
+    other = small_dqn(memory=MemoryConfig(capacity=600)).make_buffer(spec)
+    with pytest.raises(ValueError, match="frame ring"):
+        other.load_state_arrays(arrays, meta)
