@@ -82,6 +82,8 @@ def queue_params(backend: str) -> str | None:
 
 ENV = "CartPole-v1"
 """the env whose rows the messages carry (``--env``)"""
+COMPRESS: bool | None = None
+"""zstd-compress the messages (``--compress``; None: as an actor does, for images only)"""
 PIXELS = "ALE/Pong-v5"
 
 
@@ -108,7 +110,7 @@ def encoded_batches(rows: int, count: int, task_name: str, options: TrainerOptio
     """``count`` valid batch messages of ``rows`` rows (transitions) each, as one actor sends them."""
     pixels = ENV == PIXELS
     columns, priorities = frame_rows(make_config(1000), rows) if pixels else template_rows(make_config(1000), rows)
-    codec = options.codec(task_name, compress=pixels)
+    codec = options.codec(task_name, compress=pixels if COMPRESS is None else COMPRESS)
     actor_id = f"bench-{uuid.uuid4().hex[:8]}"
     count_rows = len(columns["action"])
     return [codec.encode_batch(BatchHeader(actor_id, 0, 0, seq, 0, count_rows, time.time()), columns, priorities)
@@ -388,20 +390,23 @@ def main() -> int:
     parser.add_argument("--signed", action="store_true", help="sign batches with a shared secret (HMAC)")
     parser.add_argument("--env", default="CartPole-v1", choices=["CartPole-v1", PIXELS],
                         help="whose rows the messages carry")
+    parser.add_argument("--compress", action=argparse.BooleanOptionalAction, default=None,
+                        help="zstd-compress the batches (default: as actors do, for images only)")
     parser.add_argument("--repeat", type=int, default=1, help="run the whole sweep this many times and end with "
                         "the median and range of each ratio (they move by up to 0.15 from run to run on 2 cores)")
     args = parser.parse_args()
     if args.repeat < 1 or args.rounds < 1 or args.messages < 1:
         parser.error("--repeat, --rounds and --messages must be at least 1")
-    global ENV
-    ENV = args.env
+    global ENV, COMPRESS
+    ENV, COMPRESS = args.env, args.compress
     logging.getLogger("srl").setLevel(logging.WARNING)
     options = TrainerOptions(uid="bench-ingest", secret=uuid.uuid4().hex if args.signed else "")
     header = (f"{'backend':<8} {'rows/msg':>8} {'bytes/msg':>9} {'srl rows/s':>11} {'raw rows/s':>11} "
               f"{'ratio':>6} {'srl msg/s':>9} {'queue only':>11} {'ratio':>6} {'lost':>5} {'bad':>4}")
     print(f"ingest path alone (no training), {args.rounds} x {args.messages} messages per case after a warm-up round, "
           f"{'signed' if args.signed else 'unsigned'}, batches of {options.ingest_max_messages} per read, {ENV} rows"
-          f"{' (DQN frame rows, zstd)' if ENV == PIXELS else ''}")
+          f"{' (DQN frame rows)' if ENV == PIXELS else ''}, "
+          f"{'zstd' if (ENV == PIXELS if COMPRESS is None else COMPRESS) else 'uncompressed'}")
     print(header)
     print("-" * len(header))
     failed = False

@@ -42,6 +42,19 @@ class Column:
         return np.dtype(self.dtype).itemsize * math.prod(self.shape)
 
 
+def _dtype_bounds_hold(column: Column) -> bool:
+    """Whether every value of an integer or bool ``column``'s dtype lies within its bounds."""
+    dtype = np.dtype(column.dtype)
+    if dtype.kind == "b":
+        low_of, high_of = 0, 1
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        low_of, high_of = int(info.min), int(info.max)
+    else:
+        return False
+    return (column.low is None or column.low <= low_of) and (column.high is None or column.high >= high_of)
+
+
 @dataclass(frozen=True)
 class Schema:
     """The columns of one kind of row, and whether rows may carry initial priorities."""
@@ -60,12 +73,15 @@ class Schema:
     the batch); the reason they do not hold, or None"""
     names: tuple[str, ...] = field(init=False)
     _dtypes: Mapping[str, np.dtype] = field(init=False, repr=False, compare=False)
+    _unbounded: Mapping[str, bool] = field(init=False, repr=False, compare=False)
+    """per column: its dtype alone keeps every value within its bounds (uint8 in 0..255): nothing to check"""
 
     def __post_init__(self) -> None:
         if not self.columns:
             raise ValueError("a schema needs at least one column")
         object.__setattr__(self, "names", tuple(sorted(self.columns)))
         object.__setattr__(self, "_dtypes", {name: np.dtype(c.dtype) for name, c in self.columns.items()})
+        object.__setattr__(self, "_unbounded", {name: _dtype_bounds_hold(c) for name, c in self.columns.items()})
 
     @property
     def row_nbytes(self) -> int:
@@ -114,7 +130,7 @@ class Schema:
             if array.size == 0:
                 continue
             is_float = array.dtype.kind == "f"
-            if not is_float and column.low is None and column.high is None:
+            if not is_float and self._unbounded[name]:
                 continue
             # min and max carry a NaN or an infinity through: two reductions check finiteness and bounds
             low, high = array.min(), array.max()

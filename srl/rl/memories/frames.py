@@ -242,8 +242,10 @@ class FrameMemory(Memory):
             base = self._written
             n = len(frames)
             kept = min(n, self.frame_capacity)
-            slots = (base + n - kept + np.arange(kept)) % self.frame_capacity
-            self._frames[slots] = frames[n - kept:]
+            start = (base + n - kept) % self.frame_capacity
+            first = min(kept, self.frame_capacity - start)  # two slices at most: memory copies, no gather
+            self._frames[start:start + first] = frames[n - kept:n - kept + first]
+            self._frames[:kept - first] = frames[n - kept + first:]
             self._written += n
         if len(rows) == 0:
             return
