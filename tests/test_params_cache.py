@@ -75,6 +75,25 @@ def test_a_directory_others_may_write_to_is_not_used(tmp_path: Path) -> None:
     assert private_directory(shared) is None
 
 
+def test_records_of_tasks_whose_actors_died_are_removed_after_an_hour(tmp_path: Path) -> None:
+    from srl.runner.distribution.params_cache import LEFT_OVER_S
+
+    board = Board()
+    dead = ParamsCache(tmp_path, "a task whose actors died")
+    assert dead.get((1, 3), board.fetch) is not None
+    left = next(tmp_path.glob("params-*.bin"))
+    fresh = ParamsCache(tmp_path, "a task still running")
+    assert fresh.get((1, 3), board.fetch) is not None
+    assert left.exists()  # younger than an hour: perhaps its actors are only slow
+    old = time.time() - LEFT_OVER_S - 1
+    os.utime(left, (old, old))
+    board.version = 4
+    assert fresh.get((1, 4), board.fetch) is not None
+    assert not left.exists() and len(list(tmp_path.glob("params-*.bin"))) == 1
+    fresh.clear()
+    assert not list(tmp_path.glob("params-*.bin"))
+
+
 def test_an_unreadable_record_is_a_miss(tmp_path: Path) -> None:
     board = Board()
     cache = ParamsCache(tmp_path, "k")
@@ -97,7 +116,9 @@ def test_the_actors_of_one_machine_share_params_in_a_run(redis_url: str, namespa
     board = board_for(redis_url, namespace)
     status = board.get_status()
     assert status is not None and status.status == TaskState.END
-    assert list(tmp_path.glob("params-*.bin")), "the actors left the versions they shared"
+    actors = [s for role, s in board.get_all_stats().items() if role.startswith("actor")]
+    assert len(actors) == 2 and sum(int(s["params_shared"]) for s in actors) > 0  # one read what the other fetched
+    assert not list(tmp_path.glob("params-*.bin")), "the actors leave no records behind"
     board.delete_task()
 
 

@@ -248,6 +248,7 @@ class ActorRun:
             envs=self.rollout.num_envs,
             episodes=self.episodes,
             sent_batches=self.sent_batches,
+            params_shared=0 if self.params_cache is None else self.params_cache.shared,
             params_version=self.params_version,
             params_lag=max(0, self.latest_version - self.params_version),
             backpressure_wait_s=round(self.backpressure_wait_s + stalled_now, 3),
@@ -519,6 +520,8 @@ class ActorRun:
             self._final_report()
             self.rollout.close()
             self.queue.close()
+            if self.params_cache is not None:
+                self.params_cache.clear()
             if self.task_gone:
                 remove_orphans(self.board)
         if self.refused_by is not None:

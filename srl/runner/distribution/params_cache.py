@@ -32,6 +32,8 @@ _HEAD = struct.Struct("<4sqqq")
 _MAGIC = b"SRLP"
 LOCK_STALE_S = 30.0
 """a lock older than this is a fetcher that died: taken over"""
+LEFT_OVER_S = 3600.0
+"""another task's record untouched this long was left by actors that died: removed when a record is written"""
 
 
 def default_directory() -> Path:
@@ -110,9 +112,23 @@ class ParamsCache:
             f.write(_HEAD.pack(_MAGIC, record.epoch, record.version, record.train_count))
             f.write(record.blob)
         tmp.replace(path)
-        for old in self.directory.glob(f"{self.prefix}-*-*.bin"):  # readers of an unlinked file keep reading it
-            if old != path and old.name < path.name:
-                old.unlink(missing_ok=True)
+        now = time.time()
+        for old in self.directory.glob("*params-*"):  # readers of an unlinked file keep reading it
+            if old.name.startswith(self.prefix):
+                if old.suffix == ".bin" and old.name < path.name:
+                    old.unlink(missing_ok=True)
+                continue
+            try:
+                if now - old.stat().st_mtime > LEFT_OVER_S:
+                    old.unlink(missing_ok=True)
+            except OSError:
+                continue
+
+    def clear(self) -> None:
+        """Remove this task's records (an actor that stops: another actor of the machine still running the task
+        fetches its next version from the board)."""
+        for path in self.directory.glob(f"{self.prefix}-*.bin"):
+            path.unlink(missing_ok=True)
 
     def discard(self, record: ParamsRecord) -> bool:
         """Remove the file of ``record`` (one that does not decode); whether there was one."""

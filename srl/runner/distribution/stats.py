@@ -101,6 +101,8 @@ class ActorStats(NodeStats):
     """episodes finished"""
     sent_batches: int = 0
     """batch messages sent"""
+    params_shared: int = 0
+    """params versions it read from its machine's params cache (another actor there fetched them)"""
     params_version: int = 0
     """the params version it acts with"""
     params_lag: int = 0
