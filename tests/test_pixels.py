@@ -19,7 +19,7 @@ from srl.base.rollout import Rollout
 from srl.base.schema import Column, Schema
 from srl.rl.actor_critic import segment_observations
 from srl.rl.memories import MemoryConfig
-from srl.rl.memories.frames import FrameMemory, stacks_of
+from srl.rl.memories.frames import FrameMemory, check_stacks, stacks_of
 from srl.rl.networks import EncoderConfig, EncoderError
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
@@ -396,16 +396,23 @@ def test_frame_rows_and_the_frame_replay_give_back_exactly_the_stacks_the_env_pr
     assert set(drawn) <= set(theirs) and len(set(drawn)) > len(theirs) // 2
 
 
-def test_frame_rows_that_refer_outside_their_batch_are_refused() -> None:
+def pong_frame_rows(envs: int, transitions: int) -> tuple[dqn.DQNWorker, Schema, dict[str, np.ndarray]]:
+    """A random-acting DQN worker of ``envs`` Pong envs, its schema, and the frame rows it took once it held
+    ``transitions`` transitions."""
     spec = env_spec(EnvConfig(PONG))
-    config = small_dqn(epsilon=1.0, envs_per_actor=2)
+    config = small_dqn(epsilon=1.0, envs_per_actor=envs)
     worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
-    schema = config.schema(spec)
-    with Rollout(EnvConfig(PONG), worker, num_envs=2, seed=0) as rollout:
-        while worker.pending() < 20:
+    with Rollout(EnvConfig(PONG), worker, num_envs=envs, seed=0) as rollout:
+        while worker.pending() < transitions:
             rollout.step()
     rows = worker.take()
-    assert rows is not None and schema.problem(rows) is None
+    assert rows is not None
+    return worker, config.schema(spec), rows
+
+
+def test_frame_rows_that_refer_outside_their_batch_are_refused() -> None:
+    _, schema, rows = pong_frame_rows(2, 20)
+    assert schema.problem(rows) is None
     assert schema.counted(rows) == 20 < len(rows["frame"])
 
     def broken(**changes: np.ndarray) -> str | None:
@@ -514,15 +521,8 @@ def test_initial_priorities_from_the_q_values_acted_with_match_a_fresh_forward_p
 def test_frame_rows_are_cut_into_messages_only_where_a_stream_starts() -> None:
     from srl.runner.distribution.codec import split_columns
 
-    spec = env_spec(EnvConfig(PONG))
-    config = small_dqn(epsilon=1.0, envs_per_actor=4)
-    worker = config.make_worker(spec, config.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
-    schema = config.schema(spec)
-    with Rollout(EnvConfig(PONG), worker, num_envs=4, seed=0) as rollout:
-        while worker.pending() < 80:
-            rollout.step()
-    rows = worker.take()
-    assert rows is not None and schema.split_at == "stream_start"
+    worker, schema, rows = pong_frame_rows(4, 80)
+    assert schema.split_at == "stream_start"
     priorities = worker.initial_priorities(rows)
     stream = int(np.diff(np.flatnonzero(rows["stream_start"])).max())
     chunks = split_columns(rows, priorities, stream + 3, rows["stream_start"])
@@ -582,3 +582,16 @@ def test_a_frame_replay_saved_in_a_checkpoint_loads_with_the_same_stacks() -> No
     other = small_dqn(memory=MemoryConfig(capacity=600)).make_buffer(spec)
     with pytest.raises(ValueError, match="frame ring"):
         other.load_state_arrays(arrays, meta)
+
+
+def test_stacks_that_do_not_slide_or_start_as_copies_are_refused() -> None:
+    rng = np.random.default_rng(0)
+    before = rng.integers(0, 256, (2, 4, 6, 6), dtype=np.uint8)
+    after = np.concatenate([before[:, 1:], rng.integers(0, 256, (2, 1, 6, 6), dtype=np.uint8)], axis=1)
+    check_stacks(before, after, np.zeros(2, bool))  # slid by one frame
+    reset = np.repeat(after[:, -1:], 4, axis=1)
+    check_stacks(before, reset, np.ones(2, bool))  # copies of the first frame
+    with pytest.raises(RuntimeError, match="slide by one frame"):
+        check_stacks(before, before, np.zeros(2, bool))
+    with pytest.raises(RuntimeError, match="copies of its reset frame"):
+        check_stacks(before, after, np.array([False, True]))

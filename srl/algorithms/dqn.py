@@ -54,7 +54,14 @@ from srl.base.rl import (
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
-from srl.rl.memories.frames import FrameMemory, FrameWriter, frame_row_columns, frame_rows_problem, stacks_of
+from srl.rl.memories.frames import (
+    FrameMemory,
+    FrameWriter,
+    check_stacks,
+    frame_row_columns,
+    frame_rows_problem,
+    stacks_of,
+)
 from srl.rl.networks import EncoderConfig
 
 logger = logging.getLogger("srl.dqn")
@@ -465,10 +472,13 @@ class DQNWorker(Worker):
         self._newest = np.zeros(num_envs, dtype=np.int64)
 
     def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        frames = self.frames if self.training else None
+        if frames is not None:
+            check_stacks(obs, obs, np.ones(len(env_ids), bool))
         for k, i in enumerate(env_ids):
             self._windows[i].clear()
-            if self.frames is not None and self.training:
-                self._newest[i] = self.frames.start(int(i), obs[k])
+            if frames is not None:
+                self._newest[i] = frames.start(int(i), obs[k])
 
     def act(self, obs: np.ndarray) -> np.ndarray:
         net = self.parameter.q if self.training else self.parameter.greedy_q
@@ -476,9 +486,7 @@ class DQNWorker(Worker):
             q = net(torch.from_numpy(obs).to(self.parameter.device))
         if self.training:
             self._q = q.float().cpu().numpy()
-            for i, waiting in enumerate(self._waiting):
-                if waiting:
-                    self._settle(waiting, float(self._q[i].max()))
+            self._settle(np.arange(self.num_envs), self._q)
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
         eps = self.epsilon if self.training else self.config.test_epsilon
         if eps > 0.0:
@@ -495,11 +503,13 @@ class DQNWorker(Worker):
         version = self.parameter.version
         scale = self.reward_scale
         frames = self.frames
+        if frames is not None:
+            check_stacks(self._obs, next_obs, np.zeros(self.num_envs, bool))
         for i, window in enumerate(self._windows):
             obs: Any = self._obs[i]
             nxt: Any = next_obs[i]
             if frames is not None:  # the window keeps frame indices; the writer keeps the frames
-                obs, nxt = self._newest[i], frames.step(i, self._obs[i], next_obs[i])
+                obs, nxt = self._newest[i], frames.step(i, next_obs[i])
                 self._newest[i] = nxt
             action = int(self._action[i])
             window.append((obs, action, float(reward[i]) * scale, version, float(self._q[i, action])))
@@ -513,6 +523,7 @@ class DQNWorker(Worker):
         cut = np.flatnonzero(truncated & ~terminated)
         if len(cut) and any(self._waiting[i] for i in cut):  # a final observation no act will see
             self._settle_from(cut, next_obs[cut])
+        # the other ended envs' transitions end in a terminal step: their next Q, whichever, counts for nothing
 
     def _emit(self, env: int, window: deque[tuple[Any, int, float, int, float]], next_obs: Any,
               bootstrap: bool) -> None:
@@ -522,10 +533,7 @@ class DQNWorker(Worker):
         obs, action, _, version, q_sa = window.popleft()
         discount = float(self._gammas[k]) if bootstrap else 0.0
         priority = [ret, discount, q_sa, 0.0]
-        if discount == 0.0:
-            self._settle([priority], 0.0)
-        else:
-            self._waiting[env].append(priority)
+        self._waiting[env].append(priority)  # settled by the next Q of this env (times 0 after a terminal step)
         if self.frames is not None:
             self.frames.transition(env, int(obs), int(next_obs), action, ret, discount, version, priority)
             return
@@ -538,21 +546,25 @@ class DQNWorker(Worker):
         rows["version"].append(version)
         rows["priority"].append(priority)
 
-    def _settle(self, waiting: list[list[float]], next_value: float) -> None:
-        """Give each waiting priority its |TD error| now that max Q of its next observation is known."""
-        ret, discount, q_sa = (torch.tensor([p[j] for p in waiting], dtype=torch.float64) for j in range(3))
-        value = torch.full_like(ret, next_value)
-        target = td_targets(value[:, None], value[:, None], ret, discount, True, self.config.value_rescale)
-        for p, td in zip(waiting, (target - q_sa).abs().tolist(), strict=True):
+    def _settle(self, envs: np.ndarray, q: np.ndarray) -> None:
+        """Give the priorities waiting in ``envs`` their |TD error|, now that ``q`` (one row per env) holds the Q
+        values of their next observations: one computation for them all."""
+        waiting = [(p, k) for k, i in enumerate(envs) for p in self._waiting[i]]
+        if not waiting:
+            return
+        ret, discount, q_sa = (torch.tensor([p[j] for p, _ in waiting], dtype=torch.float64) for j in range(3))
+        value = torch.from_numpy(q.max(axis=1)[[k for _, k in waiting]]).to(torch.float64)[:, None]
+        target = td_targets(value, value, ret, discount, True, self.config.value_rescale)
+        for (p, _), td in zip(waiting, (target - q_sa).abs().tolist(), strict=True):
             p[3] = td
-        waiting.clear()
+        for i in envs:
+            self._waiting[i].clear()
 
     def _settle_from(self, envs: np.ndarray, obs: np.ndarray) -> None:
         """Settle the waiting priorities of ``envs`` with Q of ``obs`` (their next observations)."""
         with torch.inference_mode():
             q = self.parameter.q(torch.from_numpy(obs).to(self.parameter.device)).float().cpu().numpy()
-        for k, i in enumerate(envs):
-            self._settle(self._waiting[i], float(q[k].max()))
+        self._settle(envs, q)
 
     def pending(self) -> int:
         return len(self._rows["action"]) if self.frames is None else self.frames.pending()

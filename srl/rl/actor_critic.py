@@ -46,6 +46,7 @@ from srl.base.rl import (
 )
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig
+from srl.rl.memories.frames import check_stacks, stack_rows
 from srl.rl.networks import EncoderConfig, orthogonal_init
 
 VALUE_BOUND = 1e9
@@ -83,15 +84,15 @@ def segment_observations(segments: Mapping[str, np.ndarray], frames: int) -> tup
     from ``frames`` and ``first``."""
     if not frames:
         return segments["obs"], segments["last_obs"]
+    # the segments as one run of streams, each beginning with its first stack's older frames (context)
     first = segments["first"].copy()
-    first[:, : frames - 1] = False  # the first stack's older frames are context, never an episode's start
+    first[:, : frames - 1] = False  # context, never an episode's start
     n, length = first.shape
-    index = np.arange(length, dtype=np.int64)
-    last_first = np.maximum.accumulate(np.where(first, index, -1), axis=1)  # (n, T + S)
-    newest = index[frames - 1 :]  # the newest frame of obs_0 .. obs_T
-    oldest = newest[None, :, None] - (frames - 1) + np.arange(frames)[None, None, :]  # (1, T + 1, S)
-    sources = np.maximum(oldest, last_first[:, frames - 1 :, None])  # padded with an episode's first frame
-    stacks = segments["frames"][np.arange(n)[:, None, None], sources]  # (n, T + 1, S, H, W)
+    start = np.zeros((n, length), bool)
+    start[:, 0] = True
+    sources, _ = stack_rows(first.reshape(-1), start.reshape(-1), frames)
+    flat = segments["frames"].reshape(n * length, *segments["frames"].shape[2:])
+    stacks = flat[sources.reshape(n, length, frames)[:, frames - 1 :]]  # (n, T + 1, S, H, W)
     return stacks[:, :-1], stacks[:, -1]
 
 
@@ -276,17 +277,6 @@ class ActorCriticParameter(Parameter):
         torch_from_arrays({"net": self.net}, arrays)
 
 
-def check_slides(before: np.ndarray, after: np.ndarray, starting: np.ndarray) -> None:
-    """Each env's stack ``after`` is ``before`` moved by one frame, or (``starting``) copies of one frame."""
-    going = ~starting
-    if going.any() and not np.array_equal(after[going, :-1], before[going, 1:]):
-        raise RuntimeError("segments of frames need stacks that slide by one frame a step; this env's do not "
-                           "(set store_frames_once=False)")
-    if starting.any() and not (after[starting] == after[starting, -1:]).all():
-        raise RuntimeError("segments of frames need an episode's first stack to be copies of its reset frame "
-                           "(gymnasium's FrameStackObservation with padding_type='reset')")
-
-
 class SegmentWorker(Worker):
     """Samples actions for E envs at once; every T steps each env's last T steps become a segment."""
 
@@ -383,7 +373,7 @@ class SegmentWorker(Worker):
             self._t = 0
             if self.frames:
                 assert self._last is not None
-                check_slides(self._last, next_obs, np.zeros(self.num_envs, bool))
+                check_stacks(self._last, next_obs, np.zeros(self.num_envs, bool))
                 self._frames[-1], self._first[-1] = next_obs[:, -1], False
                 observations = {"frames": self._frames.swapaxes(0, 1).copy(), "first": self._first.T.copy()}
             else:
@@ -407,7 +397,7 @@ class SegmentWorker(Worker):
         """Step ``t``'s observations as frames (all of the first stack's at ``t`` 0), checked against the last."""
         start = self.frames - 1
         if self._last is not None:
-            check_slides(self._last, obs, self._starting)
+            check_stacks(self._last, obs, self._starting)
         if t == 0:
             self._frames[:start] = obs[:, :start].swapaxes(0, 1)
         self._frames[start + t], self._first[start + t] = obs[:, -1], self._starting

@@ -65,6 +65,18 @@ def stack_rows(first: np.ndarray, stream_start: np.ndarray, stack: int) -> tuple
     return rows, whole
 
 
+def check_stacks(before: np.ndarray, after: np.ndarray, starting: np.ndarray) -> None:
+    """Each env's stack ``after`` (``(E, stack, *frame)``) is ``before`` moved by one frame, or, where
+    ``starting``, copies of one frame (an episode's first): what sending each frame once relies on."""
+    going = ~starting
+    if going.any() and not np.array_equal(after[going, :-1], before[going, 1:]):
+        raise RuntimeError("sending each frame once needs stacks that slide by one frame a step; this env's do "
+                           "not (set store_frames_once=False)")
+    if starting.any() and not (after[starting] == after[starting, -1:]).all():
+        raise RuntimeError("sending each frame once needs an episode's first stack to be copies of its reset "
+                           "frame (gymnasium's FrameStackObservation with padding_type='reset')")
+
+
 def frame_rows_problem(columns: Mapping[str, np.ndarray], stack: int) -> str | None:
     """Why these frame rows are not whole (see the module docstring), or None."""
     n = len(columns["frame"])
@@ -97,9 +109,9 @@ def frame_rows_problem(columns: Mapping[str, np.ndarray], stack: int) -> str | N
 class FrameWriter:
     """One stream of frames per env, turned into self-contained frame rows (see the module docstring).
 
-    The worker calls ``start`` at an episode's first observation, ``step`` with each next observation,
-    and ``transition`` when one is complete; ``take`` returns the rows. Each stack is checked against the
-    stream (the env's stacks must slide by one frame a step, and start as copies of the reset frame).
+    The worker calls ``start`` at an episode's first observation, ``step`` with each next observation
+    (both checked by ``check_stacks`` first), and ``transition`` when one is complete; ``take`` returns the
+    rows.
     """
 
     def __init__(self, num_envs: int, stack: int, lookback: int) -> None:
@@ -119,19 +131,13 @@ class FrameWriter:
 
     def start(self, env: int, obs: np.ndarray) -> int:
         """An episode starts with the stack ``obs`` (copies of its reset frame); its absolute index."""
-        frame = obs[-1]
-        if not all(np.array_equal(obs[i], frame) for i in range(len(obs) - 1)):
-            raise RuntimeError("frame rows need an episode's first stack to be copies of its reset frame "
-                               "(gymnasium's FrameStackObservation with padding_type='reset')")
-        self._frames[env].append(np.array(frame))
+        self._frames[env].append(np.array(obs[-1]))
         self._first[env].append(True)
         return self.newest(env)
 
-    def step(self, env: int, obs: np.ndarray, next_obs: np.ndarray) -> int:
-        """The stack ``next_obs`` followed ``obs``: its newest frame joins the stream; its absolute index."""
-        if not np.array_equal(next_obs[:-1], obs[1:]):
-            raise RuntimeError("frame rows need stacks that slide by one frame a step; this env's do not "
-                               "(turn frame rows off for it: DQN's store_frames_once=False)")
+    def step(self, env: int, next_obs: np.ndarray) -> int:
+        """The stack ``next_obs`` followed the env's last one: its newest frame joins the stream; its absolute
+        index."""
         self._frames[env].append(np.array(next_obs[-1]))
         self._first[env].append(False)
         return self.newest(env)
@@ -298,10 +304,6 @@ class FrameMemory(Memory):
     @property
     def nbytes(self) -> int:
         return int(self._frames.nbytes) + self.inner.nbytes
-
-    @property
-    def frames_written(self) -> int:
-        return self._written
 
     def state_nbytes(self) -> int:
         held = min(self._written, self.frame_capacity)
