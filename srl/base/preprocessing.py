@@ -2,7 +2,8 @@
 
 Owns: the fixed set of preprocessings a task may name (``PREPROCESSINGS``), which one an env id gets
 when the config names none (``resolve_preprocessing``), registering the env packages srl knows by id
-prefix (ALE's ``ALE/`` ids from ``ale-py``, ``MinAtar/`` ids from ``minatar``), and the
+prefix (ALE's ``ALE/`` ids from ``ale-py``, ``MinAtar/`` ids from ``minatar``, srl's own ``srl/`` ids
+from ``srl.base.partial``), and the
 ``TrainingSignal``: what a worker sees instead of the env's own reward and end of episode while it
 trains (clipped rewards, a lost life as a terminal step). Must never: import a module or build a
 wrapper named by data; a name read from the board selects an entry of this file's table or is refused.
@@ -68,7 +69,11 @@ def register_known_envs(env_id: str) -> None:
     know the id yet: a fixed import chosen here by prefix, never a module named by the id itself."""
     if env_id in gym.registry:
         return
-    if env_id.startswith("ALE/") or "NoFrameskip" in env_id:
+    if env_id.startswith("srl/"):
+        from srl.base.partial import register_partial_envs
+
+        register_partial_envs()
+    elif env_id.startswith("ALE/") or "NoFrameskip" in env_id:
         try:
             import ale_py
         except ImportError as e:
