@@ -206,9 +206,7 @@ class Config(RLConfig):
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
         """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
-        if actor_num <= 1:
-            return self.epsilon
-        return float(self.apex_epsilon ** (1.0 + self.apex_alpha * actor_index / (actor_num - 1)))
+        return apex_epsilon(self.epsilon, self.apex_epsilon, self.apex_alpha, actor_index, actor_num)
 
     def check_spec(self, spec: EnvSpec) -> None:
         action_table(spec, self.action_bins)
@@ -264,6 +262,14 @@ class Config(RLConfig):
     def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> DQNLearner:
         assert isinstance(parameter, DQNParameter) and isinstance(buffer, Memory)
         return DQNLearner(self, parameter, buffer)
+
+
+def apex_epsilon(epsilon: float, base: float, alpha: float, actor_index: int, actor_num: int) -> float:
+    """ε of actor ``actor_index`` of ``actor_num``: ``epsilon`` for a lone actor, else the Ape-X schedule
+    base ** (1 + alpha * i / (N - 1))."""
+    if actor_num <= 1:
+        return epsilon
+    return float(base ** (1.0 + alpha * actor_index / (actor_num - 1)))
 
 
 FRAME_RING_SLACK = 4096

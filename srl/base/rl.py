@@ -85,6 +85,11 @@ class DataPath:
     process trains to keep it. None: not limited (on-policy data paths pace themselves)"""
     warmup_rows: int = 0
     """rows the trainer needs before its first update (actors may run that far ahead of the replay ratio)"""
+    row_steps: int = 1
+    """new env steps one row brings, for the replay ratio: 1 for a transition, the steps between two
+    overlapping sequences for R2D2's"""
+    row_lead: int = 0
+    """env steps an env takes before its first row beyond ``row_steps`` (R2D2: the overlap of its sequences)"""
 
     # ---------------------------------------------------------------- the rules it implies, in one place:
     # Runner.train, the actor, the trainer and bench/learning.py all ask these, so a version and a replay
@@ -113,12 +118,17 @@ class DataPath:
         """Env steps (all actors together) the replay ratio allows once the trainer made ``train_steps``: the
         warmup's rows, then ``env_steps_per_train`` per train step."""
         assert self.env_steps_per_train is not None
-        return self.warmup_rows + self.env_steps_per_train * train_steps
+        return self.warmup_rows * self.row_steps + self.env_steps_per_train * train_steps
+
+    def first_rows_steps(self, envs: int) -> int:
+        """Env steps ``envs`` envs take beyond ``row_steps`` per row before their rows come (an actor's slack
+        under the replay ratio, so the warmup's rows are not held back by the steps that precede them)."""
+        return envs * (self.row_lead + self.row_steps - 1)
 
     def train_steps_allowed(self, rows: int, ahead: float = 1.0) -> float:
         """Train steps ``rows`` received pay for (those past the warmup's), ``ahead`` times over."""
         assert self.env_steps_per_train is not None
-        return ahead * max(0, rows - self.warmup_rows) / self.env_steps_per_train
+        return ahead * max(0, rows - self.warmup_rows) * self.row_steps / self.env_steps_per_train
 
     @staticmethod
     def update_segments(actor_num: int, envs_per_actor: int) -> int:

@@ -363,13 +363,15 @@ class ActorRun:
     def _allowed_steps(self) -> float:
         """Env steps this actor may have taken by now: its share of the warmup plus the replay ratio's
         env steps per train step the trainer made since this actor started, plus one batch of slack (so
-        the warmup's last transitions are not stuck in an unsent batch)."""
+        the warmup's last transitions are not stuck in an unsent batch) and the steps its envs take before
+        their rows come (R2D2's overlapping sequences)."""
         trained = max(0, self.latest_train_count)
         if self._trained_base is None or self._rebase_allowance:
             self._rebase_allowance = False
             self._trained_base, self._steps_base = trained, self.env_steps
         share = self.data_path.env_steps_allowed(trained - self._trained_base) / self.task.actor_num
-        return self._steps_base + share + self._batch_rows()
+        return (self._steps_base + share + self._batch_rows()
+                + self.data_path.first_rows_steps(self.task.rl_config.envs_per_actor))
 
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
