@@ -14,6 +14,7 @@ ALGORITHMS: dict[str, str] = {
     "dqn": "srl.algorithms.dqn",
     "ppo": "srl.algorithms.ppo",
     "impala": "srl.algorithms.impala",
+    "r2d2": "srl.algorithms.r2d2",
 }
 
 

@@ -40,14 +40,16 @@ from srl.rl.actor_critic import (
     ActorCriticParameter,
     LinearAnneal,
     SegmentWorker,
+    bootstrapped_values,
     check_actions,
-    segment_frames,
+    config_segment_schema,
     segment_observations,
-    segment_schema,
+    segment_states,
 )
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
+from srl.rl.recurrent import check_recurrent
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Config(RLConfig):
     """IMPALA settings."""
 
     algorithm: ClassVar[str] = "impala"
+    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
@@ -65,6 +68,11 @@ class Config(RLConfig):
     and a CNN both heads share for images ("impala_cnn": the paper's residual network)"""
     store_frames_once: bool = True
     """for stacked frames (Atari's 4): a segment carries T + 4 frames, not 4 per step and 4 for last_obs"""
+    recurrent: str | None = None
+    """a cell between the encoder and the heads: "lstm", "gru", or None (feed-forward). Actors keep its state
+    per env and send it with each segment; the learner unrolls it over the segment from that state"""
+    recurrent_size: int = 128
+    """units of the recurrent cell"""
     normalize_obs: bool | None = False
     """normalize observations by running statistics (updated by the learner, published with the params)"""
     segment_length: int = 16
@@ -101,6 +109,7 @@ class Config(RLConfig):
         super().validate()
         self.hidden_block.validate()
         self.encoder.validate()
+        check_recurrent(self.recurrent, self.recurrent_size)
         check_int("segment_length", self.segment_length, 1, 1 << 16)
         check_int("batch_segments", self.batch_segments, 1, 1 << 16)
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
@@ -125,7 +134,7 @@ class Config(RLConfig):
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag)
 
     def schema(self, spec: EnvSpec) -> Schema:
-        return segment_schema(spec, self.segment_length, segment_frames(self, spec))
+        return config_segment_schema(self, spec, self.segment_length)
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
         return ActorCriticParameter(self, spec, device)
@@ -219,15 +228,23 @@ class IMPALALearner(Learner):
         lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         observations, last_obs = segment_observations(segments, self.parameter.frames)
-        obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
-        action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
-        logprob, entropy, value = net.evaluate(obs, action)
-        logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
+        if net.recurrent is not None:  # each segment unrolled from the state its actor started it with
+            obs = to_device(observations, dev)
+            h, c, resets = segment_states(segments, dev)
+            logprob, entropy, value = net.evaluate_sequence(obs, to_device(segments["action"], dev), h, c, resets)
+            with torch.no_grad():
+                bootstrap = bootstrapped_values(net, obs, to_device(last_obs, dev), h, c, resets)[1]
+        else:
+            obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
+            action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
+            logprob, entropy, value = net.evaluate(obs, action)
+            logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
+            with torch.no_grad():
+                bootstrap = net.value(to_device(last_obs, dev))
         behaviour = to_device(segments["logprob"], dev)
         rewards = to_device(segments["reward"], dev)
         discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
         with torch.no_grad():
-            bootstrap = net.value(to_device(last_obs, dev))
             log_rhos = logprob.detach() - behaviour
             vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap,
                                     config.rho_bar, config.c_bar, config.vtrace_lambda)

@@ -52,14 +52,16 @@ from srl.rl.actor_critic import (
     LinearAnneal,
     RunningMeanStd,
     SegmentWorker,
+    bootstrapped_values,
     check_actions,
-    segment_frames,
+    config_segment_schema,
     segment_observations,
-    segment_schema,
+    segment_states,
 )
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
+from srl.rl.recurrent import check_recurrent
 
 # Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box, images). The
 # images column is CleanRL's ppo_atari.py (Atari's rewards are clipped by its preprocessing instead).
@@ -82,6 +84,7 @@ class Config(RLConfig):
     observations, or images (see ``PRESETS``)."""
 
     algorithm: ClassVar[str] = "ppo"
+    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128}
 
     envs_per_actor: int = 8
     """envs each actor (and Runner.train) steps at once; one segment per env per update"""
@@ -120,6 +123,12 @@ class Config(RLConfig):
     """stop an update's epochs early once the approximate KL exceeds this (None: never)"""
     store_frames_once: bool = True
     """for stacked frames (Atari's 4): a segment carries T + 4 frames, not 4 per step and 4 for last_obs"""
+    recurrent: str | None = None
+    """a cell between the encoder and the heads: "lstm", "gru", or None (feed-forward). Actors keep its state
+    per env and send it with each segment; the learner unrolls it over whole segments (minibatches of whole
+    segments, truncated backpropagation through time within each)"""
+    recurrent_size: int = 128
+    """units of the recurrent cell"""
     normalize_obs: bool | None = None
     """normalize observations by running mean and std (preset: off Discrete, on Box); the statistics
     travel with the params, so actors normalize as the trainer does"""
@@ -145,6 +154,7 @@ class Config(RLConfig):
         super().validate()
         self.hidden_block.validate()
         self.encoder.validate()
+        check_recurrent(self.recurrent, self.recurrent_size)
         if self.segment_length is not None:
             check_int("segment_length", self.segment_length, 1, 1 << 16)
         if self.epochs is not None:
@@ -175,7 +185,7 @@ class Config(RLConfig):
 
     def schema(self, spec: EnvSpec) -> Schema:
         """One row per segment of T steps of one env (``srl.rl.actor_critic.segment_schema``)."""
-        return segment_schema(spec, int(self.resolved(spec).segment_length or 1), segment_frames(self, spec))
+        return config_segment_schema(self, spec, int(self.resolved(spec).segment_length or 1))
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
         return ActorCriticParameter(self.resolved(spec), spec, device)
@@ -303,11 +313,21 @@ class PPOLearner(Learner):
             reward = self._scale_rewards(reward, segments["done"])
         values = segments["value"]
         observations, last_obs = segment_observations(segments, self.parameter.frames)
-        obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
-        with torch.no_grad():
-            last_value = net.value(to_device(last_obs, dev)).cpu().numpy()
-            if not config.sync:  # acted with older params: the current critic's values, not the actor's
-                values = net.value(obs).cpu().numpy().reshape(n, horizon).astype(np.float32)
+        recurrent = net.recurrent is not None
+        if recurrent:  # whole segments, each unrolled from the state its actor started it with
+            obs = to_device(observations, dev)
+            h, c, resets = segment_states(segments, dev)
+            with torch.no_grad():
+                current, last = bootstrapped_values(net, obs, to_device(last_obs, dev), h, c, resets)
+                last_value = last.cpu().numpy()
+                if not config.sync:
+                    values = current.cpu().numpy().astype(np.float32)
+        else:
+            obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
+            with torch.no_grad():
+                last_value = net.value(to_device(last_obs, dev)).cpu().numpy()
+                if not config.sync:  # acted with older params: the current critic's values, not the actor's
+                    values = net.value(obs).cpu().numpy().reshape(n, horizon).astype(np.float32)
         advantages, returns = gae(reward, values, segments["done"], last_value,
                                   float(config.gamma or 0.99), float(config.gae_lambda or 0.95))
 
@@ -317,7 +337,8 @@ class PPOLearner(Learner):
         adv = to_device(advantages.reshape(-1), dev)
         ret = to_device(returns.reshape(-1), dev)
 
-        batch = n * horizon
+        # a minibatch is steps, or whole segments when the network is recurrent (its state runs through them)
+        batch = n if recurrent else n * horizon
         minibatch = max(1, batch // int(config.minibatches or 1))
         # per-minibatch statistics stay on the device until the end: a read on the host would wait for it
         clip_fractions: list[torch.Tensor] = []
@@ -327,7 +348,14 @@ class PPOLearner(Learner):
             order = torch.randperm(batch, device=dev)
             for start in range(0, batch, minibatch):
                 idx = order[start : start + minibatch]
-                logprob, entropy, value = net.evaluate(obs[idx], action[idx])
+                if recurrent:
+                    logprob, entropy, value = net.evaluate_sequence(
+                        obs[idx], action.view(n, horizon, *action.shape[1:])[idx], h[idx],
+                        None if c is None else c[idx], resets[idx])
+                    logprob, entropy, value = logprob.reshape(-1), entropy.reshape(-1), value.reshape(-1)
+                    idx = (idx.unsqueeze(1) * horizon + torch.arange(horizon, device=dev)).reshape(-1)
+                else:
+                    logprob, entropy, value = net.evaluate(obs[idx], action[idx])
                 log_ratio = logprob - old_logprob[idx]
                 ratio = log_ratio.exp()
                 with torch.no_grad():

@@ -48,6 +48,7 @@ from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig
 from srl.rl.memories.frames import check_stacks, stack_rows
 from srl.rl.networks import EncoderConfig, orthogonal_init
+from srl.rl.recurrent import RecurrentCore, split_states, stack_states, state_columns
 
 VALUE_BOUND = 1e9
 """observations, rewards and raw actions beyond this are refused as rows"""
@@ -60,6 +61,8 @@ class ActorCriticSettings(Protocol):
     encoder: EncoderConfig
     normalize_obs: bool | None
     store_frames_once: bool
+    recurrent: str | None
+    recurrent_size: int
 
 
 def segment_frames(config: ActorCriticSettings, spec: EnvSpec) -> int:
@@ -67,16 +70,41 @@ def segment_frames(config: ActorCriticSettings, spec: EnvSpec) -> int:
     return spec.frame_stack if config.store_frames_once and spec.frame_stack > 1 else 0
 
 
-def segment_schema(spec: EnvSpec, horizon: int, frames: int = 0) -> Schema:
-    """Columns of a segment of ``horizon`` steps of one env (see the module docstring); ``frames``: the stack
-    size when each frame goes once (``segment_frames``)."""
+def segment_cores(config: ActorCriticSettings, spec: EnvSpec) -> int:
+    """Recurrent cells the network has: 0 feed-forward, 1 shared by both heads (an image encoder), 2 (one
+    for the policy, one for the value) over vectors."""
+    if config.recurrent is None:
+        return 0
+    return 2 if config.encoder.check(spec) == "mlp" else 1
+
+
+def segment_observation_columns(spec: EnvSpec, horizon: int, frames: int = 0) -> dict[str, Column]:
+    """The observations of ``horizon`` steps and the one after them: ``obs`` and ``last_obs``, or with
+    ``frames`` (the stack size) each frame once, ``frames`` and ``first`` (see the module docstring)."""
     if frames:
         low, high = spec.obs_bounds
-        observations = {"frames": Column(spec.obs_dtype, (horizon + frames, *spec.obs_shape[1:]), low, high),
-                        "first": Column("bool", (horizon + frames,))}
-    else:
-        observations = {"obs": spec.obs_column(horizon), "last_obs": spec.obs_column()}
+        return {"frames": Column(spec.obs_dtype, (horizon + frames, *spec.obs_shape[1:]), low, high),
+                "first": Column("bool", (horizon + frames,))}
+    return {"obs": spec.obs_column(horizon), "last_obs": spec.obs_column()}
+
+
+def segment_schema(spec: EnvSpec, horizon: int, frames: int = 0, recurrent: str | None = None, cores: int = 0,
+                   recurrent_size: int = 0) -> Schema:
+    """Columns of a segment of ``horizon`` steps of one env (see the module docstring); ``frames``: the stack
+    size when each frame goes once (``segment_frames``); ``recurrent``: the cell whose state at the segment's
+    start goes with it (``state_h``, ``state_c``: ``cores`` x ``recurrent_size``) with ``state_reset`` (the
+    state was zeroed before that step: an episode began)."""
+    observations = segment_observation_columns(spec, horizon, frames)
+    if recurrent is not None:
+        observations.update(state_columns(recurrent, cores, recurrent_size))
+        observations["state_reset"] = Column("bool", (horizon,))
     return _segment_schema(spec, horizon, observations)
+
+
+def config_segment_schema(config: ActorCriticSettings, spec: EnvSpec, horizon: int) -> Schema:
+    """``segment_schema`` as ``config`` (PPO's or IMPALA's) asks for it."""
+    return segment_schema(spec, horizon, segment_frames(config, spec), config.recurrent,
+                          segment_cores(config, spec), config.recurrent_size)
 
 
 def segment_observations(segments: Mapping[str, np.ndarray], frames: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +122,26 @@ def segment_observations(segments: Mapping[str, np.ndarray], frames: int) -> tup
     flat = segments["frames"].reshape(n * length, *segments["frames"].shape[2:])
     stacks = flat[sources.reshape(n, length, frames)[:, frames - 1 :]]  # (n, T + 1, S, H, W)
     return stacks[:, :-1], stacks[:, -1]
+
+
+def segment_states(segments: Mapping[str, np.ndarray], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The recurrent state at each segment's start, ``(n, cores, size)`` (``c`` None for a GRU), and where
+    the actor reset it, ``(n, T)``, as tensors on ``device``."""
+    c = segments.get("state_c")
+    return (torch.from_numpy(segments["state_h"]).to(device),
+            None if c is None else torch.from_numpy(c).to(device),
+            torch.from_numpy(segments["state_reset"]).to(device))
+
+
+def bootstrapped_values(net: ActorCritic, obs: torch.Tensor, last_obs: torch.Tensor, h: torch.Tensor,
+                        c: torch.Tensor | None, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V over recurrent segments ``(n, T)`` and V(last_obs) ``(n,)``, one unroll over the T + 1
+    observations (the state is not reset before ``last_obs``: its value counts only where the episode
+    goes on)."""
+    values = net.sequence_values(torch.cat([obs, last_obs.unsqueeze(1)], dim=1), h, c,
+                                 torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1))
+    return values[:, :-1], values[:, -1]
 
 
 def _segment_schema(spec: EnvSpec, horizon: int, observations: dict[str, Column]) -> Schema:
@@ -186,7 +234,8 @@ class LinearAnneal:
 
 class ActorCritic(nn.Module):
     """Separate policy and value MLPs over vectors (CleanRL's ``Agent``); over images one encoder (a CNN)
-    that both heads share (CleanRL's ``ppo_atari.py``)."""
+    that both heads share (CleanRL's ``ppo_atari.py``). With ``recurrent``, a cell between the encoder and
+    the heads (CleanRL's ``ppo_atari_lstm.py``): actors ``step`` it, learners ``unroll`` it over segments."""
 
     def __init__(self, config: ActorCriticSettings, spec: EnvSpec) -> None:
         super().__init__()
@@ -197,7 +246,8 @@ class ActorCritic(nn.Module):
         self.shared: nn.Module | None = None
         if config.encoder.check(spec) == "mlp":
             self.critic_body, size = config.encoder.build(spec, config.hidden_block)
-            self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
+            if config.recurrent is None:
+                self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
             self.actor_body, size = config.encoder.build(spec, config.hidden_block)
             for body in (self.critic_body, self.actor_body):
                 for layer in body.modules():
@@ -207,6 +257,15 @@ class ActorCritic(nn.Module):
             self.shared, size = config.encoder.build(spec, config.hidden_block)
             orthogonal_init(self.shared)
             self.critic_body = self.actor_body = nn.Identity()
+        self.recurrent = config.recurrent
+        """the cell between the encoder and the heads (None: feed-forward): one the heads share over images,
+        one for each of them over vectors (SB3-contrib RecurrentPPO's default)"""
+        self.cores = nn.ModuleList()
+        if config.recurrent is not None:
+            for _ in range(1 if self.shared is not None else 2):
+                self.cores.append(RecurrentCore(config.recurrent, size, config.recurrent_size))
+            size = config.recurrent_size
+        if self.shared is not None or config.recurrent is not None:
             self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
         actions = spec.actions
         self.continuous = isinstance(actions, BoxActions)
@@ -247,6 +306,60 @@ class ActorCritic(nn.Module):
         dist = self.distribution(obs)
         logprob, entropy = self._logprob_entropy(dist, action)
         return logprob, entropy, self.value(obs)
+
+    # ------------------------------------------------------------ recurrent: state in, state out
+    def _core(self, index: int) -> RecurrentCore:
+        core = self.cores[index]
+        assert isinstance(core, RecurrentCore)
+        return core
+
+    def initial_state(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zero states for ``batch`` envs, ``(batch, cores, size)`` (``c`` None for a GRU)."""
+        return stack_states([self._core(k).initial(batch, device) for k in range(len(self.cores))])
+
+    def step(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+             ) -> tuple[Normal | list[Categorical], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One step of E envs: the policy, V(obs) and the next state."""
+        states = split_states(h, c)
+        if self.shared is not None:
+            out, state = self._core(0).step(self.shared(obs), states[0])
+            h, c = stack_states([state])
+            return self._distribution(out), self.critic_head(out).squeeze(-1), h, c
+        x = self.prepare(obs)
+        actor_out, actor_state = self._core(0).step(self.actor_body(x), states[0])
+        critic_out, critic_state = self._core(1).step(self.critic_body(x), states[1])
+        h, c = stack_states([actor_state, critic_state])
+        return self._distribution(actor_out), self.critic_head(critic_out).squeeze(-1), h, c
+
+    def unroll(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, resets: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features of the policy and of the value head, ``(n, T, size)``, over segments ``obs`` ``(n, T,
+        *obs)`` from their start states, reset where ``resets`` ``(n, T)`` says an episode began."""
+        n, horizon = obs.shape[:2]
+        flat = obs.reshape(n * horizon, *obs.shape[2:])
+        states = split_states(h, c)
+        if self.shared is not None:
+            features = self.shared(flat)
+            out, _ = self._core(0).unroll(features.view(n, horizon, -1), states[0], resets)
+            return out, out
+        x = self.prepare(flat)
+        actor_out, _ = self._core(0).unroll(self.actor_body(x).view(n, horizon, -1), states[0], resets)
+        critic_out, _ = self._core(1).unroll(self.critic_body(x).view(n, horizon, -1), states[1], resets)
+        return actor_out, critic_out
+
+    def evaluate_sequence(self, obs: torch.Tensor, action: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
+                          resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``evaluate`` over segments ``(n, T)`` from their start states: log π, entropy and V, each ``(n, T)``."""
+        actor_out, critic_out = self.unroll(obs, h, c, resets)
+        logprob, entropy = self._logprob_entropy(self._distribution(actor_out), action)
+        return logprob, entropy, self.critic_head(critic_out).squeeze(-1)
+
+    def sequence_values(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, resets: torch.Tensor
+                        ) -> torch.Tensor:
+        """V over segments ``(n, T)`` from their start states."""
+        _, critic_out = self.unroll(obs, h, c, resets)
+        values: torch.Tensor = self.critic_head(critic_out).squeeze(-1)
+        return values
 
     @staticmethod
     def _logprob_entropy(dist: Normal | list[Categorical], action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,6 +421,14 @@ class SegmentWorker(Worker):
         self._t = 0
         self._version = 0
         self._ready: list[Columns] = []
+        net = parameter.net
+        self.recurrent = net.recurrent is not None
+        if self.recurrent:  # each env's state now, and at its segment's start
+            self._h, self._c = net.initial_state(num_envs, parameter.device)
+            self._h0 = np.zeros(tuple(self._h.shape), np.float32)
+            self._c0 = None if self._c is None else np.zeros(tuple(self._c.shape), np.float32)
+            self._resets = np.zeros((self.T, num_envs), bool)
+            self._resetting = np.ones(num_envs, bool)  # the state was zeroed since the env's last step
         self._low: np.ndarray | None = None
         self._high: np.ndarray | None = None
         if isinstance(act, BoxActions):
@@ -340,13 +461,26 @@ class SegmentWorker(Worker):
         net = self.parameter.net
         with torch.inference_mode():
             x = torch.from_numpy(obs).to(self.parameter.device)
-            action_t, logprob = self._sample(net.distribution(x))
-            value = net.value(x) if self.training else None
+            if self.recurrent:
+                state = self._h, self._c
+                dist, value_t, self._h, self._c = net.step(x, self._h, self._c)
+                action_t, logprob = self._sample(dist)
+                value: torch.Tensor | None = value_t
+            else:
+                action_t, logprob = self._sample(net.distribution(x))
+                value = net.value(x) if self.training else None
         action = action_t.cpu().numpy()
         if self.training and value is not None:
             if self._t == 0:
                 self._version = self.parameter.version
             t = self._t
+            if self.recurrent:
+                if t == 0:
+                    self._h0[:] = state[0].cpu().numpy()
+                    if self._c0 is not None and state[1] is not None:
+                        self._c0[:] = state[1].cpu().numpy()
+                self._resets[t] = self._resetting
+                self._resetting[:] = False
             if self.frames:
                 self._keep_frames(t, obs)
             else:
@@ -365,7 +499,13 @@ class SegmentWorker(Worker):
         cut = truncated & ~terminated
         if cut.any():  # a time limit, not a failure: bootstrap from the final observation
             with torch.inference_mode():
-                final_value = self.parameter.net.value(torch.from_numpy(next_obs[cut]).to(self.parameter.device))
+                final = torch.from_numpy(next_obs[cut]).to(self.parameter.device)
+                if self.recurrent:
+                    index = torch.from_numpy(np.flatnonzero(cut)).to(self.parameter.device)
+                    c = None if self._c is None else self._c[index]
+                    final_value = self.parameter.net.step(final, self._h[index], c)[1]
+                else:
+                    final_value = self.parameter.net.value(final)
             reward[cut] += self.gamma * final_value.cpu().numpy()
         self._reward[t], self._done[t] = reward, terminated | truncated
         self._t += 1
@@ -387,11 +527,27 @@ class SegmentWorker(Worker):
                 "reward": self._reward.T.copy(),
                 "done": self._done.T.copy(),
                 "version": np.full(self.num_envs, self._version, np.int64),
+                **self._state_columns(),
             })
+
+    def _state_columns(self) -> Columns:
+        if not self.recurrent:
+            return {}
+        columns = {"state_h": self._h0.copy(), "state_reset": self._resets.T.copy()}
+        if self._c0 is not None:
+            columns["state_c"] = self._c0.copy()
+        return columns
 
     def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
         if self.frames:
             self._starting[env_ids] = True
+        if self.recurrent:  # only these envs' episodes start: the others keep their state
+            index = torch.from_numpy(np.asarray(env_ids, np.int64)).to(self.parameter.device)
+            with torch.inference_mode():
+                self._h[index] = 0.0
+                if self._c is not None:
+                    self._c[index] = 0.0
+            self._resetting[env_ids] = True
 
     def _keep_frames(self, t: int, obs: np.ndarray) -> None:
         """Step ``t``'s observations as frames (all of the first stack's at ``t`` 0), checked against the last."""

@@ -1,0 +1,241 @@
+"""Recurrent policies: the state an actor keeps and sends, what a learner rebuilds from it, R2D2's maths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import srl
+from srl.algorithms import impala, ppo, r2d2
+from srl.base.env import EnvConfig, env_spec
+from srl.base.rollout import Rollout
+from srl.base.schema import Schema
+from srl.rl.actor_critic import bootstrapped_values, segment_states
+from srl.rl.memories import MemoryConfig
+from srl.rl.memories.proportional import ProportionalMemory
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError
+from tests.nodes import board_for
+
+CARTPOLE = "srl/CartPoleNoVel-v1"
+PENDULUM = "srl/PendulumNoVel-v1"
+CPU = torch.device("cpu")
+
+
+def small_r2d2(**changes: object) -> r2d2.Config:
+    config = r2d2.Config(envs_per_actor=2, sequence_length=8, overlap=4, burn_in=2, n_step=2, batch_size=4,
+                         warmup_size=8, env_steps_per_train=4.0, recurrent_size=16, publish_every=5, seed=1,
+                         memory=MemoryConfig(capacity=200, alpha=0.9, beta_initial=0.6))
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
+
+
+def rows_of(config: object, env: str, want: int, envs: int = 3) -> tuple[object, dict[str, np.ndarray]]:
+    """``want`` rows (or more) a fresh worker of ``config`` makes in ``env``; its parameter."""
+    spec = env_spec(EnvConfig(env))
+    parameter = config.make_parameter(spec, CPU)  # type: ignore[attr-defined]
+    worker = config.make_worker(spec, parameter, 0, 1, 0)  # type: ignore[attr-defined]
+    rows: list[dict[str, np.ndarray]] = []
+    with Rollout(EnvConfig(env), worker, envs, seed=0) as rollout:
+        while sum(len(r["version"]) for r in rows) < want:
+            rollout.step()
+            taken = worker.take()
+            if taken is not None:
+                rows.append(taken)
+    return parameter, {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+
+
+# ------------------------------------------------------------------ the envs
+@pytest.mark.parametrize(("env", "hidden"), [(CARTPOLE, (1, 3)), (PENDULUM, (2,))])
+def test_the_partially_observed_envs_hide_their_velocities(env: str, hidden: tuple[int, ...]) -> None:
+    made = EnvConfig(env).make()
+    obs, _ = made.reset(seed=3)
+    for _ in range(5):
+        obs = made.step(made.action_space.sample())[0]
+        assert all(obs[i] == 0.0 for i in hidden)
+        assert all(obs[i] != 0.0 for i in range(len(obs)) if i not in hidden)
+    made.close()
+
+
+# ------------------------------------------------------------------ the state in the data
+@pytest.mark.parametrize("config", [ppo.Config(recurrent="lstm", envs_per_actor=3, segment_length=8),
+                                    small_r2d2(envs_per_actor=3)], ids=["ppo", "r2d2"])
+def test_the_state_is_reset_only_for_the_env_whose_episode_starts(config: object) -> None:
+    spec = env_spec(EnvConfig(CARTPOLE))
+    parameter = config.make_parameter(spec, CPU)  # type: ignore[attr-defined]
+    worker = config.make_worker(spec, parameter, 0, 1, 0)  # type: ignore[attr-defined]
+    obs = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    worker.reset(np.arange(3), obs)
+    for _ in range(3):
+        worker.act(obs)
+        worker.observe(np.ones(3, np.float32), obs, np.zeros(3, bool), np.zeros(3, bool))
+    before = worker._h.clone()
+    assert (before.abs() > 0).all()
+    worker.reset(np.array([1]), obs[1:2])
+    assert (worker._h[1] == 0).all() and (worker._c[1] == 0).all()
+    torch.testing.assert_close(worker._h[[0, 2]], before[[0, 2]])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("algorithm", ["ppo", "impala"])
+def test_a_learner_unrolling_the_stored_state_reproduces_what_the_actor_computed(algorithm: str, kind: str) -> None:
+    """The values and log-probabilities the actor recorded step by step come back from one unroll of each
+    segment from its stored state, resets inside the segments included."""
+    module = ppo if algorithm == "ppo" else impala
+    config = module.Config(recurrent=kind, envs_per_actor=3, segment_length=16, seed=1)
+    parameter, rows = rows_of(config, CARTPOLE, 12)
+    assert rows["state_reset"][:, 1:].any(), "no episode ended inside a segment: the test would not see resets"
+    h, c, resets = segment_states(rows, CPU)
+    assert (c is None) == (kind == "gru")
+    net = parameter.net  # type: ignore[attr-defined]
+    with torch.no_grad():
+        values, _ = bootstrapped_values(net, torch.from_numpy(rows["obs"]), torch.from_numpy(rows["last_obs"]),
+                                        h, c, resets)
+        logprob, _, _ = net.evaluate_sequence(torch.from_numpy(rows["obs"]), torch.from_numpy(rows["action"]),
+                                              h, c, resets)
+    np.testing.assert_allclose(values.numpy(), rows["value"], atol=1e-5)
+    np.testing.assert_allclose(logprob.numpy(), rows["logprob"], atol=1e-5)
+    # without the resets the same unroll differs: they are what makes it match
+    with torch.no_grad():
+        ignored = net.sequence_values(torch.from_numpy(rows["obs"]), h, c, torch.zeros_like(resets))
+    assert np.abs(ignored.numpy() - rows["value"]).max() > 1e-3
+
+
+def test_r2d2_burn_in_from_the_stored_state_reproduces_the_actor_s_state() -> None:
+    """Sequences overlap by half: unrolling a sequence's first half from its stored state (its burn-in)
+    lands on the state the actor had at the next sequence's start, which that sequence stores."""
+    config = small_r2d2(envs_per_actor=2, sequence_length=12, overlap=6, burn_in=6)
+    parameter, rows = rows_of(config, CARTPOLE, 10, envs=2)
+    q = parameter.q  # type: ignore[attr-defined]
+    h, c, resets = segment_states(rows, CPU)
+    obs = torch.from_numpy(rows["obs"])
+    checked = 0
+    with torch.no_grad():
+        for row in range(len(rows["version"]) - 2):
+            _, h_burnt, c_burnt = q.unroll(obs[row : row + 1, :6], h[row : row + 1], c[row : row + 1],
+                                           resets[row : row + 1, :6])
+            if rows["state_reset"][row + 2, 0]:
+                continue
+            torch.testing.assert_close(h_burnt, h[row + 2 : row + 3], atol=1e-6, rtol=0)
+            torch.testing.assert_close(c_burnt, c[row + 2 : row + 3], atol=1e-6, rtol=0)
+            checked += 1
+    assert checked >= 4
+
+
+def test_r2d2_sequences_overlap_and_carry_each_step_twice() -> None:
+    config = small_r2d2(envs_per_actor=2, sequence_length=8, overlap=4)
+    _, rows = rows_of(config, CARTPOLE, 6, envs=2)
+    # env 0's sequences are rows 0, 2, 4: the second half of one is the first half of the next
+    np.testing.assert_array_equal(rows["obs"][0, 4:], rows["obs"][2, :4])
+    np.testing.assert_array_equal(rows["action"][2, 4:], rows["action"][4, :4])
+    assert config.schema(env_spec(EnvConfig(CARTPOLE))).problem(rows) is None
+
+
+# ------------------------------------------------------------------ a state the trainer cannot check is refused
+@pytest.mark.parametrize(("name", "forge"), [
+    ("state_h", lambda a: a[:, :, :-1]),            # wrong shape
+    ("state_h", lambda a: np.where(a == a, np.nan, a)),  # not finite
+    ("state_h", lambda a: a + 2.0),                  # beyond tanh's range
+    ("state_c", lambda a: a * 0 + 1e12),             # huge
+])
+def test_a_forged_state_column_is_refused(name: str, forge: object) -> None:
+    config = ppo.Config(recurrent="lstm", envs_per_actor=2, segment_length=8, seed=1)
+    schema: Schema = config.schema(env_spec(EnvConfig(CARTPOLE)))
+    _, rows = rows_of(config, CARTPOLE, 2, envs=2)
+    assert schema.problem(rows) is None
+    codec = Codec(secret="k", task="t")
+    forged = {**rows, name: forge(rows[name]).astype(np.float32)}  # type: ignore[operator]
+    assert schema.problem(forged) is not None
+    with pytest.raises(DecodeError, match=name):
+        codec.decode_batch(codec.encode_batch(BatchHeader("a", 0, 1, 0, 1, 2, 1.0), forged, None), schema)
+
+
+# ------------------------------------------------------------------ R2D2's maths
+def test_n_step_targets_stop_at_an_episode_end_and_at_the_sequence_end() -> None:
+    reward = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    done = torch.tensor([[False, True, False, False]])
+    returns, discount, index = r2d2.n_step_targets(reward, done, 0.5, 2)
+    # t0: 1 + .5*2, ends at t1 (done): no bootstrap; t1: 2, done; t2: 3 + .5*4, bootstrap from obs 4 at .25;
+    # t3: 4, the sequence ends: bootstrap from obs 4 (last_obs) at .5
+    torch.testing.assert_close(returns, torch.tensor([[2.0, 2.0, 5.0, 4.0]]))
+    torch.testing.assert_close(discount, torch.tensor([[0.0, 0.0, 0.25, 0.5]]))
+    assert index.tolist() == [2, 3, 4, 4]
+
+
+def test_sequence_priorities_mix_the_max_and_the_mean() -> None:
+    td = torch.tensor([[1.0, 3.0], [2.0, 2.0]])
+    torch.testing.assert_close(r2d2.sequence_priorities(td, 0.9), torch.tensor([0.9 * 3 + 0.1 * 2, 2.0]))
+
+
+def test_r2d2_learner_updates_each_sampled_sequence_s_priority() -> None:
+    config = small_r2d2()
+    spec = env_spec(EnvConfig(CARTPOLE))
+    runner = srl.Runner(CARTPOLE, config)
+    runner.train(max_train_count=3)
+    memory = runner._buffer
+    assert isinstance(memory, ProportionalMemory)
+    tree = memory.tree
+    leaves = tree.get(np.arange(len(memory)))
+    assert len(set(np.round(leaves, 6))) > 1, "every sequence still has the priority it entered with"
+    assert config.schema(spec).priorities
+
+
+# ------------------------------------------------------------------ one process: learn, save, resume
+@pytest.mark.parametrize("algorithm", ["ppo", "impala", "r2d2"])
+def test_a_recurrent_checkpoint_restores_and_resumes(algorithm: str, tmp_path: Path) -> None:
+    config = {
+        "ppo": ppo.Config(recurrent="lstm", envs_per_actor=2, segment_length=16, epochs=2, seed=1),
+        "impala": impala.Config(recurrent="gru", envs_per_actor=2, segment_length=8, batch_segments=2, seed=1),
+        "r2d2": small_r2d2(),
+    }[algorithm]
+    runner = srl.Runner(CARTPOLE, config)
+    runner.train(max_steps=600)
+    scores = runner.evaluate(max_episodes=2, seed=7)
+    runner.save(tmp_path / "r.safetensors")
+    again = srl.Runner.from_checkpoint(tmp_path / "r.safetensors")
+    assert again.rl_config == runner.rl_config
+    assert again.evaluate(max_episodes=2, seed=7) == scores
+    count = again.train_count
+    again.train(max_steps=300)
+    assert again.train_count > count
+
+
+# ------------------------------------------------------------------ distributed
+def recurrent_configs() -> dict[str, object]:
+    return {
+        "r2d2": small_r2d2(),
+        "ppo": ppo.Config(recurrent="lstm", envs_per_actor=2, segment_length=8, epochs=1, seed=1),
+        "impala": impala.Config(recurrent="lstm", envs_per_actor=2, segment_length=8, batch_segments=2,
+                                buffer_segments=8, seed=1),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("algorithm", "queue"), [("r2d2", "redis"), ("r2d2", "rabbitmq"), ("ppo", "redis"),
+                                                ("impala", "redis")])
+def test_a_short_distributed_recurrent_run_ends_with_an_evaluation(
+    algorithm: str, queue: str, redis_url: str, namespace: str
+) -> None:
+    queue_params = None
+    if queue == "rabbitmq":
+        from srl.runner.distribution import RabbitMQParameters
+        from tests.test_queues import _rabbitmq
+
+        queue_params = RabbitMQParameters(url=_rabbitmq().url)
+    runner = srl.Runner(CARTPOLE, recurrent_configs()[algorithm])  # type: ignore[arg-type]
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), queue_params, actor_num=2,
+                              max_train_count=20, progress_interval=None, local_processes=True,
+                              actor_options={"batch_size": 64, "batch_max_age": 0.2})
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] > 0
+    assert runner.train_count >= 20
+    assert len(runner.evaluate(max_episodes=2)) == 2
+    board.delete_task()
