@@ -239,3 +239,46 @@ def test_a_short_distributed_recurrent_run_ends_with_an_evaluation(
     assert runner.train_count >= 20
     assert len(runner.evaluate(max_episodes=2)) == 2
     board.delete_task()
+
+
+# ------------------------------------------------------------------ frames once, for sequences
+def stacked_stream(length: int, starts: set[int], stack: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Stacks ``(length + 1, stack, 2, 2)`` of a stream of distinct frames whose episodes begin at ``starts``
+    (a reset stack is copies of its frame, as gymnasium's FrameStackObservation pads), and the start flags."""
+    frames = np.arange((length + 1) * 4, dtype=np.uint8).reshape(length + 1, 2, 2)
+    stacks = np.zeros((length + 1, stack, 2, 2), np.uint8)
+    begin = 0
+    for t in range(length + 1):
+        if t in starts:
+            begin = t
+        stacks[t] = frames[[max(begin, t - k) for k in reversed(range(stack))]]
+    flags = np.array([t in starts for t in range(length)])
+    return stacks, flags
+
+
+def test_a_sequence_of_frames_gives_back_the_stacks_it_was_made_from() -> None:
+    from srl.rl.actor_critic import segment_observations
+
+    stacks, flags = stacked_stream(12, {0, 5, 6})
+    obs, last = stacks[None, :12], stacks[None, 12]
+    frames, first = r2d2.sequence_frames(obs, last, flags[None])
+    assert frames.shape == (1, 12 + 4, 2, 2)  # each frame once, not 4 per step
+    rebuilt, rebuilt_last = segment_observations({"frames": frames, "first": first}, 4)
+    np.testing.assert_array_equal(rebuilt, obs)
+    np.testing.assert_array_equal(rebuilt_last, last)
+
+
+def test_an_actor_s_allowance_covers_the_steps_before_its_first_sequences() -> None:
+    path = small_r2d2().data_path()
+    assert path.row_steps == 4 and path.row_lead == 4
+    # the warmup's 8 rows from 2 envs need 8 steps for the first 2 rows, then 4 per 2 rows: 2 * 8 + 3 * 2 * 4
+    needed = 2 * 8 + 3 * 2 * 4
+    assert path.env_steps_allowed(0) + path.first_rows_steps(2) >= needed
+    assert dqn_path_unchanged()
+
+
+def dqn_path_unchanged() -> bool:
+    from srl.algorithms import dqn
+
+    path = dqn.Config().data_path()
+    return path.first_rows_steps(8) == 0 and path.env_steps_allowed(10) == path.warmup_rows + 10.0

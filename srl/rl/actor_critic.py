@@ -22,6 +22,12 @@ segment carries ``frames`` (T + S: the S frames of its first observation's
 stack, then the newest frame of each later one and of ``last_obs``) and
 ``first`` (which of them start an episode: a reset stack is copies of its
 frame); ``segment_observations`` rebuilds the stacks for the learner.
+
+With a recurrent core (``recurrent="lstm"`` or ``"gru"``, ``srl.rl.recurrent``) the worker keeps
+each env's state, zeroed only when that env's episode starts, and a segment also
+carries ``state_h`` (and ``state_c``), the state before its first step, and
+``state_reset`` (the state was zeroed before that step); learners unroll the
+segment from it (``evaluate_sequence``, ``bootstrapped_values``).
 """
 
 from __future__ import annotations
