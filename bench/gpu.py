@@ -1,4 +1,4 @@
-"""The learners and the acting of DQN, PPO and IMPALA on the CPU and on CUDA, with a net worth a GPU.
+"""The learners and the acting of DQN, PPO, IMPALA and R2D2 on the CPU and on CUDA, with a net worth a GPU.
 
     python bench/gpu.py                           # 256x256, batch 256: CPU, and CUDA when torch sees one
     python bench/gpu.py --hidden 64,64 --batch 64 --seconds 5
@@ -23,6 +23,9 @@ PPO and IMPALA (CartPole-v1, ``envs_per_actor`` 8): what is timed is the worker'
 observations (the sampling path: a categorical draw from the worker's CPU generator, the log-probability
 and value on the device) and the learner's ``train()`` on one update's segments (PPO: K epochs over
 every env's segment; IMPALA: a V-trace step on ``batch_segments``), the segments refilled before each.
+R2D2 (the same env, its defaults: LSTM 128, batches of 64 sequences of 80 steps, burn-in 40): the worker's
+``act`` and one ``train()`` (both networks unrolled over every sequence, the loss on the last 40 steps,
+the priority update); its row adds sequences/s (updates/s x 64), the figure to compare with the CPU's.
 
 Without CUDA the CUDA rows say so and the CPU rows still run. Quote ratios from one run.
 """
@@ -43,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
-from srl.algorithms import dqn, impala, ppo
+from srl.algorithms import dqn, impala, ppo, r2d2
 from srl.base.rollout import Rollout
 
 ENV = "Pendulum-v1"
@@ -110,10 +113,12 @@ def steps_per_second(trainer: dqn.DQNLearner, seconds: float, warmup: int) -> fl
 
 def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds: float,
                   threads: int = 1) -> tuple[float, float]:
-    """(worker act() calls/s, learner updates/s) of PPO or IMPALA on ``device``."""
-    config: ppo.Config | impala.Config = (ppo.Config(seed=0, device=device, torch_threads=threads)
-                                          if algorithm == "ppo" else
-                                          impala.Config(seed=0, device=device, torch_threads=threads))
+    """(worker act() calls/s, learner updates/s) of PPO, IMPALA or R2D2 on ``device``."""
+    config: ppo.Config | impala.Config | r2d2.Config = {
+        "ppo": lambda: ppo.Config(seed=0, device=device, torch_threads=threads),
+        "impala": lambda: impala.Config(seed=0, device=device, torch_threads=threads),
+        "r2d2": lambda: r2d2.Config(seed=0, device=device, torch_threads=threads, warmup_size=64),
+    }[algorithm]()
     config.hidden_block.set_mlp(hidden)
     runner = srl.Runner("CartPole-v1", config)
     runner.rl_config = config = runner.rl_config.settled(runner.env_config)  # type: ignore[assignment]
@@ -159,12 +164,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first (default 200)")
     parser.add_argument("--repeat", type=int, default=3, help="windows per row; the median is printed (default 3)")
     parser.add_argument("--cpu-threads", default="1", help="torch CPU thread counts, comma-separated (default 1)")
-    parser.add_argument("--algorithms", default="dqn,ppo,impala", help="comma-separated (default dqn,ppo,impala)")
+    parser.add_argument("--algorithms", default="dqn,ppo,impala,r2d2",
+                        help="comma-separated (default dqn,ppo,impala,r2d2)")
     args = parser.parse_args()
     algorithms = args.algorithms.split(",")
-    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala"})
+    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala", "r2d2"})
     if unknown:
-        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala")
+        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala, r2d2")
     hidden = tuple(int(x) for x in args.hidden.split(","))
     threads = [int(x) for x in args.cpu_threads.split(",")]
 
@@ -172,12 +178,18 @@ def main() -> int:
     for algorithm in (a for a in algorithms if a != "dqn"):
         print(f"\n{algorithm.upper()} on CartPole-v1, hidden {hidden}; torch {torch.__version__}")
         print(f"{'device':<22} {'act calls/s':>12} {'updates/s':>10}  note")
+        per_update = r2d2.Config().batch_size if algorithm == "r2d2" else 0
+        cpu_rate = 0.0
         for n in threads:
             act, learn = segment_rates(algorithm, "cpu", hidden, args.seconds, n)
-            print(f"{'cpu, ' + str(n) + ' thread' + ('s' if n > 1 else ''):<22} {act:>12,.0f} {learn:>10,.1f}")
+            cpu_rate = cpu_rate or learn
+            note = f"{learn * per_update:,.0f} sequences/s" if per_update else ""
+            print(f"{'cpu, ' + str(n) + ' thread' + ('s' if n > 1 else ''):<22} {act:>12,.0f} {learn:>10,.1f}  {note}")
         if cuda:
             act, learn = segment_rates(algorithm, "cuda", hidden, args.seconds, threads[0])
-            print(f"{'cuda':<22} {act:>12,.0f} {learn:>10,.1f}  {torch.cuda.get_device_name(0)}")
+            note = (f"{learn * per_update:,.0f} sequences/s, {learn / cpu_rate:.1f}x the CPU's; "
+                    if per_update and cpu_rate else "")
+            print(f"{'cuda':<22} {act:>12,.0f} {learn:>10,.1f}  {note}{torch.cuda.get_device_name(0)}")
         else:
             print(f"{'cuda':<22} {'-':>12} {'-':>10}  torch sees no CUDA device here")
     if "dqn" not in algorithms:

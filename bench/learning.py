@@ -48,10 +48,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
-from srl.algorithms import dqn, impala, ppo
+from srl.algorithms import dqn, impala, ppo, r2d2
 from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.rl import RLConfig
 from srl.base.rollout import Rollout
+from srl.rl.blocks import MLPBlockConfig
 from srl.runner.distribution import RedisParameters
 
 
@@ -73,11 +74,37 @@ def dqn_minatar() -> dqn.Config:
     return config
 
 
+def ppo_lstm() -> ppo.Config:
+    """Recurrent PPO as RL Zoo's ppo_lstm runs the NoVel envs: an LSTM per head (128 units here, 64 there)
+    after one ReLU layer of 64, observations normalized; the rest ``ppo.Config()``'s Discrete preset (the
+    Zoo's CartPoleNoVel settings: 32 steps x 8 envs, 20 epochs, lr 1e-3 annealed)."""
+    return ppo.Config(recurrent="lstm", normalize_obs=True, hidden_block=MLPBlockConfig((64,), "relu"))
+
+
+def ppo_lstm_default() -> ppo.Config:
+    """``ppo.Config(recurrent="lstm")`` as it comes: two tanh layers of 64 per head, no normalization."""
+    return ppo.Config(recurrent="lstm")
+
+
+def impala_lstm() -> impala.Config:
+    """``impala.Config(recurrent="lstm")`` as it comes."""
+    return impala.Config(recurrent="lstm")
+
+
+def r2d2_small() -> r2d2.Config:
+    """R2D2 for a budget of 10^5 env steps: the paper's settings but a learning rate of 5e-4 and the target
+    copied every 500 train steps (the paper's 1e-4 and 2,500 are made for 10^9 frames: at 300k env steps
+    that is 3 target copies)."""
+    return r2d2.Config(lr=5e-4, target_update_interval=500)
+
+
 def appo() -> ppo.Config:
     """Asynchronous PPO: ``ppo.Config(sync=False)``, everything else as it comes."""
     return ppo.Config(sync=False)
 
 
+CARTPOLE_NOVEL = "srl/CartPoleNoVel-v1"
+PENDULUM_NOVEL = "srl/PendulumNoVel-v1"
 MINATAR_BREAKOUT = "MinAtar/Breakout-v1"
 RANDOM_MINATAR_BREAKOUT = 0.41
 """the mean return of uniform random actions on MinAtar Breakout-v1 (300 episodes, seeds 0..299)"""
@@ -147,6 +174,20 @@ CASES = {case.name: case for case in [
          (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0,
          "steps:20000", needs="minatar"),
     Case("impala-minatar", MINATAR_BREAKOUT, impala.Config, "steps:3000000",
+         (Reference(f"5x the random policy's {RANDOM_MINATAR_BREAKOUT} (measured: 300 episodes)", "-"),),
+         5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar"),
+    Case("ppo-lstm-cartpolenovel", CARTPOLE_NOVEL, ppo_lstm, "steps:100000",
+         (Reference("RL Zoo ppo_lstm 500 ± 0", "100k"),), 475.0, "steps:20000"),
+    Case("ppo-lstm-default-cartpolenovel", CARTPOLE_NOVEL, ppo_lstm_default, "steps:100000",
+         (Reference("RL Zoo ppo_lstm 500 ± 0", "100k"),), 475.0, "steps:20000"),
+    Case("ppo-cartpolenovel", CARTPOLE_NOVEL, ppo.Config, "steps:100000",
+         (Reference("feed-forward: expected to fail", "-"),), 475.0, "steps:20000"),
+    Case("r2d2-cartpolenovel", CARTPOLE_NOVEL, r2d2_small, "steps:300000", (), 475.0, "steps:20000"),
+    Case("ppo-lstm-pendulumnovel", PENDULUM_NOVEL, ppo_lstm_default, "steps:500000",
+         (Reference("RL Zoo ppo_lstm -217.9 ± 140.1", "100k", note="with gSDE"),), -300.0, "steps:20000"),
+    Case("ppo-pendulumnovel", PENDULUM_NOVEL, ppo.Config, "steps:500000",
+         (Reference("feed-forward: expected to fail", "-"),), -300.0, "steps:20000"),
+    Case("impala-lstm-minatar", MINATAR_BREAKOUT, impala_lstm, "steps:1000000",
          (Reference(f"5x the random policy's {RANDOM_MINATAR_BREAKOUT} (measured: 300 episodes)", "-"),),
          5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar"),
 ]}
