@@ -100,6 +100,14 @@ def test_a_learner_unrolling_the_stored_state_reproduces_what_the_actor_computed
                                               h, c, resets)
     np.testing.assert_allclose(values.numpy(), rows["value"], atol=1e-5)
     np.testing.assert_allclose(logprob.numpy(), rows["logprob"], atol=1e-5)
+    with torch.no_grad():  # IMPALA's one unroll for both gives the same
+        both = net.evaluate_bootstrapped(torch.from_numpy(rows["obs"]), torch.from_numpy(rows["last_obs"]),
+                                         torch.from_numpy(rows["action"]), h, c, resets)
+        _, last = bootstrapped_values(net, torch.from_numpy(rows["obs"]), torch.from_numpy(rows["last_obs"]),
+                                      h, c, resets)
+    torch.testing.assert_close(both[0], logprob)
+    torch.testing.assert_close(both[2], values)
+    torch.testing.assert_close(both[3], last)
     # without the resets the same unroll differs: they are what makes it match
     with torch.no_grad():
         ignored = net.sequence_values(torch.from_numpy(rows["obs"]), h, c, torch.zeros_like(resets))
@@ -174,7 +182,6 @@ def test_sequence_priorities_mix_the_max_and_the_mean() -> None:
 
 def test_r2d2_learner_updates_each_sampled_sequence_s_priority() -> None:
     config = small_r2d2()
-    spec = env_spec(EnvConfig(CARTPOLE))
     runner = srl.Runner(CARTPOLE, config)
     runner.train(max_train_count=3)
     memory = runner._buffer
@@ -182,7 +189,52 @@ def test_r2d2_learner_updates_each_sampled_sequence_s_priority() -> None:
     tree = memory.tree
     leaves = tree.get(np.arange(len(memory)))
     assert len(set(np.round(leaves, 6))) > 1, "every sequence still has the priority it entered with"
-    assert config.schema(spec).priorities
+    # what the learner passes: one priority per sampled sequence, at least the mean |TD| of its steps
+    calls: list[tuple[np.ndarray, np.ndarray]] = []
+    update = memory.update_priorities
+    memory.update_priorities = lambda i, p, g=None: (calls.append((i, p)), update(i, p, g))[1]  # type: ignore[method-assign]
+    learner = runner._learner
+    assert learner is not None
+    stats = learner.train()
+    assert isinstance(stats, r2d2.R2D2Stats) and len(calls) == 1
+    indices, priorities = calls[0]
+    assert priorities.shape == (config.batch_size,) and np.mean(priorities) >= stats.td_abs - 1e-6
+    np.testing.assert_allclose(tree.get(indices), (priorities + config.memory.priority_epsilon) ** 0.9, rtol=1e-5)
+
+
+def test_r2d2_rows_carry_no_priorities_and_burn_in_fits_the_overlap() -> None:
+    """Its actors send none (new sequences enter at the replay's highest): a batch that brings some is
+    refused, so no actor can raise that highest priority for every sequence after it."""
+    config = small_r2d2()
+    _, rows = rows_of(config, CARTPOLE, 2, envs=2)
+    schema = config.schema(env_spec(EnvConfig(CARTPOLE)))
+    assert schema.problem(rows) is None
+    assert "priorities" in str(schema.problem(rows, np.full(len(rows["version"]), 1e30, np.float32)))
+    with pytest.raises(ValueError, match="burn_in"):
+        small_r2d2(burn_in=6, overlap=4).validate()
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "r2d2"])
+def test_a_time_limit_bootstraps_from_the_state_after_the_step(algorithm: str) -> None:
+    config = ppo.Config(recurrent="lstm", envs_per_actor=2, segment_length=4) if algorithm == "ppo" else small_r2d2()
+    spec = env_spec(EnvConfig(CARTPOLE))
+    parameter = config.make_parameter(spec, CPU)
+    worker = config.make_worker(spec, parameter, 0, 1, 0)
+    rng = np.random.default_rng(0)
+    obs, final = (rng.normal(size=(2, 4)).astype(np.float32) for _ in range(2))
+    worker.reset(np.arange(2), obs)
+    worker.act(obs)
+    h, c = worker._h.clone(), worker._c.clone()
+    worker.observe(np.zeros(2, np.float32), final, np.zeros(2, bool), np.array([True, False]))
+    with torch.no_grad():
+        if algorithm == "ppo":
+            value = parameter.net.step(torch.from_numpy(final[:1]), h[:1], c[:1])[1]
+            recorded, gamma = worker._reward[0], worker.gamma
+        else:
+            value = r2d2.unrescale(parameter.q.step(torch.from_numpy(final[:1]), h[:1], c[:1])[0].max(dim=1).values)
+            recorded, gamma = worker._ring["reward"][0], config.gamma
+    assert recorded[0] == pytest.approx(gamma * float(value[0]), rel=1e-5)
+    assert recorded[1] == 0.0
 
 
 # ------------------------------------------------------------------ one process: learn, save, resume

@@ -40,7 +40,6 @@ from srl.rl.actor_critic import (
     ActorCriticParameter,
     LinearAnneal,
     SegmentWorker,
-    bootstrapped_values,
     check_actions,
     config_segment_schema,
     segment_observations,
@@ -231,9 +230,9 @@ class IMPALALearner(Learner):
         if net.recurrent is not None:  # each segment unrolled from the state its actor started it with
             obs = to_device(observations, dev)
             h, c, resets = segment_states(segments, dev)
-            logprob, entropy, value = net.evaluate_sequence(obs, to_device(segments["action"], dev), h, c, resets)
-            with torch.no_grad():
-                bootstrap = bootstrapped_values(net, obs, to_device(last_obs, dev), h, c, resets)[1]
+            logprob, entropy, value, bootstrap = net.evaluate_bootstrapped(
+                obs, to_device(last_obs, dev), to_device(segments["action"], dev), h, c, resets)
+            bootstrap = bootstrap.detach()
         else:
             obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
             action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)

@@ -61,6 +61,7 @@ from srl.base.schema import Column, Schema
 from srl.rl.actor_critic import segment_observation_columns, segment_observations, segment_states
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
+from srl.rl.memories.frames import check_stacks
 from srl.rl.networks import EncoderConfig
 from srl.rl.recurrent import RecurrentCore, check_recurrent, split_states, stack_states, state_columns
 
@@ -73,6 +74,7 @@ class Config(RLConfig):
     """R2D2 settings (the paper's values unless a field says otherwise)."""
 
     algorithm: ClassVar[str] = "r2d2"
+    weights_depend_on: ClassVar[tuple[str, ...]] = ("value_rescale",)
 
     envs_per_actor: int = 8
     """envs each actor (and Runner.train) steps at once, one batched forward pass of the network"""
@@ -89,7 +91,8 @@ class Config(RLConfig):
     memory: MemoryConfig = field(default_factory=lambda: MemoryConfig(capacity=10_000, alpha=0.9,
                                                                         beta_initial=0.6))
     """replay of sequences (capacity counts sequences: 10,000 of 80 steps, 40 new each, hold 400,000 steps);
-    the paper's priority exponent 0.9 and importance exponent 0.6"""
+    the paper's priority exponent 0.9 and importance exponent 0.6 (annealed here to 1 over ``beta_steps``
+    samples, as srl's prioritized replay does; the paper keeps it at 0.6)"""
     sequence_length: int = 80
     """L: steps per stored sequence, burn-in included"""
     overlap: int = 40
@@ -158,6 +161,9 @@ class Config(RLConfig):
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
         check_int("publish_every", self.publish_every, 1, 1 << 30)
         check_int("action_bins", self.action_bins, 2, 1024)
+        if self.burn_in > self.overlap:
+            raise ValueError(f"burn_in ({self.burn_in}) is longer than overlap ({self.overlap}): the steps between "
+                             "them would only ever be burn-in, never learned from; make overlap at least burn_in")
         if self.warmup_size < self.batch_size:
             raise ValueError(f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})")
         if self.memory.capacity < self.warmup_size:
@@ -194,7 +200,7 @@ class Config(RLConfig):
             "reward": Column("float32", (length,), low=-VALUE_BOUND, high=VALUE_BOUND),
             "done": Column("bool", (length,)),
             "version": Column("int64", (), low=0),
-        }, priorities=True)
+        })  # no priorities from actors: new sequences enter at the replay's highest (see the module docstring)
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> R2D2Parameter:
         return R2D2Parameter(self, spec, device)
@@ -296,6 +302,8 @@ class R2D2Worker(Worker):
         """steps recorded since the worker started (the ring holds the last L)"""
         self._ring: dict[str, np.ndarray] = {}
         self._ready: list[Columns] = []
+        self._last: np.ndarray | None = None
+        """the observations acted on last (stacked frames: the next ones must slide from them)"""
 
     def _record(self, slot: int, **values: np.ndarray) -> None:
         for name, value in values.items():
@@ -323,6 +331,10 @@ class R2D2Worker(Worker):
             if explore.any():
                 action[explore] = self.rng.integers(self.parameter.n_actions, size=int(explore.sum()))
         if self.training:
+            if self.parameter.frames:  # each frame goes once: the stacks must slide as the env made them
+                if self._last is not None:
+                    check_stacks(self._last, obs, self._resetting)
+                self._last = obs
             state = {"state_h": before[0].cpu().numpy()}
             if before[1] is not None:
                 state["state_c"] = before[1].cpu().numpy()

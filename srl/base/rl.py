@@ -122,7 +122,9 @@ class DataPath:
 
     def first_rows_steps(self, envs: int) -> int:
         """Env steps ``envs`` envs take beyond ``row_steps`` per row before their rows come (an actor's slack
-        under the replay ratio, so the warmup's rows are not held back by the steps that precede them)."""
+        under the replay ratio, so the warmup's rows are not held back by the steps that precede them): each
+        env's ``row_lead`` before its first row, and up to ``row_steps - 1`` more before the row that crosses
+        the allowance is emitted (rows of E envs come E at a time)."""
         return envs * (self.row_lead + self.row_steps - 1)
 
     def train_steps_allowed(self, rows: int, ahead: float = 1.0) -> float:

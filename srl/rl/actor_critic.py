@@ -291,9 +291,11 @@ class ActorCritic(nn.Module):
         return self.obs_rms.normalize(obs) if self.normalize_obs else obs
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
+        assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
         return self.critic_head(self.critic_body(self.prepare(obs))).squeeze(-1)
 
     def distribution(self, obs: torch.Tensor) -> Normal | list[Categorical]:
+        assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
         return self._distribution(self.actor_body(self.prepare(obs)))
 
     def _distribution(self, features: torch.Tensor) -> Normal | list[Categorical]:
@@ -304,6 +306,7 @@ class ActorCritic(nn.Module):
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """log π(action|obs), entropy, V(obs)."""
+        assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
         if self.shared is not None:  # the shared encoder once for both heads
             features = self.shared(obs)
             dist = self._distribution(self.actor_body(features))
@@ -359,6 +362,17 @@ class ActorCritic(nn.Module):
         actor_out, critic_out = self.unroll(obs, h, c, resets)
         logprob, entropy = self._logprob_entropy(self._distribution(actor_out), action)
         return logprob, entropy, self.critic_head(critic_out).squeeze(-1)
+
+    def evaluate_bootstrapped(self, obs: torch.Tensor, last_obs: torch.Tensor, action: torch.Tensor, h: torch.Tensor,
+                              c: torch.Tensor | None, resets: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``evaluate_sequence`` and V(last_obs) ``(n,)`` from one unroll over the T + 1 observations (the
+        state is not reset before ``last_obs``: its value counts only where the episode goes on)."""
+        actor_out, critic_out = self.unroll(torch.cat([obs, last_obs.unsqueeze(1)], dim=1), h, c,
+                                            torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1))
+        logprob, entropy = self._logprob_entropy(self._distribution(actor_out[:, :-1]), action)
+        values = self.critic_head(critic_out).squeeze(-1)
+        return logprob, entropy, values[:, :-1], values[:, -1]
 
     def sequence_values(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, resets: torch.Tensor
                         ) -> torch.Tensor:
