@@ -8,7 +8,7 @@ What is timed is an actor's own work without a broker: ``Rollout.step()`` (the e
 rows and encoding them as an actor sends them (``Codec.encode_batch``; zstd for images). 8 envs, torch
 threads 1, after 200 untimed steps; the median of ``--repeat`` windows.
 
-Rows: PPO feed-forward against PPO with an LSTM (``recurrent="lstm"``, 128 units) on
+Rows: PPO feed-forward against PPO with an LSTM (``recurrent="lstm"``, 128 units; and 64) on
 srl/CartPoleNoVel-v1 (the MLP encoder) and on MinAtar Breakout (the MinAtar CNN); DQN against R2D2
 (the same encoder, an LSTM of 128 and a dueling head; R2D2's rows are sequences) on MinAtar Breakout.
 The ratio is recurrent ÷ feed-forward, measured in the same run. Run nothing else meanwhile.
@@ -65,6 +65,8 @@ def actor_rate(env: str, make: Callable[[], RLConfig], steps: int) -> float:
 ROWS: list[tuple[str, str, Callable[[], RLConfig], Callable[[], RLConfig]]] = [
     ("PPO, MLP encoder", NOVEL, lambda: ppo.Config(seed=0, envs_per_actor=ENVS),
      lambda: ppo.Config(seed=0, envs_per_actor=ENVS, recurrent="lstm")),
+    ("PPO, MLP encoder, LSTM of 64", NOVEL, lambda: ppo.Config(seed=0, envs_per_actor=ENVS),
+     lambda: ppo.Config(seed=0, envs_per_actor=ENVS, recurrent="lstm", recurrent_size=64)),
     ("PPO, MinAtar CNN", MINATAR, lambda: ppo.Config(seed=0, envs_per_actor=ENVS),
      lambda: ppo.Config(seed=0, envs_per_actor=ENVS, recurrent="lstm")),
     ("DQN / R2D2, MinAtar CNN", MINATAR, lambda: dqn.Config(seed=0, envs_per_actor=ENVS),
