@@ -238,10 +238,11 @@ def test_a_time_limit_bootstraps_from_the_state_after_the_step(algorithm: str) -
 
 
 # ------------------------------------------------------------------ one process: learn, save, resume
-@pytest.mark.parametrize("algorithm", ["ppo", "impala", "r2d2"])
+@pytest.mark.parametrize("algorithm", ["ppo", "appo", "impala", "r2d2"])
 def test_a_recurrent_checkpoint_restores_and_resumes(algorithm: str, tmp_path: Path) -> None:
     config = {
         "ppo": ppo.Config(recurrent="lstm", envs_per_actor=2, segment_length=16, epochs=2, seed=1),
+        "appo": ppo.Config(recurrent="gru", sync=False, envs_per_actor=2, segment_length=16, epochs=2, seed=1),
         "impala": impala.Config(recurrent="gru", envs_per_actor=2, segment_length=8, batch_segments=2, seed=1),
         "r2d2": small_r2d2(),
     }[algorithm]
