@@ -115,6 +115,25 @@ def board_for(redis_url: str, task_name: str) -> Board:
     return Board(RedisParameters(url=redis_url, task_name=task_name).connect(), task_name)
 
 
+def short_distributed_run(runner: srl.Runner, redis_url: str, namespace: str, train_count: int,
+                          queue_params: Any = None) -> None:
+    """Train ``runner`` with 2 local actors for ``train_count`` train steps; check the task ended with no bad
+    message, rows received and an evaluation; delete the task."""
+    from srl.runner.distribution.board import TaskState
+
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), queue_params, actor_num=2,
+                              max_train_count=train_count, progress_interval=None, local_processes=True,
+                              actor_options={"batch_size": 64, "batch_max_age": 0.2})
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] > 0
+    assert runner.train_count >= train_count
+    assert len(runner.evaluate(max_episodes=2)) == 2
+    board.delete_task()
+
+
 def lease_holder_pid(board: Board, name: str) -> int | None:
     """The pid encoded in a lease holder's uid (role-host-pid-suffix)."""
     holder, _ = board.lease_holder(name)

@@ -22,10 +22,9 @@ from srl.rl.memories import MemoryConfig
 from srl.rl.memories.frames import FrameMemory, check_stacks, stacks_of
 from srl.rl.networks import EncoderConfig, EncoderError
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.codec import FLAG_ZSTD, MAGIC, WIRE_VERSION, BatchHeader, Codec, DecodeError
 from srl.runner.distribution.task import TaskConfigError, build_task
-from tests.nodes import board_for
+from tests.nodes import short_distributed_run
 
 PONG = "ALE/Pong-v5"
 BREAKOUT = "ALE/Breakout-v5"
@@ -299,17 +298,7 @@ def test_a_short_distributed_pixel_run_ends_with_an_evaluation(
     algorithm: str, env: str, redis_url: str, namespace: str
 ) -> None:
     runner = srl.Runner(env, minatar_configs()[algorithm])  # type: ignore[arg-type]
-    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_train_count=30,
-                              progress_interval=None, local_processes=True,
-                              actor_options={"batch_size": 64, "batch_max_age": 0.2})
-    board = board_for(redis_url, namespace)
-    status = board.get_status()
-    assert status is not None and status.status == TaskState.END
-    counters = board.get_counters()
-    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] > 0
-    assert runner.train_count >= 30
-    assert len(runner.evaluate(max_episodes=2)) == 2
-    board.delete_task()
+    short_distributed_run(runner, redis_url, namespace, 30)
 
 
 # ------------------------------------------------------------------ frames once: the stacks the env produced

@@ -16,10 +16,8 @@ from srl.base.schema import Schema
 from srl.rl.actor_critic import bootstrapped_values, segment_states
 from srl.rl.memories import MemoryConfig
 from srl.rl.memories.proportional import ProportionalMemory
-from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError
-from tests.nodes import board_for
+from tests.nodes import short_distributed_run
 
 CARTPOLE = "srl/CartPoleNoVel-v1"
 PENDULUM = "srl/PendulumNoVel-v1"
@@ -281,17 +279,7 @@ def test_a_short_distributed_recurrent_run_ends_with_an_evaluation(
 
         queue_params = RabbitMQParameters(url=_rabbitmq().url)
     runner = srl.Runner(CARTPOLE, recurrent_configs()[algorithm])  # type: ignore[arg-type]
-    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), queue_params, actor_num=2,
-                              max_train_count=20, progress_interval=None, local_processes=True,
-                              actor_options={"batch_size": 64, "batch_max_age": 0.2})
-    board = board_for(redis_url, namespace)
-    status = board.get_status()
-    assert status is not None and status.status == TaskState.END
-    counters = board.get_counters()
-    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] > 0
-    assert runner.train_count >= 20
-    assert len(runner.evaluate(max_episodes=2)) == 2
-    board.delete_task()
+    short_distributed_run(runner, redis_url, namespace, 20, queue_params)
 
 
 # ------------------------------------------------------------------ frames once, for sequences

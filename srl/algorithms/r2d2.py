@@ -54,6 +54,7 @@ from srl.base.rl import (
     RLConfig,
     TrainStats,
     Worker,
+    concat_rows,
     torch_from_arrays,
     torch_to_arrays,
 )
@@ -386,12 +387,8 @@ class R2D2Worker(Worker):
         return sum(len(rows["version"]) for rows in self._ready)
 
     def take(self) -> Columns | None:
-        if not self._ready:
-            return None
         ready, self._ready = self._ready, []
-        if len(ready) == 1:
-            return ready[0]
-        return {name: np.concatenate([rows[name] for rows in ready]) for name in ready[0]}
+        return concat_rows(ready)
 
     def stats(self) -> dict[str, float]:
         return {"epsilon": self.epsilon}

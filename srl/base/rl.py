@@ -283,6 +283,15 @@ def torch_from_arrays(modules: dict[str, torch.nn.Module], arrays: dict[str, np.
         module.load_state_dict(state)
 
 
+def concat_rows(parts: list[Columns]) -> Columns | None:
+    """Rows made in several parts as one set of columns (None for none; one part as it is)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return {name: np.concatenate([rows[name] for rows in parts]) for name in parts[0]}
+
+
 class Worker(ABC):
     """Acts in ``num_envs`` envs at once and turns their steps into rows (see the module docstring).
 

@@ -47,11 +47,12 @@ from srl.base.rl import (
     Columns,
     Parameter,
     Worker,
+    concat_rows,
     torch_from_arrays,
     torch_to_arrays,
 )
 from srl.base.schema import Column, Schema
-from srl.rl.blocks import MLPBlockConfig
+from srl.rl.blocks import MLPBlockConfig, to_device
 from srl.rl.memories.frames import check_stacks, stack_rows
 from srl.rl.networks import EncoderConfig, orthogonal_init
 from srl.rl.recurrent import RecurrentCore, split_states, stack_states, state_columns
@@ -135,9 +136,8 @@ def segment_states(segments: Mapping[str, np.ndarray], device: torch.device
     """The recurrent state at each segment's start, ``(n, cores, size)`` (``c`` None for a GRU), and where
     the actor reset it, ``(n, T)``, as tensors on ``device``."""
     c = segments.get("state_c")
-    return (torch.from_numpy(segments["state_h"]).to(device),
-            None if c is None else torch.from_numpy(c).to(device),
-            torch.from_numpy(segments["state_reset"]).to(device))
+    return (to_device(segments["state_h"], device), None if c is None else to_device(c, device),
+            to_device(segments["state_reset"], device))
 
 
 def bootstrapped_values(net: ActorCritic, obs: torch.Tensor, last_obs: torch.Tensor, h: torch.Tensor,
@@ -145,9 +145,16 @@ def bootstrapped_values(net: ActorCritic, obs: torch.Tensor, last_obs: torch.Ten
     """V over recurrent segments ``(n, T)`` and V(last_obs) ``(n,)``, one unroll over the T + 1
     observations (the state is not reset before ``last_obs``: its value counts only where the episode
     goes on)."""
-    values = net.sequence_values(torch.cat([obs, last_obs.unsqueeze(1)], dim=1), h, c,
-                                 torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1))
+    all_obs, all_resets = with_last(obs, last_obs, resets)
+    values = net.sequence_values(all_obs, h, c, all_resets)
     return values[:, :-1], values[:, -1]
+
+
+def with_last(obs: torch.Tensor, last_obs: torch.Tensor, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments' T observations and ``last_obs`` as T + 1, and their resets with none before ``last_obs``
+    (it is the final observation of the segment's last step, in the same episode)."""
+    return (torch.cat([obs, last_obs.unsqueeze(1)], dim=1),
+            torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1))
 
 
 def _segment_schema(spec: EnvSpec, horizon: int, observations: dict[str, Column]) -> Schema:
@@ -368,8 +375,8 @@ class ActorCritic(nn.Module):
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``evaluate_sequence`` and V(last_obs) ``(n,)`` from one unroll over the T + 1 observations (the
         state is not reset before ``last_obs``: its value counts only where the episode goes on)."""
-        actor_out, critic_out = self.unroll(torch.cat([obs, last_obs.unsqueeze(1)], dim=1), h, c,
-                                            torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1))
+        all_obs, all_resets = with_last(obs, last_obs, resets)
+        actor_out, critic_out = self.unroll(all_obs, h, c, all_resets)
         logprob, entropy = self._logprob_entropy(self._distribution(actor_out[:, :-1]), action)
         values = self.critic_head(critic_out).squeeze(-1)
         return logprob, entropy, values[:, :-1], values[:, -1]
@@ -584,12 +591,8 @@ class SegmentWorker(Worker):
         return sum(len(rows["version"]) for rows in self._ready)
 
     def take(self) -> Columns | None:
-        if not self._ready:
-            return None
         ready, self._ready = self._ready, []
-        if len(ready) == 1:
-            return ready[0]
-        return {name: np.concatenate([rows[name] for rows in ready]) for name in ready[0]}
+        return concat_rows(ready)
 
     def may_load_params(self) -> bool:
         return self._t == 0  # a segment is acted with one params version
