@@ -45,6 +45,7 @@ from srl.base.rl import (
     DataPath,
     Learner,
     Parameter,
+    PolicyIO,
     RLConfig,
     TrainStats,
     Worker,
@@ -487,9 +488,18 @@ class DQNWorker(Worker):
                 self._newest[i] = frames.start(int(i), obs[k])
 
     def act(self, obs: np.ndarray) -> np.ndarray:
-        net = self.parameter.q if self.training else self.parameter.greedy_q
         with torch.inference_mode():
-            q = net(torch.from_numpy(obs).to(self.parameter.device))
+            return self.act_with(obs, self.policy(self.policy_inputs(obs)))
+
+    def policy_inputs(self, obs: np.ndarray) -> PolicyIO:
+        return (torch.from_numpy(obs).to(self.parameter.device),)
+
+    def policy(self, inputs: PolicyIO) -> PolicyIO:
+        net = self.parameter.q if self.training else self.parameter.greedy_q
+        return (net(inputs[0]),)
+
+    def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
+        q = outputs[0]
         if self.training:
             self._q = q.float().cpu().numpy()
             self._settle(np.arange(self.num_envs), self._q)

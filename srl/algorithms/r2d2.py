@@ -51,6 +51,7 @@ from srl.base.rl import (
     DataPath,
     Learner,
     Parameter,
+    PolicyIO,
     RLConfig,
     TrainStats,
     Worker,
@@ -321,10 +322,18 @@ class R2D2Worker(Worker):
         self._resetting[env_ids] = True
 
     def act(self, obs: np.ndarray) -> np.ndarray:
-        before = self._h, self._c
         with torch.inference_mode():
-            q, self._h, self._c = self.parameter.q.step(torch.from_numpy(obs).to(self.parameter.device),
-                                                        self._h, self._c)
+            return self.act_with(obs, self.policy(self.policy_inputs(obs)))
+
+    def policy_inputs(self, obs: np.ndarray) -> PolicyIO:
+        return torch.from_numpy(obs).to(self.parameter.device), self._h, self._c
+
+    def policy(self, inputs: PolicyIO) -> PolicyIO:
+        return tuple(self.parameter.q.step(*inputs))
+
+    def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
+        before = self._h, self._c
+        q, self._h, self._c = outputs
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
         eps = self.epsilon if self.training else self.config.test_epsilon
         if eps > 0.0:

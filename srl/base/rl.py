@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from torch.distributions import Categorical, Normal
 
 from srl.base.config import Settings, check_int
 from srl.base.env import EnvConfig, EnvSpec
@@ -333,6 +334,69 @@ class Worker(ABC):
     def stats(self) -> dict[str, float]:
         """What the worker wants shown (e.g. its exploration rate)."""
         return {}
+
+    # ---------------------------------------------------------------- central inference
+    # ``act`` in three parts, so one inference server runs the network once for the workers of many actors
+    # (SEED RL): ``act(obs)`` is ``act_with(obs, policy(policy_inputs(obs)))``; the server joins the
+    # inputs of several workers (``join_policy_io``), calls ``policy`` once and hands each worker its rows
+    # of the outputs (``split_policy_io``). ``policy`` depends on the weights only, never on the worker.
+
+    def policy_inputs(self, obs: np.ndarray) -> PolicyIO:
+        """The network's inputs for observations ``(E, *obs_shape)`` (with the envs' recurrent state), as
+        tensors whose first dimension is the env."""
+        raise NotImplementedError(f"{type(self).__name__} cannot act with central inference")
+
+    def policy(self, inputs: PolicyIO) -> PolicyIO:
+        """The network's outputs for ``inputs`` (of one worker's envs, or of several workers' joined)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot act with central inference")
+
+    def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
+        """``act`` given the network's outputs for ``obs`` (this worker's rows of ``policy``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot act with central inference")
+
+    def serves_central(self) -> bool:
+        """Whether this worker implements the three parts above."""
+        return type(self).policy is not Worker.policy
+
+
+PolicyIO = tuple[Any, ...]
+"""A network's inputs or outputs: tensors with the env first, None, distributions, lists and tuples of them."""
+
+
+def join_policy_io(parts: list[PolicyIO]) -> PolicyIO:
+    """The inputs of several workers as one batch (row blocks in order)."""
+    return tuple(_join([part[i] for part in parts]) for i in range(len(parts[0])))
+
+
+def _join(items: list[Any]) -> Any:
+    first = items[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        return first if len(items) == 1 else torch.cat(items)
+    if isinstance(first, (list, tuple)):
+        return type(first)(_join([item[i] for item in items]) for i in range(len(first)))
+    raise TypeError(f"cannot join policy inputs of type {type(first).__name__}")
+
+
+def split_policy_io(outputs: PolicyIO, sizes: list[int]) -> list[PolicyIO]:
+    """The rows of each of ``sizes`` consecutive blocks of a batch's ``outputs``."""
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return [tuple(_rows(item, bounds[k], bounds[k + 1]) for item in outputs) for k in range(len(sizes))]
+
+
+def _rows(item: Any, start: int, end: int) -> Any:
+    if item is None:
+        return None
+    if isinstance(item, torch.Tensor):
+        return item[start:end]
+    if isinstance(item, Normal):
+        return Normal(item.loc[start:end], item.scale[start:end], validate_args=False)
+    if isinstance(item, Categorical):
+        return Categorical(logits=item.logits[start:end], validate_args=False)
+    if isinstance(item, (list, tuple)):
+        return type(item)(_rows(x, start, end) for x in item)
+    raise TypeError(f"cannot split policy outputs of type {type(item).__name__}")
 
 
 class Buffer(ABC):

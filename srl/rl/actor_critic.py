@@ -46,6 +46,7 @@ from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActi
 from srl.base.rl import (
     Columns,
     Parameter,
+    PolicyIO,
     Worker,
     concat_rows,
     torch_from_arrays,
@@ -485,17 +486,27 @@ class SegmentWorker(Worker):
         return action, logprob
 
     def act(self, obs: np.ndarray) -> np.ndarray:
-        net = self.parameter.net
         with torch.inference_mode():
-            x = torch.from_numpy(obs).to(self.parameter.device)
-            if self.recurrent:
-                state = self._h, self._c
-                dist, value_t, self._h, self._c = net.step(x, self._h, self._c)
-                action_t, logprob = self._sample(dist)
-                value: torch.Tensor | None = value_t
-            else:
-                action_t, logprob = self._sample(net.distribution(x))
-                value = net.value(x) if self.training else None
+            return self.act_with(obs, self.policy(self.policy_inputs(obs)))
+
+    def policy_inputs(self, obs: np.ndarray) -> PolicyIO:
+        x = torch.from_numpy(obs).to(self.parameter.device)
+        return (x, self._h, self._c) if self.recurrent else (x,)
+
+    def policy(self, inputs: PolicyIO) -> PolicyIO:
+        """(distribution, value, h, c): value None while evaluating feed-forward, h and c without a core."""
+        net = self.parameter.net
+        if self.recurrent:
+            return tuple(net.step(*inputs))
+        x = inputs[0]
+        return net.distribution(x), net.value(x) if self.training else None, None, None
+
+    def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
+        dist, value, h, c = outputs
+        if self.recurrent:
+            state = self._h, self._c
+            self._h, self._c = h, c
+        action_t, logprob = self._sample(dist)
         action = action_t.cpu().numpy()
         if self.training and value is not None:
             if self._t == 0:
