@@ -29,7 +29,7 @@ from redis.retry import Retry
 
 from srl.dashboard import DashboardOptions
 from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.options import ActorOptions, TrainerOptions
+from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
 from srl.runner.distribution.redis_parameters import RedisParameters
 
 SKIP_FIELDS = {"redis_options", "password", "secret"}
@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
                               "default: the board's Redis")
     trainer.add_argument("--run-once", "--once", dest="run_once", action="store_true", help="exit after one task")
     add_dataclass_options(trainer, TrainerOptions, "trainer")
+
+    inference = sub.add_parser("inference", help="serve central inference: act for every actor of a task that "
+                                                 "asks for it (train_distribution(inference='central'))")
+    add_dataclass_options(inference, RedisParameters, "board (Redis)")
+    inference.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
+                           help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
+                                "default: the board's Redis")
+    inference.add_argument("--run-once", action="store_true", help="exit after one task")
+    add_dataclass_options(inference, InferenceOptions, "inference")
 
     status = sub.add_parser("status", help="show a task: status, slots, heartbeats, rates, queue depth")
     add_dataclass_options(status, RedisParameters, "board (Redis)")
@@ -247,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         redis_params = _redis_params(args)
         args.redis_describe = redis_params.describe()
-        if args.command in ("actor", "trainer"):
+        if args.command in ("actor", "trainer", "inference"):
             from srl.runner.distribution.queues import check_queue
 
             check_queue(args.queue_url)  # a bad scheme or URL, a missing library: now, not when a task comes
@@ -257,7 +266,7 @@ def _run(args: argparse.Namespace) -> int:
         board = Board(redis_params.connect(retry=Retry(NoBackoff(), 1)), redis_params.task_name)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if args.command in ("actor", "trainer"):
+    if args.command in ("actor", "trainer", "inference"):
         _terminate_as_interrupt()  # docker stop, kill: the node releases its lease as on Ctrl-C
     if args.command == "actor":
         from srl.runner.distribution.actor import actor_run_forever
@@ -271,6 +280,13 @@ def _run(args: argparse.Namespace) -> int:
 
         options = build_dataclass(TrainerOptions, args)
         trainer_run_forever(redis_params, args.queue_url, run_once=args.run_once, options=options)
+        return 0
+    if args.command == "inference":
+        from srl.runner.distribution.inference import inference_run_forever
+
+        inference_options = build_dataclass(InferenceOptions, args)
+        inference_options.run_once = args.run_once
+        inference_run_forever(redis_params, args.queue_url, inference_options)
         return 0
     if args.command == "dashboard":
         from srl.dashboard import serve

@@ -145,6 +145,17 @@ class Rollout:
         self.obs = next_obs
         return episodes
 
+    def restart(self) -> None:
+        """Start every env's episode again (the episodes going on are dropped, not counted): for an actor
+        whose inference server went away, which took its envs' state with it."""
+        obs, reset_info = self.envs.reset()
+        self.obs = self.transform.batch(obs)
+        self._returns[:] = 0.0
+        self._lengths[:] = 0
+        lives = reset_info.get("lives")
+        self._lives = None if lives is None else np.asarray(lives, dtype=np.int64)
+        self.worker.reset(np.arange(self.num_envs), self.obs)
+
     def _training_signal(self, reward: np.ndarray, terminated: np.ndarray, done: np.ndarray,
                          info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """The reward and terminal flags a training worker sees (see ``TrainingSignal``)."""

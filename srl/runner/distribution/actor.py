@@ -32,32 +32,29 @@ import numpy as np
 import torch
 
 from srl.base.env import allowed_env_modules, env_spec
-from srl.base.rl import Columns, Parameter, seed_everything
+from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
 from srl.runner.distribution.board import BOARD_AWAY, Board, BoardDataError, ParamsRecord
 from srl.runner.distribution.codec import (
     DEFAULT_MAX_BYTES,
-    BatchHeader,
     DecodeError,
     params_message_bytes,
     short,
-    split_columns,
     task_tag,
 )
 from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.in_flight import InFlight
+from srl.runner.distribution.inference import InferenceClient, InferenceLostError
 from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
 from srl.runner.distribution.params_cache import ParamsCache, default_directory, private_directory
 from srl.runner.distribution.queues import (
-    ExperienceQueue,
     QueueError,
-    QueueFullError,
     check_queue,
     open_queue,
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle
+from srl.runner.distribution.sender import RowSender
 from srl.runner.distribution.stats import ActorStats
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
@@ -97,30 +94,48 @@ class ActorRun:
         allow = allowed_env_modules(options.allow_env_modules)
         self.spec = env_spec(task.env_config, allow)
         config.check_spec(self.spec)
-        self.parameter: Parameter = config.make_parameter(self.spec, config.resolve_device())
-        self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
-        self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
-        self.schema = config.schema(self.spec)
-        compress = options.compress if options.compress is not None else self.schema.has_images
-        self.codec = options.codec(board.task_name, compress=compress,
-                                   max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
         self.max_rows = max_message_rows(task)
         self.params_cache: ParamsCache | None = None
         """the params this machine's actors share (None: each fetches its own)"""
-        if options.params_cache_dir != "":
-            directory = private_directory(Path(options.params_cache_dir) if options.params_cache_dir
-                                          else default_directory())
-            if directory is not None:
-                self.params_cache = ParamsCache(directory, f"{redis_params.describe()} {board.task_id}")
-        self.queue: ExperienceQueue = open_queue(
-            queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params
-        )
-        self.in_flight = InFlight(self.queue, board, self.lease_name, self.counters)
+        # (sender, seq) names a batch for the trainer's dedupe: seq starts again with each run, so each run
+        # of this process (a slot taken back, the next task) sends under a name of its own
+        self.sender = f"{options.uid}.{next(_RUNS)}"
+        self.task_tag = task_tag(board.task_id)
+        self.central = task.inference == "central"
+        """central inference: the task's inference server acts; this actor steps envs, keeps no network"""
+        self.rows: RowSender | None = None
+        self.inference: InferenceClient | None = None
+        self.parameter: Parameter | None = None
+        if self.central:
+            self.codec = options.codec(board.task_name)
+            ca = options.inference_ca_file or redis_params.ssl_ca_certs
+            self.inference = InferenceClient(board, self.spec, config.envs_per_actor, slot, self.sender,
+                                             self.task_tag, self.codec, self.stop, ca)
+            self.worker: Worker = self.inference
+        else:
+            self.parameter = config.make_parameter(self.spec, config.resolve_device())
+            self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
+            schema = config.schema(self.spec)
+            compress = options.compress if options.compress is not None else schema.has_images
+            self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
+            self.codec = options.codec(board.task_name, compress=compress,
+                                       max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
+            if options.params_cache_dir != "":
+                directory = private_directory(Path(options.params_cache_dir) if options.params_cache_dir
+                                              else default_directory())
+                if directory is not None:
+                    self.params_cache = ParamsCache(directory, f"{redis_params.describe()} {board.task_id}")
+            queue = open_queue(queue_params, namespace=redis_params.task_name, role="producer",
+                               redis_params=redis_params)
+            self.rows = RowSender(queue, board, self.lease_name, self.codec, schema, self.max_rows,
+                                  task.queue_capacity, self.sender, self.task_tag, self.stop, self.counters,
+                                  self._begin_wait, self._end_wait)
         try:
             self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed, config.vectorization,
                                    allow)
         except BaseException:
-            self.queue.close()
+            if self.rows is not None:
+                self.rows.close()
             raise
         self.capacity = task.queue_capacity
         self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
@@ -135,17 +150,10 @@ class ActorRun:
         self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
         self._fresh_params = threading.Event()
-        self.seq = 0
-        # (sender, seq) names a batch for the trainer's dedupe: seq starts again with each run, so each run
-        # of this process (a slot taken back, the next task) sends under a name of its own
-        self.sender = f"{options.uid}.{next(_RUNS)}"
-        self.task_tag = task_tag(board.task_id)
         # stats the heartbeat reports
         self.env_steps = 0
         self.episodes = 0
-        self.sent_batches = 0
-        self.backpressure_wait_s = 0.0
-        self.stalled_since: float | None = None
+        self.params_fetched_bytes = 0
         self._last_rate = 0.0  # env steps/s at the last heartbeat
         self.throttled_s = 0.0
         self.sync_wait_s = 0.0
@@ -199,7 +207,7 @@ class ActorRun:
                     head = self.board.get_params_head()
                 if head is not None:
                     self._note_head(head[0], head[2])
-                    if head[1] > 0 and head[1] != self.latest_version:
+                    if head[1] > 0 and head[1] != self.latest_version and not self.central:
                         self._fetch_params((head[0], head[1]))
             except BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
                 away_since = away_since or time.monotonic()
@@ -237,8 +245,10 @@ class ActorRun:
         return False
 
     def _stats(self, env_steps_per_s: float) -> dict[str, Any]:
-        stalled_since = self.stalled_since
+        rows = self.rows
+        stalled_since = None if rows is None else rows.stalled_since
         stalled_now = 0.0 if stalled_since is None else time.monotonic() - stalled_since
+        params_version = self.params_version if self.inference is None else self.inference.params_version
         recent = self.recent_rewards[-10:]
         return ActorStats(
             uid=self.options.uid,
@@ -247,11 +257,12 @@ class ActorRun:
             env_steps_per_s=round(env_steps_per_s, 1),
             envs=self.rollout.num_envs,
             episodes=self.episodes,
-            sent_batches=self.sent_batches,
+            sent_batches=0 if rows is None else rows.sent_batches,
             params_shared=0 if self.params_cache is None else self.params_cache.shared,
-            params_version=self.params_version,
-            params_lag=max(0, self.latest_version - self.params_version),
-            backpressure_wait_s=round(self.backpressure_wait_s + stalled_now, 3),
+            params_fetched_bytes=self.params_fetched_bytes,
+            params_version=params_version,
+            params_lag=max(0, self.latest_version - params_version),
+            backpressure_wait_s=round((0.0 if rows is None else rows.backpressure_wait_s) + stalled_now, 3),
             stalled_now_s=round(stalled_now, 3),
             rate_limited_s=round(self.throttled_s, 3),
             sync_wait_s=round(self.sync_wait_s, 3),
@@ -281,7 +292,9 @@ class ActorRun:
         load them."""
         try:
             def fetch() -> ParamsRecord | None:
-                return self.board.get_params(self.max_params_bytes)
+                fetched = self.board.get_params(self.max_params_bytes)
+                self.params_fetched_bytes += 0 if fetched is None else len(fetched.blob)
+                return fetched
 
             cache = self.params_cache
             record = fetch() if cache is None else cache.get(head, fetch)
@@ -334,6 +347,7 @@ class ActorRun:
         if staged is None:
             return
         epoch, version, arrays = staged
+        assert self.parameter is not None  # only a local actor fetches params
         try:
             self.parameter.from_arrays(arrays)
         except ValueError as e:
@@ -387,34 +401,6 @@ class ActorRun:
         return max(1, min(self.options.batch_size, self.max_rows))
 
     # ------------------------------------------------------------ sending
-    def _wait_for_room(self) -> None:
-        """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more."""
-        delay = 0.005
-        waited_from: float | None = None
-        while not self.stop.is_set():
-            try:
-                depth = with_retry(self.in_flight.depth, "queue depth", should_stop=self.stop.is_set)
-            except BoardUnreachableError:  # only raised once the actor is stopping
-                break
-            except QueueError as e:  # a broker that lost the queue (a task replaced): the run stops soon, or not
-                if self._board_log.ready():
-                    logger.warning("cannot read the experience queue's depth (%s); retrying", short(e))
-                self.stop.wait(delay)
-                delay = min(delay * 2, 0.25)
-                continue
-            if depth < self.capacity:
-                break
-            if waited_from is None:
-                self._begin_wait()
-                waited_from = self.stalled_since = self._wait_started
-            self.stop.wait(delay)
-            delay = min(delay * 2, 0.25)
-        self.stalled_since = None
-        if waited_from is not None:
-            waited = self._end_wait()
-            self.backpressure_wait_s += waited
-            self.counters.add(backpressure_wait_s=waited)
-
     def _flush(self) -> int | None:
         """Send the worker's finished rows; the newest params version among them (None: nothing sent)."""
         columns = self.worker.take()
@@ -424,56 +410,9 @@ class ActorRun:
         return int(columns["version"].max()) if "version" in columns and len(columns["version"]) else None
 
     def _send(self, columns: Columns) -> None:
-        priorities = self.worker.initial_priorities(columns)
-        max_rows = min(self.max_rows, max(1, self.codec.max_rows(columns, priorities, self.queue.max_message_bytes)))
-        cut_before = None if self.schema.split_at is None else columns[self.schema.split_at]
-        for chunk_cols, chunk_pr in split_columns(columns, priorities, max_rows, cut_before):
-            count = len(next(iter(chunk_cols.values())))
-            header = BatchHeader(
-                actor_id=self.sender, actor_index=self.slot, epoch=max(self.params_epoch, 0), seq=self.seq,
-                params_version=max(self.params_version, 0), count=count, created_at=time.time(), task=self.task_tag,
-            )
-            blob = self.codec.encode_batch(header, chunk_cols, chunk_pr)
-            self._wait_for_room()
-            if self.stop.is_set():
-                logger.info("not sending %d rows: %s", count, self.stop.reason)
-                return
-            self.seq += 1
-            self.sent_batches += 1
-            self._put([blob])
-            self.in_flight.sent(1, self.schema.counted(chunk_cols))
-
-    def _put(self, payloads: list[bytes]) -> None:
-        """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
-        sent again after a wait, and a broker that is away is waited for: never dropped while the
-        task runs (a resend after a failure may deliver a batch twice: the trainer recognises it)."""
-        delay = 0.05
-        away_since: float | None = None
-        while payloads:
-            try:
-                self.queue.put_many(payloads)
-                if away_since is not None:
-                    logger.warning("experience queue reachable again after %.0fs", time.monotonic() - away_since)
-                return
-            except QueueFullError as e:
-                payloads = list(e.rejected)
-                logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
-                               "lower queue_capacity below the broker's limit", len(payloads))
-                self.counters.add(refused_messages=len(payloads))
-            except _QUEUE_AWAY as e:  # BrokerUnavailableError is a ConnectionError; QueueError: a queue lost
-                away_since = away_since or time.monotonic()
-                if self._board_log.ready():
-                    logger.warning("experience queue unreachable for %.0fs (%s); holding %d batch(es) until it "
-                                   "is back", time.monotonic() - away_since, short(e), len(payloads))
-            started = time.monotonic()
-            self.stop.wait(delay)
-            delay = min(delay * 2, 1.0)
-            waited = time.monotonic() - started
-            self.backpressure_wait_s += waited
-            self.counters.add(backpressure_wait_s=waited)
-            if self.stop.is_set():
-                logger.warning("%d message(s) not sent: %s", len(payloads), self.stop.reason)
-                return
+        assert self.rows is not None  # a central actor's worker finishes no rows
+        self.rows.send(columns, self.worker.initial_priorities(columns), self.slot, self.params_epoch,
+                       self.params_version)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> str:
@@ -489,7 +428,8 @@ class ActorRun:
         steps_since_count = 0
         self._loop_started = time.monotonic()
         try:
-            self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
+            if not self.central:
+                self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
             while not self.stop.is_set():
                 if self._staged is not None and self.worker.may_load_params():
                     self._apply_staged_params()
@@ -497,7 +437,14 @@ class ActorRun:
                     self._throttle()
                     batch_started = time.monotonic()
                     continue
-                for episode in self.rollout.step():
+                try:
+                    episodes = self.rollout.step()
+                except InferenceLostError as e:  # the server went (or was replaced): episodes start again
+                    if not self.stop.is_set():
+                        logger.warning("%s; restarting this actor's episodes", e)
+                        self.rollout.restart()
+                    continue
+                for episode in episodes:
                     self.episodes += 1
                     self.recent_rewards.append(episode.total_reward)
                     del self.recent_rewards[:-20]
@@ -521,7 +468,10 @@ class ActorRun:
             board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
             self._final_report()
             self.rollout.close()
-            self.queue.close()
+            if self.rows is not None:
+                self.rows.close()
+            if self.inference is not None:
+                self.inference.close()
             if self.params_cache is not None:
                 self.params_cache.clear()
             if self.task_gone:
@@ -547,8 +497,13 @@ class ActorRun:
             logger.warning("could not report the end of actor %s: %s", opts.uid, e)
 
     def summary(self) -> str:
-        return (f"slot {self.slot}, {self.env_steps} env steps, {self.sent_batches} batches, "
-                f"stalled {self.backpressure_wait_s:.1f}s")
+        if self.inference is not None:
+            return (f"slot {self.slot}, {self.env_steps} env steps, central inference at "
+                    f"{self.inference.connected_to or 'none'} ({self.inference.reconnects} reconnect(s))")
+        rows = self.rows
+        assert rows is not None
+        return (f"slot {self.slot}, {self.env_steps} env steps, {rows.sent_batches} batches, "
+                f"stalled {rows.backpressure_wait_s:.1f}s")
 
 
 def actor_run_forever(

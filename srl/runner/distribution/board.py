@@ -101,7 +101,8 @@ MAX_STATS_BYTES = 64 * 1024
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _ROLE_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
-_LEASE_NAME = re.compile(r"trainer|actor:(0|[1-9][0-9]{0,5})")
+_LEASE_NAME = re.compile(r"trainer|inference|actor:(0|[1-9][0-9]{0,5})")
+_ADDRESS = re.compile(r"[A-Za-z0-9._\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
 _COUNTER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _SCAN_COUNT = 500
 _MAX_INT = 2**63 - 1
@@ -210,6 +211,18 @@ class TaskStatus:
 
 
 @dataclass(frozen=True)
+class InferenceAddress:
+    """Where the task's central inference server listens (see ``Board.set_inference_address``)."""
+
+    uid: str
+    """the server holding the ``inference`` lease"""
+    address: str
+    """host:port"""
+    tls: bool
+    """it serves over TLS"""
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """The answer to one heartbeat: is the lease still ours, and what should the role know.
 
@@ -308,6 +321,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
+"""
+
+_SET_INFERENCE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], 'uid', ARGV[1], 'address', ARGV[2], 'tls', ARGV[3])
+return 1
 """
 
 _RELEASE_LUA = """
@@ -553,8 +572,9 @@ return removed
 
 # ---------------------------------------------------------------- parsing what was read
 def _lease_names(actor_num: int) -> list[str]:
-    """The names of a task's leases: ``trainer`` and ``actor:<i>`` for each of its slots."""
-    return ["trainer", *(f"actor:{i}" for i in range(max(0, min(actor_num, MAX_ACTORS))))]
+    """The names of a task's leases: ``trainer``, ``inference`` (central inference's server) and ``actor:<i>``
+    for each of its slots."""
+    return ["trainer", "inference", *(f"actor:{i}" for i in range(max(0, min(actor_num, MAX_ACTORS))))]
 
 
 def _text(value: bytes | str | None, limit: int = 10_000) -> str | None:
@@ -667,9 +687,11 @@ class Board:
         self._refusals_key = self.prefix + "refusals"
         self._ledger_key = self.prefix + "ledger"
         self._checkpoint_key = self.prefix + "checkpoint"
+        self._inference_key = self.prefix + "inference"
         # register_script: EVALSHA, and SCRIPT LOAD + retry on NOSCRIPT (a restarted or flushed Redis).
         self._renew = client.register_script(_RENEW_LUA)
         self._release = client.register_script(_RELEASE_LUA)
+        self._set_inference = client.register_script(_SET_INFERENCE_LUA)
         self._claim_trainer = client.register_script(_CLAIM_TRAINER_LUA)
         self._reclaim_trainer = client.register_script(_RECLAIM_TRAINER_LUA)
         self._claim_slot = client.register_script(_CLAIM_SLOT_LUA)
@@ -716,7 +738,8 @@ class Board:
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
         keys = {self._task_key, self._epoch_key, self._params_key, self._counters_key, self._roles_key,
                 self._events_key, self._deadletters_key, self._history_key, self._resume_key,
-                self._refusals_key, self._ledger_key, self._checkpoint_key, self.lease_key("trainer")}
+                self._refusals_key, self._ledger_key, self._checkpoint_key, self._inference_key,
+                self.lease_key("trainer"), self.lease_key("inference")}
         try:
             actor_num = _int(self.client.hget(self._task_key, "actor_num") or 0, "actor_num", 0, MAX_ACTORS)
         except BoardDataError:
@@ -957,6 +980,12 @@ class Board:
         holder, ttl = pipe.execute()
         return _text(holder, 256), int(ttl)
 
+    def lease_holders(self, names: list[str]) -> list[str | None]:
+        """The holder of each lease in ``names`` (None: free), in one MGET."""
+        if not names:
+            return []
+        return [_text(holder, 256) for holder in self.client.mget([self.lease_key(n) for n in names])]
+
     def release_leases_of(self, owner_uid: str, actor_num: int) -> list[str]:
         """Release every lease of the task ``owner_uid`` holds, and return their names: for a node stopped
         while its claim was in flight, when the board may have granted a slot the node never learned of."""
@@ -970,6 +999,26 @@ class Board:
         names = _lease_names(actor_num)
         holders = self.client.mget([self.lease_key(n) for n in names])
         return [name for name, holder in zip(names, holders, strict=True) if holder is not None]
+
+    def set_inference_address(self, owner_uid: str, address: str, tls: bool) -> bool:
+        """Say where central inference is served (``host:port``, over TLS or not): only while ``owner_uid``
+        holds the ``inference`` lease (False: it does not, nothing written)."""
+        return bool(self._set_inference(keys=[self.lease_key("inference"), self._inference_key],
+                                        args=[owner_uid, _text(address, 300) or "", "1" if tls else "0"]))
+
+    def get_inference_address(self) -> InferenceAddress | None:
+        """Where central inference is served now: the server holding the ``inference`` lease and the
+        address it wrote (None while no server holds it or it has not written one)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.lease_key("inference"))
+        pipe.hmget(self._inference_key, "uid", "address", "tls")
+        holder, (uid, address, tls) = pipe.execute()
+        holder_text, uid_text, address_text = _text(holder, 256), _text(uid, 256), _text(address, 300)
+        if holder_text is None or holder_text != uid_text or not address_text:
+            return None
+        if not _ADDRESS.fullmatch(address_text):
+            raise BoardDataError(f"the inference address on the board is not host:port: {address_text[:80]!r}")
+        return InferenceAddress(holder_text, address_text, _text(tls, 4) == "1")
 
     def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int, prefer: int | None = None) -> int | None:
         """An actor slot now leased to ``owner_uid``: ``prefer`` if it holds it or it is free (an actor taking

@@ -47,7 +47,7 @@ from srl.runner.distribution.codec import (
     short,
 )
 from srl.runner.distribution.embedded import EmbeddedRedis, resolve
-from srl.runner.distribution.options import ActorOptions, TrainerOptions
+from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
 from srl.runner.distribution.queues import (
     BrokerUnavailableError,
     describe_queue,
@@ -58,7 +58,14 @@ from srl.runner.distribution.queues import (
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.stats import ActorStats, EvaluatorStats, NodeStats, Reports, TrainerStats
-from srl.runner.distribution.task import MAX_QUEUE_CAPACITY, TASK_GONE, TASK_REPLACED
+from srl.runner.distribution.task import (
+    INFERENCE_MODES,
+    MAX_QUEUE_CAPACITY,
+    TASK_GONE,
+    TASK_REPLACED,
+    TaskConfigError,
+    check_central,
+)
 from srl.runner.progress import ensure_logging, eta, format_seconds, reward_summary
 from srl.runner.run_log import RunLog, latest_checkpoint, write_checkpoint
 
@@ -135,6 +142,8 @@ def train_distribution(
     keep_checkpoints: int = 5,
     checkpoint_memory: bool = False,
     resume_from: str | os.PathLike[str] | None = None,
+    inference: str = "local",
+    inference_options: dict[str, Any] | None = None,
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
 
@@ -170,6 +179,11 @@ def train_distribution(
         resume_from: a checkpoint file (or a log_dir holding checkpoints: the newest) to start from:
             weights, optimizer state, train_count and env steps go on; ``max_train_count`` and
             ``max_steps`` count from there.
+        inference: "local" (each actor runs the network and fetches params) or "central" (SEED RL: an
+            inference server, ``srl inference``, acts for every actor in batches; actors only step their
+            envs and fetch no params). Local processes include the server; elsewhere start one with
+            ``srl inference`` (a second one stands by). Not for sync PPO (its actors act in lockstep).
+        inference_options: InferenceOptions fields for a local inference server.
 
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
     here as local processes and stopped at the end. Ctrl-C or SIGTERM ends the task as "cancelled"
@@ -182,8 +196,14 @@ def train_distribution(
                      eval_episodes=eval_episodes, checkpoint_interval=checkpoint_interval,
                      keep_checkpoints=keep_checkpoints, overwrite=overwrite, attach=attach,
                      local_processes=local_processes, delete_task=delete_task, checkpoint_memory=checkpoint_memory,
-                     log_dir=log_dir, resume_from=resume_from)
+                     log_dir=log_dir, resume_from=resume_from, inference=inference,
+                     inference_options=inference_options)
     runner.rl_config.validate()  # it may have changed since the Runner was made (config.lr = "0.001")
+    if inference == "central":
+        try:
+            check_central(runner.rl_config)
+        except TaskConfigError as e:
+            raise ValueError(str(e)) from None
     ensure_logging()
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
     runner.rl_config = runner.rl_config.settled(runner.env_config)  # here, so every node gets the same values
@@ -210,6 +230,7 @@ def train_distribution(
                 "timeout": timeout,
                 "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
                 "checkpoints": {"interval": checkpoint_interval, "memory": checkpoint_memory} if run_log else None,
+                **({"inference": inference} if inference != "local" else {}),
             }
             with_retry(unbound.ping, f"connecting to {resolved.describe()}", max_wait=10)
             config_json = json.dumps(task, separators=(",", ":"))
@@ -229,7 +250,8 @@ def train_distribution(
             start_local = embedded is not None if local_processes is None else local_processes
             if start_local:
                 procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
-                                              trainer_options or {})
+                                              trainer_options or {},
+                                              inference_options or {} if inference == "central" else None)
             if attached:
                 board.set_active()  # a task its client left INIT (killed while starting it) starts now
                 board.log_event("a client attached to the task", source="client")
@@ -406,7 +428,10 @@ def _check_arguments(redis_params: Any, queue_params: Any, **arguments: Any) -> 
     for name in ("log_dir", "resume_from"):
         if a[name] is not None and not isinstance(a[name], (str, os.PathLike)):
             raise TypeError(f"{name} must be a path (str or pathlib.Path) or None, got {shown(a[name])}")
-    for name, cls in (("actor_options", ActorOptions), ("trainer_options", TrainerOptions)):
+    if a["inference"] not in INFERENCE_MODES:
+        raise ValueError(f"inference must be one of {list(INFERENCE_MODES)}, got {shown(a['inference'])}")
+    for name, cls in (("actor_options", ActorOptions), ("trainer_options", TrainerOptions),
+                      ("inference_options", InferenceOptions)):
         options = a[name]
         if options is None:
             continue

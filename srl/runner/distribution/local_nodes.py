@@ -116,19 +116,26 @@ def start_all(
     secret: str | None,
     actor_options: dict[str, Any],
     trainer_options: dict[str, Any],
+    inference_options: dict[str, Any] | None = None,
 ) -> list[LocalNode]:
-    """One trainer (first in the list) and ``actor_num`` actors, each serving one task."""
+    """One trainer (first in the list), an inference server when ``inference_options`` are given (central
+    inference, listening on loopback unless they say otherwise) and ``actor_num`` actors, each serving
+    one task."""
     common = {"run_once": True, **({"secret": secret} if secret else {})}
     procs: list[LocalNode] = []
     try:
         procs.append(start("trainer", redis_params, queue_params, {**common, **trainer_options}))
+        if inference_options is not None:
+            procs.append(start("inference", redis_params, queue_params,
+                               {**common, "listen": "127.0.0.1:0", **inference_options}))
         for _ in range(actor_num):
             procs.append(start("actor", redis_params, queue_params, {**common, **actor_options}))
     except BaseException:
         for p in procs:  # their pipes close: they stop as on Ctrl-C
             release(p)
         raise
-    logger.info("started a local trainer and %d local actor(s) (pids %s)", actor_num, [p.pid for p in procs])
+    logger.info("started a local trainer, %sand %d local actor(s) (pids %s)",
+                "an inference server " if inference_options is not None else "", actor_num, [p.pid for p in procs])
     return procs
 
 
@@ -167,6 +174,10 @@ def main() -> None:
         from srl.runner.distribution.trainer import trainer_run_forever
 
         trainer_run_forever(redis_params, queue_params, **spec["options"])
+    elif spec["role"] == "inference":
+        from srl.runner.distribution.inference import inference_run_forever
+
+        inference_run_forever(redis_params, queue_params, **spec["options"])
     else:
         from srl.runner.distribution.actor import actor_run_forever
 

@@ -89,6 +89,9 @@ class ActorOptions(NodeOptions):
     compress: bool | None = None
     """zstd-compress batches; unset: when the task's rows hold images (frames compress several times over;
     float vectors barely do and pay the CPU)"""
+    inference_ca_file: str = ""
+    """with central inference over TLS: the CA bundle that signed the inference server's certificate
+    (default: the board's ssl_ca_certs, else the system's roots)"""
 
     def validate(self) -> None:
         super().validate()
@@ -96,6 +99,48 @@ class ActorOptions(NodeOptions):
         check_number("batch_max_age", self.batch_max_age, 0.0, 3600.0, low_open=True)
         check_number("params_poll_interval", self.params_poll_interval, 0.0, 3600.0, low_open=True)
         check_number("params_wait_poll_interval", self.params_wait_poll_interval, 0.0, 3600.0, low_open=True)
+
+
+@dataclass
+class InferenceOptions(NodeOptions):
+    """How a central inference server behaves (the task itself comes from the board)."""
+
+    listen: str = "0.0.0.0:0"
+    """host:port the server listens on (port 0: any free one; the board tells actors which)"""
+    advertise_host: str = ""
+    """the host name or address actors reach the server at (default: the listen host, or this machine's
+    name when it listens on every interface)"""
+    max_batch_envs: int = 0
+    """most envs one forward pass acts for (0: every env of every actor)"""
+    max_wait_ms: float = 2.0
+    """longest a request waits for others to join its batch (a batch goes at once when every connected
+    actor has a request in it, or it is full)"""
+    batch_size: int = 256
+    """transitions per message sent to the queue (segments go as soon as they are complete)"""
+    batch_max_age: float = 1.0
+    """seconds an actor's partly filled batch of rows may wait before it is sent anyway"""
+    params_poll_interval: float = 0.05
+    """seconds between checks of the params version on the board (one HMGET)"""
+    tls_cert_file: str = ""
+    """PEM certificate (chain) the server shows actors; with tls_key_file, it serves over TLS (required
+    when the board is reached over TLS)"""
+    tls_key_file: str = ""
+    """PEM private key of tls_cert_file"""
+    compress: bool | None = None
+    """zstd-compress batches of rows; unset: when the task's rows hold images"""
+
+    def validate(self) -> None:
+        super().validate()
+        check_int("max_batch_envs", self.max_batch_envs, 0, 1 << 20)
+        check_number("max_wait_ms", self.max_wait_ms, 0.0, 10_000.0)
+        check_int("batch_size", self.batch_size, 1, 1 << 20)
+        check_number("batch_max_age", self.batch_max_age, 0.0, 3600.0, low_open=True)
+        check_number("params_poll_interval", self.params_poll_interval, 0.0, 3600.0, low_open=True)
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"listen must be host:port (port 0: any free one), got {self.listen[:80]!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both (TLS) or neither")
 
 
 @dataclass

@@ -103,6 +103,8 @@ class ActorStats(NodeStats):
     """batch messages sent"""
     params_shared: int = 0
     """params versions it read from its machine's params cache (another actor there fetched them)"""
+    params_fetched_bytes: int = 0
+    """bytes of params it fetched from the board (0 with central inference: it holds no network)"""
     params_version: int = 0
     """the params version it acts with"""
     params_lag: int = 0
@@ -189,6 +191,32 @@ class EvaluatorStats(NodeStats):
 
 
 @dataclass
+class InferenceStats(NodeStats):
+    """The central inference server's heartbeat (role ``inference``)."""
+
+    sessions: int = 0
+    """actors connected now"""
+    agent_steps: int = 0
+    """actions chosen (one per env per step) in this run"""
+    agent_steps_per_s: float = 0.0
+    """actions per second since the previous heartbeat"""
+    batches: int = 0
+    """forward passes run"""
+    batch_envs_mean: float = 0.0
+    """envs per forward pass, since the previous heartbeat"""
+    batch_wait_ms_mean: float = 0.0
+    """milliseconds a request waited for its batch to form, since the previous heartbeat"""
+    params_version: int = 0
+    """the params version it acts with"""
+    sent_batches: int = 0
+    """batch messages of rows sent to the queue"""
+    refused_requests: int = 0
+    """requests refused (a bad signature, shape, value or order): their streams were closed"""
+    backpressure_wait_s: float = 0.0
+    """seconds waited on a full queue"""
+
+
+@dataclass
 class Reports:
     """Every role's latest stats on a task's board, typed (roles that never reported, or whose stats
     expired, are absent)."""
@@ -197,6 +225,7 @@ class Reports:
     actors: dict[int, ActorStats] = field(default_factory=dict)
     """by slot"""
     evaluator: EvaluatorStats | None = None
+    inference: InferenceStats | None = None
 
     @classmethod
     def read(cls, board: Board) -> Reports:
@@ -207,6 +236,7 @@ class Reports:
             trainer=TrainerStats.from_record(raw["trainer"]) if "trainer" in raw else None,
             actors=dict(sorted(actors.items())),
             evaluator=EvaluatorStats.from_record(raw["evaluator"]) if "evaluator" in raw else None,
+            inference=InferenceStats.from_record(raw["inference"]) if "inference" in raw else None,
         )
 
     def actor(self, slot: int) -> ActorStats | None:

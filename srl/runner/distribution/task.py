@@ -56,6 +56,9 @@ class TaskSpec:
     """seconds between the checkpoints the trainer keeps on the board for the client (None: none)"""
     checkpoint_memory: bool = False
     """those checkpoints carry the replay memory too (when it fits)"""
+    inference: str = "local"
+    """where actions are chosen: "local" (each actor runs the network) or "central" (an inference node acts
+    for every actor, which then only steps its envs; see ``srl.runner.distribution.inference``)"""
 
     @property
     def queue_capacity(self) -> int:
@@ -133,7 +136,14 @@ def build_task(
         checkpoints = data.get("checkpoints") or {}
         if not isinstance(checkpoints, dict) or not isinstance(checkpoints.get("memory", False), bool):
             raise TaskConfigError("task field 'checkpoints' must be an object {interval: seconds, memory: bool}")
+        inference = data.get("inference", "local")
+        if inference not in INFERENCE_MODES:
+            raise TaskConfigError(f"task field 'inference' must be one of {list(INFERENCE_MODES)}, found "
+                                  f"{short(repr(inference), 60)}")
+        if inference == "central":
+            check_central(rl_config)
         return TaskSpec(
+            inference=inference,
             rl_config=rl_config,
             env_config=env_config,
             actor_num=actor_num,
@@ -152,6 +162,19 @@ def build_task(
         raise
     except (ConfigError, UnknownAlgorithmError, EnvError, ValueError, TypeError) as e:
         raise TaskConfigError(f"cannot build the task's config: {short(e, 400)}") from None
+
+
+INFERENCE_MODES = ("local", "central")
+
+
+def check_central(rl_config: RLConfig) -> None:
+    """Raise TaskConfigError when ``rl_config``'s algorithm cannot act with central inference."""
+    if rl_config.data_path().sync:
+        raise TaskConfigError(
+            f"{rl_config.algorithm} with sync=True cannot run with central inference: its actors wait in "
+            "lockstep for each params version, which a server acting for all of them does not; use "
+            "sync=False (asynchronous PPO), or inference='local'"
+        )
 
 
 def max_message_rows(task: TaskSpec) -> int:

@@ -1,0 +1,471 @@
+"""Central inference (SEED RL): one server acts for every actor; actors only step envs.
+
+In-process tests run a real ``InferenceRun`` (gRPC on loopback, the board and queue in a real Redis) and
+talk to it with the actor's own ``InferenceClient``; the end-to-end tests run real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import srl
+from srl.algorithms import dqn, impala, ppo, r2d2
+from srl.base.env import EnvConfig, env_spec
+from srl.base.rl import RLConfig, Worker, join_policy_io, split_policy_io
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import Board, TaskState
+from srl.runner.distribution.codec import BatchHeader, Codec, task_tag
+from srl.runner.distribution.inference import (
+    METHOD,
+    InferenceClient,
+    InferenceLostError,
+    InferenceRefusedError,
+    InferenceRun,
+)
+from srl.runner.distribution.options import InferenceOptions
+from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.task import StopFlag, TaskSpec, build_task
+from tests.nodes import ClientThread, board_for, lease_holder_pid, sigkill, start, wait_for
+
+
+def _impala(**changes: Any) -> impala.Config:
+    config = impala.Config(envs_per_actor=2, segment_length=8, seed=0)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+# ------------------------------------------------------------------------------------ the worker seam
+
+
+def _workers(config: RLConfig, env: str, n: int, weights: Any = None) -> tuple[list[Worker], Any, Any]:
+    """``n`` workers sharing one parameter (with ``weights`` when given), each seeded alike."""
+    spec = env_spec(EnvConfig(env))
+    config = config.settled(EnvConfig(env))
+    parameter = config.make_parameter(spec, torch.device("cpu"))
+    if weights is not None:
+        parameter.from_arrays(weights)
+    return [config.make_worker(spec, parameter, i, n, seed=7) for i in range(n)], spec, parameter
+
+
+@pytest.mark.parametrize("config", [
+    dqn.Config(envs_per_actor=3), ppo.Config(envs_per_actor=3), ppo.Config(envs_per_actor=3, recurrent="lstm"),
+    r2d2.Config(envs_per_actor=3), impala.Config(envs_per_actor=3, recurrent="gru"),
+], ids=["dqn", "ppo", "ppo-lstm", "r2d2", "impala-gru"])
+def test_one_forward_pass_for_many_workers_acts_as_each_alone(config: RLConfig) -> None:
+    """The server's batch: the workers' inputs joined, one policy() call, each worker its rows back. The
+    actions (same seeds) and every worker's state afterwards are those of acting alone."""
+    alone, spec, parameter = _workers(config, "CartPole-v1", 2)
+    batched, _, _ = _workers(config, "CartPole-v1", 2, parameter.to_arrays())
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        obs = [rng.normal(size=(3, *spec.obs_shape)).astype(np.float32) for _ in range(2)]
+        if step == 0:
+            for w, o in zip(alone + batched, obs + obs, strict=True):
+                w.reset(np.arange(3), o)
+        expected = [w.act(o) for w, o in zip(alone, obs, strict=True)]
+        with torch.inference_mode():
+            inputs = [w.policy_inputs(o) for w, o in zip(batched, obs, strict=True)]
+            outputs = batched[0].policy(join_policy_io(inputs))
+            got = [w.act_with(o, part) for w, o, part in
+                   zip(batched, obs, split_policy_io(outputs, [3, 3]), strict=True)]
+        for e, g in zip(expected, got, strict=True):
+            np.testing.assert_array_equal(e, g)
+        for a, b in zip(alone, batched, strict=True):
+            for name in ("_h", "_c", "_q", "_logprob", "_value"):
+                if getattr(a, name, None) is not None:
+                    np.testing.assert_allclose(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)),
+                                               rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ a server in this process
+
+
+@dataclass
+class Served:
+    run: InferenceRun
+    board: Board
+    task: TaskSpec
+    redis_params: RedisParameters
+    thread: threading.Thread
+    secret: str | None
+
+    def client(self, slot: int, secret: str | None = "same", uid: str | None = None) -> InferenceClient:
+        """The actor's side for ``slot`` (its lease taken for ``uid``)."""
+        uid = uid or f"actor-test-{slot}"
+        self.board.claim_lease(f"actor:{slot}", uid, 60_000)
+        codec = Codec(secret=self.secret if secret == "same" else secret, task=self.board.task_name)
+        spec = self.run.spec
+        return InferenceClient(self.board, spec, self.task.rl_config.envs_per_actor, slot, f"{uid}.0",
+                               task_tag(self.board.task_id), codec, StopFlag())
+
+
+def _publish(board: Board, config: RLConfig, spec: Any, codec: Codec) -> None:
+    epoch = board.claim_trainer("trainer-test", 60_000)
+    assert epoch is not None
+    parameter = config.make_parameter(spec, torch.device("cpu"))
+    blob = codec.encode_params(parameter.to_arrays(), {"epoch": epoch, "version": 1, "train_count": 0})
+    assert board.publish_params("trainer-test", epoch, 1, blob, 0)
+
+
+@pytest.fixture()
+def serve_task(redis_url: str, namespace: str) -> Iterator[Any]:
+    served: list[Served] = []
+
+    def make(config: RLConfig, env: str = "CartPole-v1", actor_num: int = 3, secret: str | None = None,
+             capacity: int = 1000, **options: Any) -> Served:
+        redis_params = RedisParameters(url=redis_url, task_name=namespace)
+        board = Board(redis_params.connect(), namespace)
+        runner = srl.Runner(env, config)
+        config_json = json.dumps({**runner.task_config(), "actor_num": actor_num, "max_steps": 10**9,
+                                  "inference": "central", "queue": {"scheme": "redis", "capacity": capacity}})
+        codec = Codec(secret=secret, task=namespace)
+        status = board.create_task(config_json, signature=codec.config_signature(config_json))
+        board = board.bound(status.task_id)
+        board.set_active()
+        task = build_task(config_json, codec.config_signature(config_json), codec)
+        opts = InferenceOptions(listen="127.0.0.1:0", uid="inference-test", heartbeat_interval=0.2, lease_ttl=2.0,
+                                params_poll_interval=0.02, secret=secret, batch_max_age=0.1, **options)
+        assert board.claim_lease("inference", opts.uid, 60_000)
+        run = InferenceRun(board, redis_params, None, task, opts)
+        _publish(board, task.rl_config, run.spec, codec)
+        thread = threading.Thread(target=run.run, daemon=True)
+        thread.start()
+        wait_for(lambda: run.parameter.version == 1, 10, "the server to load params version 1")
+        s = Served(run, board, task, redis_params, thread, secret)
+        served.append(s)
+        return s
+
+    yield make
+    for s in served:
+        s.run.stop.set("test over")
+        s.thread.join(timeout=10)
+        s.board.delete_task()
+
+
+def _step(client: InferenceClient, obs: np.ndarray, steps: int) -> list[np.ndarray]:
+    actions = []
+    for _ in range(steps):
+        actions.append(client.act(obs))
+        client.observe(np.ones(client.num_envs, np.float32), obs, np.zeros(client.num_envs, bool),
+                       np.zeros(client.num_envs, bool))
+    return actions
+
+
+def _obs(served: Served) -> np.ndarray:
+    spec = served.run.spec
+    return np.zeros((served.task.rl_config.envs_per_actor, *spec.obs_shape), spec.obs_dtype)
+
+
+def test_concurrent_actors_share_batches_bounded_by_max_batch_envs(serve_task: Any) -> None:
+    served = serve_task(_impala(), actor_num=3, max_batch_envs=4, max_wait_ms=200.0)  # two actors' envs at most
+    clients = [served.client(slot) for slot in range(3)]
+    errors: list[BaseException] = []
+
+    def act(client: InferenceClient) -> None:
+        try:
+            actions = _step(client, _obs(served), 40)
+            assert all(a.shape == (2,) and a.dtype == np.int64 and set(a.tolist()) <= {0, 1} for a in actions)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=act, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    run = served.run
+    assert run.agent_steps == 3 * 40 * 2
+    envs_per_batch = run.agent_steps / run.batches
+    assert 2 < envs_per_batch <= 4  # batches formed, and never above max_batch_envs
+    for c in clients:
+        c.close()
+
+
+def test_a_request_waits_at_most_max_wait_for_others(serve_task: Any) -> None:
+    """Two actors connected, one of them silent: the other's requests go alone once max_wait_ms passed, and
+    at once when every connected actor has a request in."""
+    served = serve_task(_impala(), actor_num=2, max_wait_ms=300.0)
+    quiet, busy = served.client(0), served.client(1)
+    obs = _obs(served)
+    quiet.act(obs)  # connected, then silent
+    started = time.monotonic()
+    _step(busy, obs, 3)
+    waited = time.monotonic() - started
+    assert waited >= 3 * 0.3  # each request waited for the silent actor, up to the bound
+    assert waited < 3 * 0.3 + 5.0  # and then went alone
+    quiet.close()  # one connected actor now: no waiting at all
+    wait_for(lambda: len(served.run._sessions) == 1, 10, "the quiet actor's session to close")
+    started = time.monotonic()
+    _step(busy, obs, 3)
+    assert time.monotonic() - started < 0.3
+    busy.close()
+
+
+def test_rows_the_server_writes_pass_the_trainers_schema(serve_task: Any) -> None:
+    """IMPALA's segments assembled on the server: the task's schema, the slot as the batch's actor index,
+    the params version acted with."""
+    served = serve_task(_impala(), actor_num=2)
+    client = served.client(1)
+    _step(client, _obs(served), 8 * 3 + 1)  # what followed a step reaches the server with the next request
+    consumer = open_queue(None, namespace=served.board.task_name, role="consumer",
+                          redis_params=served.redis_params)
+    codec = Codec(task=served.board.task_name)
+    schema = served.task.rl_config.schema(served.run.spec)
+    seen = 0
+    deadline = time.monotonic() + 10
+    while seen < 3 and time.monotonic() < deadline:
+        message = consumer.get(timeout=0.5)
+        if message is None:
+            continue
+        header, columns, _ = codec.decode_batch(message.data, schema)
+        assert header.actor_index == 1 and header.params_version == 1
+        assert columns["version"].tolist() == [1, 1] and columns["obs"].shape == (2, 8, 4)
+        message.ack()
+        seen += 1
+    consumer.close()
+    assert seen == 3
+    client.close()
+
+
+def test_a_full_queue_holds_the_actions_back_and_nothing_is_dropped(serve_task: Any) -> None:
+    """Backpressure: with the queue at its capacity the server stops answering once the little it holds
+    (two messages waiting for the sender, one being sent) is full, so the actor waits; once the trainer
+    drains the queue, acting goes on, and every segment arrives."""
+    served = serve_task(_impala(), actor_num=1, capacity=2)
+    client = served.client(0)
+    done = threading.Event()
+
+    def act() -> None:
+        _step(client, _obs(served), 8 * 10 + 1)  # ten segments of each of 2 envs: ten messages
+        done.set()
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    consumer = open_queue(None, namespace=served.board.task_name, role="consumer", redis_params=served.redis_params)
+    wait_for(lambda: consumer.depth() == 2, 10, "the queue to fill")
+    assert not done.wait(1.0)  # held back (a second is many round trips)
+    assert served.run.rows.backpressure_wait_s > 0 or served.run.rows.stalled_since is not None
+    received = 0
+    while received < 10:
+        message = consumer.get(timeout=10)
+        assert message is not None, f"only {received} of 10 segments came"
+        message.ack()
+        received += 1
+    assert done.wait(10)
+    consumer.close()
+    client.close()
+
+
+def test_dqn_explores_with_each_slots_epsilon_on_the_server(serve_task: Any) -> None:
+    config = dqn.Config(envs_per_actor=2, seed=0)
+    served = serve_task(config, actor_num=3)
+    for slot in range(3):
+        worker = served.run._make_worker(slot)
+        assert isinstance(worker, dqn.DQNWorker)
+        assert worker.epsilon == pytest.approx(config.actor_epsilon(slot, 3))
+    assert len({served.run._make_worker(s).epsilon for s in range(3)}) == 3  # not one ε for all
+
+
+def _raw_request(served: Served, slot: int, uid: str, columns: dict[str, np.ndarray] | bytes, secret: str | None,
+                 seq: int = 0) -> grpc.RpcError | bytes:
+    """One request sent by hand (what a forger could send: columns, or any bytes); the server's answer."""
+    served.board.claim_lease(f"actor:{slot}", uid, 60_000)
+    if isinstance(columns, bytes):
+        blob = columns
+    else:
+        codec = Codec(secret=secret, task=served.board.task_name, max_bytes=2**26)
+        header = BatchHeader(actor_id=f"{uid}.0", actor_index=slot, epoch=0, seq=seq, params_version=0,
+                             count=len(columns["obs"]), created_at=time.time(), task=task_tag(served.board.task_id))
+        blob = codec.encode_batch(header, columns, None)
+    with grpc.insecure_channel(served.run.address, options=[("grpc.max_send_message_length", 2**26)]) as channel:
+        try:
+            return next(iter(channel.stream_stream(METHOD)(iter([blob]), timeout=10)))
+        except grpc.RpcError as e:
+            return e
+
+
+def _good_request(served: Served) -> dict[str, np.ndarray]:
+    obs = _obs(served)
+    n = len(obs)
+    return {"obs": obs, "final_obs": obs, "reward": np.zeros(n, np.float32), "terminated": np.zeros(n, bool),
+            "truncated": np.zeros(n, bool), "started": np.ones(n, bool)}
+
+
+@pytest.mark.parametrize("forgery", ["nan_reward", "obs_out_of_bounds", "obs_shape", "obs_dtype", "started_mid_episode",
+                                     "extra_env", "oversized", "garbage"])
+def test_a_forged_request_is_refused_and_counted_and_the_server_goes_on(serve_task: Any, forgery: str) -> None:
+    served = serve_task(_impala(), actor_num=2)
+    good = served.client(0)
+    _step(good, _obs(served), 2)
+    columns = _good_request(served)
+    forged: dict[str, np.ndarray] | bytes = columns
+    if forgery == "nan_reward":
+        columns["reward"][0] = np.nan
+    elif forgery == "obs_out_of_bounds":
+        columns["obs"] = columns["obs"] + 1e12  # past the env's declared bounds
+    elif forgery == "obs_shape":
+        columns["obs"] = np.zeros((2, 5), np.float32)
+        columns["final_obs"] = columns["obs"]
+    elif forgery == "obs_dtype":
+        columns["obs"] = columns["obs"].astype(np.float64)
+    elif forgery == "started_mid_episode":
+        columns["started"][1] = False  # a stream's first request must start every episode
+    elif forgery == "extra_env":
+        forged = {k: np.concatenate([v, v[:1]]) for k, v in columns.items()}
+    elif forgery == "oversized":  # 20,000 envs' worth: more than any request of this task may be
+        forged = {k: np.repeat(v, 10_000, axis=0) for k, v in columns.items()}
+    elif forgery == "garbage":
+        forged = b"SRL\x00" + bytes(range(256)) * 4
+    answer = _raw_request(served, 1, "forger", forged, None)
+    assert isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert served.run.refused == 1
+    assert len(_step(good, _obs(served), 2)) == 2  # the other actor is still served
+    good.close()
+
+
+def test_a_huge_request_is_cut_off_before_it_is_read(serve_task: Any) -> None:
+    """Past 4x the largest request (and 1 MiB) gRPC refuses the message itself, unread; the server goes on."""
+    served = serve_task(_impala(), actor_num=2)
+    columns = {k: np.repeat(v, 50_000, axis=0) for k, v in _good_request(served).items()}
+    answer = _raw_request(served, 1, "forger", columns, None)
+    assert isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    good = served.client(0)
+    assert len(_step(good, _obs(served), 2)) == 2
+    good.close()
+
+
+def test_an_actor_without_the_secret_is_refused(serve_task: Any) -> None:
+    served = serve_task(_impala(), actor_num=2, secret="the-task-secret")
+    answer = _raw_request(served, 0, "stranger", _good_request(served), None)
+    assert isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = served.client(1, secret="another-secret")
+    with pytest.raises(InferenceRefusedError, match="refused"):
+        wrong.act(_obs(served))
+    assert served.run.refused == 2
+    right = served.client(1)
+    assert right.act(_obs(served)).shape == (2,)
+    right.close()
+
+
+def test_over_tls_the_actor_checks_the_servers_certificate(serve_task: Any, tmp_path: Any) -> None:
+    from tests.tls_fixtures import make_tls_files
+
+    tls = make_tls_files(tmp_path)
+    served = serve_task(_impala(), actor_num=2, tls_cert_file=str(tls.cert), tls_key_file=str(tls.key))
+    address = served.board.get_inference_address()
+    assert address is not None and address.tls and address.address.startswith("127.0.0.1:")
+    trusted = served.client(0)
+    trusted.ca_file = str(tls.ca)
+    assert trusted.act(_obs(served)).shape == (2,)
+    trusted.close()
+    fooled = served.client(1)
+    fooled.ca_file = str(tls.wrong_ca)  # a server it cannot verify: never one it acts through
+    with pytest.raises(InferenceLostError, match="UNAVAILABLE"):
+        fooled.act(_obs(served))
+    assert served.run.agent_steps == 2
+
+
+def test_a_board_over_tls_demands_a_server_over_tls(redis_url: str, namespace: str) -> None:
+    runner = srl.Runner("CartPole-v1", _impala())
+    config_json = json.dumps({**runner.task_config(), "actor_num": 1, "max_steps": 100, "inference": "central"})
+    task = build_task(config_json)
+    board = Board(RedisParameters(url=redis_url, task_name=namespace).connect(), namespace)
+    with pytest.raises(ValueError, match="tls_cert_file"):
+        InferenceRun(board, RedisParameters(url="rediss://127.0.0.1:1/0", task_name=namespace), None, task,
+                     InferenceOptions(uid="inference-test"))
+
+
+def test_an_actor_that_does_not_hold_its_slot_is_refused(serve_task: Any) -> None:
+    served = serve_task(_impala(), actor_num=2)
+    served.board.claim_lease("actor:0", "the-real-actor", 60_000)
+    answer = _raw_request(served, 0, "an-impostor", _good_request(served), None)
+    assert isinstance(answer, grpc.RpcError)  # the lease check, not the claim in _raw_request, decides
+    assert answer.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert served.run.refused == 1
+
+
+def test_an_actor_whose_lease_lapses_is_dropped_and_its_state_freed(serve_task: Any) -> None:
+    served = serve_task(_impala(recurrent="lstm"), actor_num=2)
+    client = served.client(0)
+    _step(client, _obs(served), 3)
+    assert set(served.run._sessions) == {0}
+    served.board.release_lease("actor:0", "actor-test-0")  # as a lease that lapsed (the actor killed, paused)
+    wait_for(lambda: not served.run._sessions, 10, "the server to free the actor's state")
+    with pytest.raises(InferenceLostError):
+        _step(client, _obs(served), 1)
+    client.close()
+
+
+# ------------------------------------------------------------------------------------ real processes
+
+
+@pytest.mark.parametrize("config", [_impala(), dqn.Config(envs_per_actor=2, batch_size=32, warmup_size=200, seed=0)],
+                         ids=["impala", "apex-dqn"])
+def test_a_central_inference_run_trains_and_ends_with_an_evaluation(config: RLConfig, redis_url: str,
+                                                                     namespace: str) -> None:
+    runner = srl.Runner("CartPole-v1", config)
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_train_count=60,
+                              progress_interval=None, local_processes=True, inference="central",
+                              actor_options={"batch_size": 64, "batch_max_age": 0.2},
+                              inference_options={"batch_size": 64, "batch_max_age": 0.2})
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] > 0
+    assert counters["sent_batches"] >= counters["received_batches"] > 0
+    stats = board.get_all_stats()
+    assert stats["inference"]["agent_steps"] > 0 and stats["inference"]["refused_requests"] == 0
+    assert all(stats[f"actor:{i}"]["sent_batches"] == 0 for i in range(2))  # actors send no rows
+    assert all(stats[f"actor:{i}"]["params_fetched_bytes"] == 0 for i in range(2))  # nor fetch params
+    assert len(runner.evaluate(max_episodes=2)) == 2
+    board.delete_task()
+
+
+def test_sync_ppo_is_refused_with_central_inference() -> None:
+    runner = srl.Runner("CartPole-v1", ppo.Config())
+    with pytest.raises(ValueError, match="lockstep"):
+        runner.train_distribution(RedisParameters(), actor_num=1, max_steps=100, inference="central")
+
+
+def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, namespace: str,
+                                                              nodes: list[Any], tmp_path: Any) -> None:
+    """SIGKILL the server mid-run: the standby takes the lease, actors reconnect and restart their
+    episodes, the run finishes, and nothing queued is lost (sent = received at the end)."""
+    inference_args = ["--listen", "127.0.0.1:0", "--batch-max-age", "0.2"]
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    first = start(nodes, "inference", redis_url, namespace, tmp_path, *inference_args)
+    for _ in range(2):
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+    board = board_for(redis_url, namespace)
+    runner = srl.Runner("CartPole-v1", _impala())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
+                          max_train_count=150, local_processes=False, inference="central")
+    client.start()
+    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
+             "the first server to act")
+    pid = lease_holder_pid(board, "inference")
+    assert pid == first.proc.pid
+    start(nodes, "inference", redis_url, namespace, tmp_path, *inference_args)  # the standby
+    sigkill(pid)
+    wait_for(lambda: (lease_holder_pid(board, "inference") or pid) != pid, 30, "the standby to take the lease")
+    client.join(timeout=120)
+    assert not client.is_alive() and client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    actors = [n for n in nodes if n.role == "actor"]
+    assert any("restarting this actor's episodes" in n.output() for n in actors)
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_batches"] > 0
