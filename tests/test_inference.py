@@ -469,3 +469,25 @@ def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, n
     assert any("restarting this actor's episodes" in n.output() for n in actors)
     counters = board.get_counters()
     assert counters.get("bad_messages", 0) == 0 and counters["received_batches"] > 0
+
+
+def test_batched_sampling_draws_each_action_with_its_probability() -> None:
+    """The Gumbel-max draw acting uses (one batched op for every env, and for a server's every worker):
+    frequencies follow the policy's probabilities, log-probabilities are the distribution's."""
+    from torch.distributions import Categorical, Normal
+
+    from srl.rl.actor_critic import sample_actions
+
+    probs = torch.tensor([[0.7, 0.2, 0.1]]).repeat(20_000, 1)
+    dist = [Categorical(probs=probs)]
+    noise = torch.rand((20_000, 3), generator=torch.Generator().manual_seed(0))
+    action, logprob = sample_actions(dist, noise)
+    frequencies = torch.bincount(action, minlength=3).float() / 20_000
+    assert torch.allclose(frequencies, probs[0], atol=0.015)
+    assert torch.allclose(logprob, dist[0].log_prob(action))
+    greedy, _ = sample_actions(dist, None)
+    assert (greedy == 0).all()
+    normal = Normal(torch.zeros(5, 2), torch.full((5, 2), 2.0))
+    draws = torch.randn((5, 2), generator=torch.Generator().manual_seed(1))
+    action, logprob = sample_actions(normal, draws)
+    assert torch.allclose(action, 2.0 * draws) and torch.allclose(logprob, normal.log_prob(action).sum(-1))

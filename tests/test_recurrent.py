@@ -106,10 +106,13 @@ def test_a_learner_unrolling_the_stored_state_reproduces_what_the_actor_computed
     torch.testing.assert_close(both[0], logprob)
     torch.testing.assert_close(both[2], values)
     torch.testing.assert_close(both[3], last)
-    # without the resets the same unroll differs: they are what makes it match
+    # without the resets the same unroll differs (beyond the match's tolerance, and by orders of magnitude
+    # more than the unroll with them): they are what makes it match
     with torch.no_grad():
         ignored = net.sequence_values(torch.from_numpy(rows["obs"]), h, c, torch.zeros_like(resets))
-    assert np.abs(ignored.numpy() - rows["value"]).max() > 1e-3
+    ignored_error = np.abs(ignored.numpy() - rows["value"]).max()
+    matched_error = np.abs(values.numpy() - rows["value"]).max()
+    assert ignored_error > 1e-5 and ignored_error > 1000 * max(matched_error, 1e-9)
 
 
 def test_r2d2_burn_in_from_the_stored_state_reproduces_the_actor_s_state() -> None:

@@ -306,6 +306,14 @@ class ActorCritic(nn.Module):
         assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
         return self._distribution(self.actor_body(self.prepare(obs)))
 
+    def distribution_value(self, obs: torch.Tensor) -> tuple[Normal | list[Categorical], torch.Tensor]:
+        """``distribution`` and ``value`` of ``obs``, a shared encoder run once for both (what acting needs)."""
+        assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
+        if self.shared is not None:
+            features = self.shared(obs)
+            return self._distribution(self.actor_body(features)), self.critic_head(features).squeeze(-1)
+        return self.distribution(obs), self.value(obs)
+
     def _distribution(self, features: torch.Tensor) -> Normal | list[Categorical]:
         out = self.actor_head(features)
         if self.continuous:
@@ -418,6 +426,29 @@ class ActorCriticParameter(Parameter):
         torch_from_arrays({"net": self.net}, arrays)
 
 
+def sample_actions(dist: Normal | list[Categorical], noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An action per row of ``dist`` and its log-probability: with ``noise`` (``SegmentWorker._noise``'s
+    draws) a sample, mean + std x normal or the Gumbel-max of the logits (one draw per logit: as
+    ``torch.multinomial``, in one batched op), else the greedy action (the mean, the most probable)."""
+    if isinstance(dist, Normal):
+        action = dist.mean if noise is None else dist.mean + dist.stddev * noise
+        return action, dist.log_prob(action).sum(-1)
+    parts, logprob, start = [], None, 0
+    for d in dist:
+        logits = d.logits  # normalized: log-probabilities
+        width = logits.shape[-1]
+        if noise is None:
+            a = logits.argmax(-1)
+        else:
+            a = (logits - torch.log(-torch.log(noise[:, start : start + width]))).argmax(-1)
+        start += width
+        parts.append(a)
+        chosen = logits.gather(-1, a.unsqueeze(-1)).squeeze(-1)
+        logprob = chosen if logprob is None else logprob + chosen
+    assert logprob is not None
+    return (parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1)), logprob
+
+
 class SegmentWorker(Worker):
     """Samples actions for E envs at once; every T steps each env's last T steps become a segment."""
 
@@ -463,27 +494,17 @@ class SegmentWorker(Worker):
             self._low = np.where(np.isfinite(act.low), act.low, -np.inf).astype(np.float32)
             self._high = np.where(np.isfinite(act.high), act.high, np.inf).astype(np.float32)
 
-    def _sample(self, dist: Normal | list[Categorical]) -> tuple[torch.Tensor, torch.Tensor]:
-        """An action per env and its log-probability (greedy while evaluating). The draws come from the
-        worker's CPU generator whatever the network's device (the same stream on a CPU and a GPU: a CUDA
-        tensor cannot take a CPU generator), and the action and its log-probability stay on that device."""
-        if isinstance(dist, Normal):
-            if self.training:
-                noise = torch.randn(dist.mean.shape, generator=self.generator).to(dist.mean.device)
-                action = dist.mean + dist.stddev * noise
-            else:
-                action = dist.mean
-            return action, dist.log_prob(action).sum(-1)
-        parts, logprob = [], torch.zeros(dist[0].logits.shape[0], device=dist[0].logits.device)
-        for d in dist:
-            if self.training:
-                a = torch.multinomial(d.probs.cpu(), 1, generator=self.generator).squeeze(-1).to(d.probs.device)
-            else:
-                a = d.probs.argmax(-1)
-            parts.append(a)
-            logprob = logprob + d.log_prob(a)
-        action = parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1)
-        return action, logprob
+    def _noise(self, envs: int) -> torch.Tensor | None:
+        """The draws that sample ``envs`` actions while training (None: greedy): a uniform per logit (the
+        Gumbel-max trick) or a normal per action dimension. They come from the worker's CPU generator
+        whatever the network's device (the same stream on a CPU and a GPU: a CUDA tensor cannot take a CPU
+        generator), so a server acting for many workers at once draws each worker's from its own."""
+        if not self.training:
+            return None
+        net = self.parameter.net
+        width = sum(net.splits)
+        draw = torch.randn if net.continuous else torch.rand
+        return draw((envs, width), generator=self.generator).to(self.parameter.device)
 
     def act(self, obs: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
@@ -491,22 +512,29 @@ class SegmentWorker(Worker):
 
     def policy_inputs(self, obs: np.ndarray) -> PolicyIO:
         x = torch.from_numpy(obs).to(self.parameter.device)
-        return (x, self._h, self._c) if self.recurrent else (x,)
+        if self.recurrent:
+            return x, self._h, self._c, self._noise(len(obs))
+        return x, None, None, self._noise(len(obs))
 
     def policy(self, inputs: PolicyIO) -> PolicyIO:
-        """(distribution, value, h, c): value None while evaluating feed-forward, h and c without a core."""
+        """(action, log-probability, value, h, c): the action sampled with the inputs' draws (greedy without
+        them), value None while evaluating feed-forward, h and c None without a core."""
         net = self.parameter.net
+        x, h, c, noise = inputs
         if self.recurrent:
-            return tuple(net.step(*inputs))
-        x = inputs[0]
-        return net.distribution(x), net.value(x) if self.training else None, None, None
+            dist, value, h, c = net.step(x, h, c)
+        elif noise is not None:
+            dist, value = net.distribution_value(x)
+        else:
+            dist, value = net.distribution(x), None
+        action, logprob = sample_actions(dist, noise)
+        return action, logprob, value, h, c
 
     def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
-        dist, value, h, c = outputs
+        action_t, logprob, value, h, c = outputs
         if self.recurrent:
             state = self._h, self._c
             self._h, self._c = h, c
-        action_t, logprob = self._sample(dist)
         action = action_t.cpu().numpy()
         if self.training and value is not None:
             if self._t == 0:
