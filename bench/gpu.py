@@ -27,6 +27,10 @@ R2D2 (the same env, its defaults: LSTM 128, batches of 64 sequences of 80 steps,
 ``act`` and one ``train()`` (both networks unrolled over every sequence, the loss on the last 40 steps,
 the priority update); its row adds sequences/s (updates/s x 64), the figure to compare with the CPU's.
 
+Inference (central inference's server, SEED RL): IMPALA's Nature CNN on Pong frames, the forward pass one
+server runs for 4 actors x 8 envs joined (``policy_inputs`` of each actor's worker, one ``policy``, each
+worker's ``act_with``), as inference steps/s (envs acted for per second) on the CPU and on CUDA, and their ratio.
+
 Without CUDA the CUDA rows say so and the CPU rows still run. Quote ratios from one run.
 """
 
@@ -155,6 +159,36 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
     return timed(lambda: worker.act(obs)), timed(update)
 
 
+def inference_rate(device: str, seconds: float, threads: int = 1, actors: int = 4, envs: int = 8) -> float:
+    """Envs acted for per second by a central inference server's batch on ``device``: ``actors`` workers of
+    ``envs`` envs each, their inputs joined into one forward pass of IMPALA's Nature CNN on Pong frames."""
+    from srl.base.rl import join_policy_io, split_policy_io
+
+    config = impala.Config(seed=0, device=device, torch_threads=threads, envs_per_actor=envs)
+    runner = srl.Runner("ALE/Pong-v5", config)
+    spec, parameter = runner.spec, runner.parameter
+    workers = [config.make_worker(spec, parameter, i, actors, i) for i in range(actors)]
+    frame = np.random.default_rng(0).integers(0, 255, size=(envs, 1, *spec.obs_shape[1:]), dtype=np.uint8)
+    obs = np.repeat(frame, spec.obs_shape[0], axis=1)  # one frame stacked: the stacks slide as the worker checks
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def batch() -> None:
+        with torch.inference_mode():
+            outputs = workers[0].policy(join_policy_io([w.policy_inputs(obs) for w in workers]))
+            for w, part in zip(workers, split_policy_io(outputs, [envs] * actors), strict=True):
+                w.act_with(obs, part)  # no observe: the same step of the segment, again
+
+    for _ in range(5):
+        batch()
+    sync()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        batch()
+        count += 1
+    sync()
+    return count * actors * envs / (time.perf_counter() - t0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", default="256,256", help="hidden layer sizes (default 256,256)")
@@ -164,18 +198,30 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first (default 200)")
     parser.add_argument("--repeat", type=int, default=3, help="windows per row; the median is printed (default 3)")
     parser.add_argument("--cpu-threads", default="1", help="torch CPU thread counts, comma-separated (default 1)")
-    parser.add_argument("--algorithms", default="dqn,ppo,impala,r2d2",
-                        help="comma-separated (default dqn,ppo,impala,r2d2)")
+    parser.add_argument("--algorithms", default="dqn,ppo,impala,r2d2,inference",
+                        help="comma-separated (default dqn,ppo,impala,r2d2,inference)")
     args = parser.parse_args()
     algorithms = args.algorithms.split(",")
-    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala", "r2d2"})
+    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala", "r2d2", "inference"})
     if unknown:
-        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala, r2d2")
+        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala, r2d2, inference")
     hidden = tuple(int(x) for x in args.hidden.split(","))
     threads = [int(x) for x in args.cpu_threads.split(",")]
 
     cuda = torch.cuda.is_available()
-    for algorithm in (a for a in algorithms if a != "dqn"):
+    if "inference" in algorithms:
+        print(f"\nCentral inference: IMPALA's Nature CNN on Pong frames, 4 actors x 8 envs per forward pass; "
+              f"torch {torch.__version__}")
+        print(f"{'device':<22} {'inference steps/s':>18} {'÷ cpu':>8}  note")
+        cpu_steps = inference_rate("cpu", args.seconds, threads[0])
+        print(f"{'cpu, ' + str(threads[0]) + ' thread' + ('s' if threads[0] > 1 else ''):<22} {cpu_steps:>18,.0f} "
+              f"{1.0:>8.2f}")
+        if cuda:
+            steps = inference_rate("cuda", args.seconds, threads[0])
+            print(f"{'cuda':<22} {steps:>18,.0f} {steps / cpu_steps:>8.2f}  {torch.cuda.get_device_name(0)}")
+        else:
+            print(f"{'cuda':<22} {'-':>18} {'-':>8}  torch sees no CUDA device here")
+    for algorithm in (a for a in algorithms if a not in ("dqn", "inference")):
         print(f"\n{algorithm.upper()} on CartPole-v1, hidden {hidden}; torch {torch.__version__}")
         print(f"{'device':<22} {'act calls/s':>12} {'updates/s':>10}  note")
         per_update = r2d2.Config().batch_size if algorithm == "r2d2" else 0

@@ -10,7 +10,8 @@ Each run trains from scratch with the user-facing defaults of its case (the conf
 or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (10 episodes;
 ``--eval-episodes``). "one" is ``Runner.train`` in this process; "dist" is
 ``Runner.train_distribution`` on an embedded Redis with the trainer and ``--actors`` actors as local
-processes, experience over ``--queue``; "lagged" (off-policy cases) is one process given a distributed
+processes, experience over ``--queue``; "central" is "dist" with central inference (an inference server
+acts for the actors, SEED RL's way); "lagged" (off-policy cases) is one process given a distributed
 run's data path, so the two can be told apart seed by seed: the worker acts with a copy of the weights
 refreshed every ``--lag`` train steps (so up to that old) and hands its rows over ``--chunk`` at a time
 (defaults 150 and 128, near what a 1-actor DQN run shows: params published every 100 train steps and
@@ -194,7 +195,7 @@ CASES = {case.name: case for case in [
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
             ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
             ("impala-cartpole", "one"), ("impala-cartpole", "dist")]
-MODES = ("one", "dist", "lagged")
+MODES = ("one", "dist", "central", "lagged")
 QUEUES = {
     "redis": lambda: None,
     "amqp": lambda: "amqp://guest:guest@127.0.0.1:5672/",
@@ -300,7 +301,8 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
             runner.train(progress_interval=None, **logging_, **limits(budget))
         else:
             runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
-                                      **logging_, **limits(budget))
+                                      inference="central" if mode == "central" else "local", **logging_,
+                                      **limits(budget))
         env_steps, train_count = runner.env_steps, runner.train_count
     wall = time.perf_counter() - started
     return runner, Run(case.name, mode, seed, float("nan"), wall, env_steps, train_count)

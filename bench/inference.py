@@ -1,0 +1,249 @@
+"""Central inference (SEED RL) against each actor running its own network: what the actors get done.
+
+    python bench/inference.py                              # every table
+    python bench/inference.py --only throughput --seconds 30
+    python bench/inference.py --only rtt
+    python bench/inference.py --envs MinAtar/Breakout-v1   # one env only
+
+Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA's config as it comes):
+
+  throughput  agent steps/s of ``--actors`` actors x ``--envs-per-actor`` envs, local inference (each actor
+              runs the network, fetches params) against central (one ``srl inference`` server batches every
+              actor's requests), measured over ``--seconds`` after a warm-up, in the same run. No trainer
+              learns meanwhile (it would take the same two cores): this process publishes one params
+              version and drains the queue, acking every batch. Beside each: the params bytes actors
+              fetched per second, Redis's bytes out per second, the server's envs per forward pass and how
+              long a request waited for its batch. On MinAtar Breakout (MinAtar's CNN) and on Pong frames
+              (the Nature CNN).
+  rtt         one actor's round trip (request out, actions back) to a server in another process, p50 and
+              p99 over ``--round-trips``: CartPole with one env (the smallest request) and MinAtar with 8.
+
+A ratio is taken within one run. Nothing else should run meanwhile (two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import srl
+from srl.algorithms import impala
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import Board
+from srl.runner.distribution.codec import Codec, task_tag
+from srl.runner.distribution.inference import InferenceClient
+from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.task import StopFlag
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+ENVS = ("MinAtar/Breakout-v1", "ALE/Pong-v5")
+NODE_ARGS = ["--heartbeat-interval", "0.5", "--task-poll-interval", "0.2"]
+
+
+class Task:
+    """A task on the bench's Redis, with this process as its trainer: one params version published, every
+    batch drained and acked."""
+
+    def __init__(self, env: str, config: impala.Config, actors: int, inference: str) -> None:
+        self.name = f"bench-inference-{uuid.uuid4().hex[:8]}"
+        self.redis_params = RedisParameters(url=REDIS_URL, task_name=self.name)
+        board = Board(self.redis_params.connect(), self.name)
+        runner = srl.Runner(env, config)
+        task = {**runner.task_config(), "actor_num": actors, "max_steps": 10**12,
+                "queue": {"scheme": "redis", "capacity": 64}, "inference": inference}
+        status = board.create_task(json.dumps(task))
+        self.board = board.bound(status.task_id)
+        self.board.set_active()
+        epoch = self.board.claim_trainer("bench-trainer", 600_000)
+        assert epoch is not None
+        codec = Codec(task=self.name)
+        blob = codec.encode_params(runner.parameter.to_arrays(), {"epoch": epoch, "version": 1, "train_count": 0})
+        assert self.board.publish_params("bench-trainer", epoch, 1, blob, 0)
+        self.spec = runner.spec
+        self.stop = threading.Event()
+        self.drained = 0
+        self._drain = threading.Thread(target=self._drain_loop, daemon=True)
+        self._drain.start()
+
+    def _drain_loop(self) -> None:
+        queue = open_queue(None, namespace=self.name, role="consumer", redis_params=self.redis_params)
+        try:
+            while not self.stop.is_set():
+                message = queue.get(timeout=0.2)
+                if message is not None:
+                    message.ack()
+                    self.drained += 1
+        finally:
+            queue.close()
+
+    def end(self) -> None:
+        self.board.end_task("END", "bench over")
+        self.stop.set()
+        self._drain.join(timeout=10)
+
+    def delete(self) -> None:
+        self.board.delete_task()
+
+
+def start_node(role: str, task: Task, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "srl.cli", role, "--url", REDIS_URL, "--task-name", task.name, "--run-once",
+           *NODE_ARGS, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_nodes(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def actor_totals(board: Board, actors: int) -> tuple[int, int] | None:
+    """(env steps, params bytes fetched) of every actor as their heartbeats say; None until all report."""
+    stats = board.get_all_stats()
+    rows = [stats.get(f"actor:{i}") for i in range(actors)]
+    if any(r is None or not r.get("env_steps") for r in rows):
+        return None
+    return (sum(int(r["env_steps"]) for r in rows if r), sum(int(r.get("params_fetched_bytes", 0)) for r in rows if r))
+
+
+def net_out(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warmup: float,
+               server_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    config = impala.Config(envs_per_actor=envs)
+    task = Task(env, config, actors, mode)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        if mode == "central":
+            procs.append(start_node("inference", task, "--listen", "127.0.0.1:0", *server_args))
+        procs += [start_node("actor", task) for _ in range(actors)]
+        deadline = time.monotonic() + 120
+        while actor_totals(task.board, actors) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{mode} actors on {env} did not start within 120 s")
+            time.sleep(0.2)
+        time.sleep(warmup)
+        client = task.board.client
+        first, out0, t0 = actor_totals(task.board, actors), net_out(client), time.monotonic()
+        time.sleep(seconds)
+        last, out1, t1 = actor_totals(task.board, actors), net_out(client), time.monotonic()
+        assert first is not None and last is not None
+        server = task.board.get_all_stats().get("inference", {})
+        elapsed = t1 - t0
+        return {
+            "steps_per_s": (last[0] - first[0]) / elapsed,
+            "params_bytes_per_s": (last[1] - first[1]) / elapsed,
+            "redis_out_per_s": (out1 - out0) / elapsed,
+            "batch_envs": server.get("batch_envs_mean"),
+            "batch_wait_ms": server.get("batch_wait_ms_mean"),
+        }
+    finally:
+        task.end()
+        stop_nodes(procs)
+        task.delete()
+
+
+def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
+    print(f"\nagent steps/s, {args.actors} actors x {args.envs_per_actor} envs, IMPALA as it comes, "
+          f"{args.seconds:g} s each after {args.warmup:g} s warm-up (server: max_wait_ms "
+          f"{', '.join(args.max_wait_ms)}, torch_threads 1)")
+    print(f"{'env':<22}{'mode':<24}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
+          f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}")
+    for env in envs:
+        results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup)}
+        for wait in args.max_wait_ms:
+            results[f"central, wait {wait} ms" if len(args.max_wait_ms) > 1 else "central"] = throughput(
+                env, "central", args.actors, args.envs_per_actor, args.seconds, args.warmup, ("--max-wait-ms", wait))
+        for mode, r in results.items():
+            ratio = r["steps_per_s"] / results["local"]["steps_per_s"]
+            batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
+            wait = "" if r["batch_wait_ms"] is None else f"{r['batch_wait_ms']:.2f}"
+            print(f"{env:<22}{mode:<24}{r['steps_per_s']:>9.0f}{ratio:>15.2f}{r['params_bytes_per_s']:>22,.0f}"
+                  f"{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}", flush=True)
+
+
+def round_trips(env: str, envs: int, count: int) -> tuple[float, float]:
+    """p50 and p99 seconds of ``count`` round trips of one actor to a server in another process."""
+    task = Task(env, impala.Config(envs_per_actor=envs), 1, "central")
+    procs = [start_node("inference", task, "--listen", "127.0.0.1:0")]
+    try:
+        uid = "bench-actor"
+        task.board.claim_lease("actor:0", uid, 600_000)
+        deadline = time.monotonic() + 60
+        while task.board.get_inference_address() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the inference server did not start within 60 s")
+            time.sleep(0.1)
+        client = InferenceClient(task.board, task.spec, envs, 0, f"{uid}.0", task_tag(task.board.task_id),
+                                 Codec(task=task.name), StopFlag())
+        obs = np.zeros((envs, *task.spec.obs_shape), task.spec.obs_dtype)
+        none = np.zeros(envs, bool)
+        times = []
+        for i in range(count + 200):
+            started = time.perf_counter()
+            client.act(obs)
+            if i >= 200:
+                times.append(time.perf_counter() - started)
+            client.observe(np.zeros(envs, np.float32), obs, none, none)
+        client.close()
+        return float(np.percentile(times, 50)), float(np.percentile(times, 99))
+    finally:
+        task.end()
+        stop_nodes(procs)
+        task.delete()
+
+
+def print_rtt(args: argparse.Namespace) -> None:
+    print(f"\nround trip of one actor to an inference server in another process, {args.round_trips} requests")
+    print(f"{'env':<22}{'envs':>5}{'p50 ms':>9}{'p99 ms':>9}")
+    for env, envs in (("CartPole-v1", 1), ("MinAtar/Breakout-v1", 8)):
+        p50, p99 = round_trips(env, envs, args.round_trips)
+        print(f"{env:<22}{envs:>5}{1000 * p50:>9.3f}{1000 * p99:>9.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="throughput,rtt", help="comma-separated: throughput, rtt")
+    parser.add_argument("--envs", default=",".join(ENVS), help="comma-separated env ids for throughput")
+    parser.add_argument("--actors", type=int, default=4)
+    parser.add_argument("--envs-per-actor", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--round-trips", type=int, default=3000)
+    parser.add_argument("--max-wait-ms", default="2", help="the server's max_wait_ms; comma-separated: a row each")
+    args = parser.parse_args()
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError:
+        sys.exit(f"needs Redis on {REDIS_URL} (scripts/services.sh start)")
+    torch.set_num_threads(1)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    args.max_wait_ms = [w.strip() for w in args.max_wait_ms.split(",") if w.strip()]
+    only = {o.strip() for o in args.only.split(",")}
+    if "throughput" in only:
+        print_throughput([e.strip() for e in args.envs.split(",") if e.strip()], args)
+    if "rtt" in only:
+        print_rtt(args)
+
+
+if __name__ == "__main__":
+    main()
