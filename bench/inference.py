@@ -165,14 +165,17 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
 def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
     print(f"\nagent steps/s, {args.actors} actors x {args.envs_per_actor} envs, IMPALA as it comes, "
           f"{args.seconds:g} s each after {args.warmup:g} s warm-up (server: max_wait_ms "
-          f"{', '.join(args.max_wait_ms)}, torch_threads 1)")
+          f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)})")
     print(f"{'env':<22}{'mode':<24}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
           f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}")
     for env in envs:
         results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup)}
         for wait in args.max_wait_ms:
-            results[f"central, wait {wait} ms" if len(args.max_wait_ms) > 1 else "central"] = throughput(
-                env, "central", args.actors, args.envs_per_actor, args.seconds, args.warmup, ("--max-wait-ms", wait))
+            for threads in args.server_threads:
+                label = "central" + (f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
+                    f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1 else "")
+                results[label] = throughput(env, "central", args.actors, args.envs_per_actor, args.seconds, args.warmup,
+                                            ("--max-wait-ms", wait, "--torch-threads", threads))
         for mode, r in results.items():
             ratio = r["steps_per_s"] / results["local"]["steps_per_s"]
             batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
@@ -230,6 +233,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--max-wait-ms", default="2", help="the server's max_wait_ms; comma-separated: a row each")
+    parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")
     args = parser.parse_args()
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
@@ -238,6 +242,7 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     args.max_wait_ms = [w.strip() for w in args.max_wait_ms.split(",") if w.strip()]
+    args.server_threads = [t.strip() for t in args.server_threads.split(",") if t.strip()]
     only = {o.strip() for o in args.only.split(",")}
     if "throughput" in only:
         print_throughput([e.strip() for e in args.envs.split(",") if e.strip()], args)

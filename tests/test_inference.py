@@ -491,3 +491,24 @@ def test_batched_sampling_draws_each_action_with_its_probability() -> None:
     draws = torch.randn((5, 2), generator=torch.Generator().manual_seed(1))
     action, logprob = sample_actions(normal, draws)
     assert torch.allclose(action, 2.0 * draws) and torch.allclose(logprob, normal.log_prob(action).sum(-1))
+
+
+def test_progress_shows_the_server_or_how_to_start_one(serve_task: Any, redis_url: str) -> None:
+    from srl.runner.distribution.client import NodeHints, progress_lines
+
+    served = serve_task(_impala(), actor_num=1)
+    client = served.client(0)
+    _step(client, _obs(served), 3)
+    board = served.board
+    wait_for(lambda: board.get_all_stats().get("inference", {}).get("sessions") == 1, 10, "a heartbeat")
+    status = board.get_status()
+    assert status is not None
+    line = next(x for x in progress_lines(board, status, 1.0) if x.startswith("  inference"))
+    assert f"inference inference-test at {served.run.address}" in line and "1 actor(s) connected" in line
+    client.close()
+    served.run.stop.set("test: the server goes")
+    served.thread.join(timeout=10)
+    wait_for(lambda: board.lease_holder("inference")[0] is None, 10, "the lease to be released")
+    hints = NodeHints.of(RedisParameters(url=redis_url, task_name=board.task_name))
+    line = next(x for x in progress_lines(board, status, 1.0, hints=hints) if x.startswith("  inference"))
+    assert "MISSING" in line and f"srl inference --url {redis_url}" in line

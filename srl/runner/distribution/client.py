@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,7 +57,14 @@ from srl.runner.distribution.queues import (
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle, with_retry
-from srl.runner.distribution.stats import ActorStats, EvaluatorStats, NodeStats, Reports, TrainerStats
+from srl.runner.distribution.stats import (
+    ActorStats,
+    EvaluatorStats,
+    InferenceStats,
+    NodeStats,
+    Reports,
+    TrainerStats,
+)
 from srl.runner.distribution.task import (
     INFERENCE_MODES,
     MAX_QUEUE_CAPACITY,
@@ -732,6 +739,10 @@ def history_row(board: Board, evaluator: Evaluator | None) -> dict[str, Any]:
         record = trainer.to_record()  # its numbers, by the names the stats dataclass gives them
         row.update({k: v for k, v in record.items()
                     if k not in _NOT_HISTORY and _num(v) is not None})
+    if reports.inference is not None:
+        server = reports.inference
+        row.update({"inference_actions_per_s": server.agent_steps_per_s, "inference_batch_envs": server.batch_envs_mean,
+                    "inference_wait_ms": server.batch_wait_ms_mean, "inference_refused": server.refused_requests})
     for slot, actor in actors.items():
         row.update({f"actor{slot}_env_steps_per_s": actor.env_steps_per_s,
                     f"actor{slot}_backpressure_wait_s": actor.backpressure_wait_s,
@@ -888,7 +899,7 @@ def progress_lines(
         + (f" | eval {_g(evaluation.eval_mean)} at train {evaluation.train_count}" if evaluation else "")
     ]
     hints = hints or NodeHints("--host HOST")
-    refusals = {"trainer": [], "actor": []} if ended else _refusals_by_role(board)
+    refusals = {"trainer": [], "actor": [], "inference": []} if ended else _refusals_by_role(board)
 
     def missing(role: str, stats: NodeStats | None, label: str) -> str:
         if ended:
@@ -918,6 +929,8 @@ def progress_lines(
             f"loss {_g(trainer.loss) if trainer.loss is not None else '-'}, params v{trainer.params_version}"
             f"{lag}{waiting}"
         )
+    if board.get_task_config().get("inference") == "central":
+        lines.append(_inference_line(board, reports.inference, ended, missing))
     for i in range(actor_num):
         holder, _ = board.lease_holder(f"actor:{i}")
         s = reports.actor(i)
@@ -938,12 +951,28 @@ def progress_lines(
     return lines
 
 
+def _inference_line(board: Board, stats: InferenceStats | None, ended: bool,
+                    missing: Callable[[str, NodeStats | None, str], str]) -> str:
+    """The central inference server's line: who holds the lease, where it listens, how it batches."""
+    holder, _ = board.lease_holder("inference")
+    if holder is None and (not ended or stats is None):
+        return missing("inference", stats, "inference")
+    stats = stats or InferenceStats()  # a holder that has not reported yet
+    address = board.get_inference_address()
+    where = f" at {address.address}{' (TLS)' if address.tls else ''}" if address is not None else ""
+    refused = f", REFUSED {stats.refused_requests} request(s)" if stats.refused_requests else ""
+    return (f"  inference {holder or stats.uid or '?'}{where}: {stats.sessions} actor(s) connected, "
+            f"{stats.agent_steps_per_s} actions/s, {stats.batch_envs_mean} envs per batch, request wait "
+            f"{stats.batch_wait_ms_mean} ms, params v{stats.params_version}, stalled {stats.backpressure_wait_s}s"
+            f"{refused}")
+
+
 REFUSAL_SHOWN_S = 30.0
 """a node's refusal of the task is shown while it is this fresh (nodes renew theirs while they refuse)"""
 
 
 def _refusals_by_role(board: Board) -> dict[str, list[Refusal]]:
-    found: dict[str, list[Refusal]] = {"trainer": [], "actor": []}
+    found: dict[str, list[Refusal]] = {"trainer": [], "actor": [], "inference": []}
     for refusal in board.get_refusals(max_age_s=REFUSAL_SHOWN_S):
         found.setdefault(refusal.role, []).append(refusal)
     return found
@@ -974,6 +1003,11 @@ def summary_lines(board: Board, status: TaskStatus, elapsed: float, queued: int 
                      f"last loss {_g(trainer.loss) if trainer.loss is not None else '-'}{lag}")
     else:
         lines.append("  trainer: never reported")
+    if reports.inference is not None:
+        i = reports.inference
+        lines.append(f"  inference {i.uid or '?'}: {i.agent_steps} actions in {i.batches} batches, "
+                     f"{i.sent_batches} batches of rows sent, {i.refused_requests} request(s) refused, "
+                     f"stalled {i.backpressure_wait_s}s")
     for index, s in reports.actors.items():
         lines.append(
             f"  actor {index} {s.uid or '?'}: {s.env_steps} env steps, {s.episodes} episodes, last reward "

@@ -199,7 +199,7 @@ class InferenceRun:
         self.counters = CounterDeltas()
         config = task.rl_config
         self.config = config
-        torch.set_num_threads(max(1, config.torch_threads))
+        torch.set_num_threads(options.torch_threads or max(1, config.torch_threads))
         seed_everything(config.seed)
         self.spec = env_spec(task.env_config, allowed_env_modules(options.allow_env_modules))
         config.check_spec(self.spec)

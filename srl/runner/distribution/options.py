@@ -128,9 +128,13 @@ class InferenceOptions(NodeOptions):
     """PEM private key of tls_cert_file"""
     compress: bool | None = None
     """zstd-compress batches of rows; unset: when the task's rows hold images"""
+    torch_threads: int = 0
+    """torch CPU threads for the server's forward passes (0: the task's torch_threads, what its actors use):
+    a server on a CPU with cores to spare batches faster with more"""
 
     def validate(self) -> None:
         super().validate()
+        check_int("torch_threads", self.torch_threads, 0, 256)
         check_int("max_batch_envs", self.max_batch_envs, 0, 1 << 20)
         check_number("max_wait_ms", self.max_wait_ms, 0.0, 10_000.0)
         check_int("batch_size", self.batch_size, 1, 1 << 20)
