@@ -512,3 +512,32 @@ def test_progress_shows_the_server_or_how_to_start_one(serve_task: Any, redis_ur
     hints = NodeHints.of(RedisParameters(url=redis_url, task_name=board.task_name))
     line = next(x for x in progress_lines(board, status, 1.0, hints=hints) if x.startswith("  inference"))
     assert "MISSING" in line and f"srl inference --url {redis_url}" in line
+
+
+def test_an_actor_killed_mid_episode_is_replaced_and_the_run_finishes(redis_url: str, namespace: str,
+                                                                       nodes: list[Any], tmp_path: Any) -> None:
+    """SIGKILL an actor: its stream closes with the process and the server frees its state; the standby
+    actor takes the slot and connects; the run ends."""
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    server = start(nodes, "inference", redis_url, namespace, tmp_path, "--listen", "127.0.0.1:0",
+                   "--batch-max-age", "0.2")
+    for _ in range(3):  # one stands by
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+    board = board_for(redis_url, namespace)
+    runner = srl.Runner("CartPole-v1", _impala(recurrent="lstm"))
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
+                          max_train_count=150, local_processes=False, inference="central")
+    client.start()
+    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
+             "the server to act for the actors")
+    victim = lease_holder_pid(board, "actor:0")
+    assert victim is not None
+    sigkill(victim)
+    wait_for(lambda: (lease_holder_pid(board, "actor:0") or victim) != victim, 30, "the standby to take slot 0")
+    client.join(timeout=120)
+    assert not client.is_alive() and client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    log = server.output()
+    assert "left slot 0; its state is freed" in log  # the killed actor's state went with its stream
+    assert log.count("connected for slot 0") >= 2  # and the standby connected in its place

@@ -440,9 +440,14 @@ class ActorRun:
                 try:
                     episodes = self.rollout.step()
                 except InferenceLostError as e:  # the server went (or was replaced): episodes start again
-                    if not self.stop.is_set():
+                    assert self.inference is not None
+                    if self.stop.is_set():
+                        continue
+                    if self.inference.episodes_lost:
                         logger.warning("%s; restarting this actor's episodes", e)
                         self.rollout.restart()
+                    elif self._board_log.ready():
+                        logger.warning("%s; reconnecting", e)
                     continue
                 for episode in episodes:
                     self.episodes += 1

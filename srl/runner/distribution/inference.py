@@ -301,7 +301,9 @@ class InferenceRun:
                 if request.error is not None:
                     self._refuse(request.error, context, session)
                     return
-                assert request.actions is not None
+                if request.actions is None:  # its session closed while the request waited (a newer one took it)
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "this actor's session was closed")
+                    return  # abort raises; this line is never reached
                 reply = BatchHeader(actor_id=self.options.uid, actor_index=session.slot, epoch=self.params_epoch,
                                     seq=request.seq, params_version=request.version, count=self.envs,
                                     created_at=time.time(), task=self.task_tag)
@@ -722,6 +724,12 @@ class InferenceClient(Worker):
         self.params_version = 0
         self.connected_to = ""
         self.reconnects = 0
+        self._replies = 0
+        """replies on the stream now"""
+        self._failures = 0
+        """streams in a row that broke before their first reply (a server gone that the board still names)"""
+        self.episodes_lost = False
+        """the stream that broke last had acted: the envs' episodes must start again"""
         self.round_trip_s = 0.0
         """seconds spent waiting for replies (the actor's share of inference)"""
 
@@ -762,6 +770,8 @@ class InferenceClient(Worker):
             self.round_trip_s += time.monotonic() - started
         action = cols["action"]
         self._seq += 1
+        self._replies += 1
+        self._failures = 0
         self._started[:] = False
         self.params_version = head.params_version
         return np.array(action)
@@ -770,6 +780,8 @@ class InferenceClient(Worker):
         """A stream to the server the board names (waiting for one); None once the run stops."""
         note = Throttle(10.0)
         delay = 0.05
+        if self._failures:  # the last stream broke at once: the server it named is gone; give the standby time
+            self.stop.wait(min(0.05 * 2 ** (self._failures - 1), 2.0))
         while not self.stop.is_set():
             try:
                 address = self.board.get_inference_address()
@@ -780,7 +792,7 @@ class InferenceClient(Worker):
             if address is not None:
                 try:
                     self._stream = _Stream(address, self.ca_file, self.codec.max_bytes)
-                    self._seq = 0
+                    self._seq = self._replies = 0
                     self._started[:] = True
                     if address.address != self.connected_to:
                         logger.info("acting through inference %s at %s", address.uid, address.address)
@@ -802,9 +814,12 @@ class InferenceClient(Worker):
             self._stream = None
 
     def lost(self) -> None:
-        """The stream broke: the next ``act`` connects anew (and every env's episode restarts)."""
+        """The stream broke: the next ``act`` connects anew (and, when it had acted, every env's episode
+        starts again: ``episodes_lost``)."""
         self.close()
         self.reconnects += 1
+        self.episodes_lost = self._replies > 0
+        self._failures = 0 if self.episodes_lost else self._failures + 1
 
     def pending(self) -> int:
         return 0
