@@ -55,6 +55,7 @@ from srl.runner.distribution.queues import (
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle
 from srl.runner.distribution.sender import RowSender
+from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import ActorStats
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
@@ -138,8 +139,7 @@ class ActorRun:
                 self.rows.close()
             raise
         self.capacity = task.queue_capacity
-        self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
-        self._staged_lock = threading.Lock()
+        self._staged = StagedParams()
         self.params_epoch = -1
         self.params_version = -1
         self.latest_version = -1
@@ -149,7 +149,6 @@ class ActorRun:
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
-        self._fresh_params = threading.Event()
         # stats the heartbeat reports
         self.env_steps = 0
         self.episodes = 0
@@ -318,11 +317,9 @@ class ActorRun:
             latest = self.board.get_params_version()
             self.latest_version = latest[1] if latest is not None else self.latest_version  # not this blob again
             return
-        with self._staged_lock:
-            self._staged = (record.epoch, record.version, arrays)
+        self._staged.put(record.epoch, record.version, arrays)
         self.latest_version = record.version
         self._note_head(record.epoch, record.train_count)
-        self._fresh_params.set()
 
     def _begin_wait(self) -> None:
         self._wait_started = time.monotonic()
@@ -342,19 +339,10 @@ class ActorRun:
         return max(0.0, now - self._loop_started - self._waited_s - (0.0 if ongoing is None else now - ongoing))
 
     def _apply_staged_params(self) -> None:
-        with self._staged_lock:
-            staged, self._staged = self._staged, None
-        if staged is None:
-            return
-        epoch, version, arrays = staged
         assert self.parameter is not None  # only a local actor fetches params
-        try:
-            self.parameter.from_arrays(arrays)
-        except ValueError as e:
-            logger.error("params version %d do not fit this network: %s", version, short(e))
-            return
-        self.params_epoch, self.params_version = epoch, version
-        self.parameter.version = version
+        loaded = self._staged.load(self.parameter)
+        if loaded is not None:
+            self.params_epoch, self.params_version = loaded
 
     def _wait_for_params(self, newer_than: int, why: str) -> None:
         """Block (heartbeat going on) until params newer than ``newer_than`` are loaded, or the run stops."""
@@ -362,12 +350,12 @@ class ActorRun:
         self._awaiting_params.set()
         self._poll_now.set()  # look now, then at the waiting cadence
         while not self.stop.is_set() and self.params_version <= newer_than:
-            if self._staged is not None:
+            if self._staged.pending:
                 self._apply_staged_params()  # work, not waiting
                 continue
             self._begin_wait()
-            self._fresh_params.wait(0.05)
-            self._fresh_params.clear()
+            self._staged.fresh.wait(0.05)
+            self._staged.fresh.clear()
             waited += self._end_wait()
         self._awaiting_params.clear()
         if why == "sync":
@@ -431,7 +419,7 @@ class ActorRun:
             if not self.central:
                 self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
             while not self.stop.is_set():
-                if self._staged is not None and self.worker.may_load_params():
+                if self._staged.pending and self.worker.may_load_params():
                     self._apply_staged_params()
                 if path.env_steps_per_train is not None and self.env_steps >= self._allowed_steps():
                     self._throttle()

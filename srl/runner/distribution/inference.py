@@ -74,6 +74,7 @@ from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle
 from srl.runner.distribution.sender import RowSender
+from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import InferenceStats
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.progress import ensure_logging
@@ -229,8 +230,7 @@ class InferenceRun:
         self._pending: deque[_Request] = deque()
         self._cond = threading.Condition()
         self._outbox: queue.Queue[tuple[dict[str, np.ndarray], np.ndarray | None, int, int] | None] = queue.Queue(2)
-        self._staged: tuple[int, int, dict[str, np.ndarray]] | None = None
-        self._staged_lock = threading.Lock()
+        self._staged = StagedParams()
         self.params_epoch = 0
         self.latest_version = 0
         self._board_log = Throttle()
@@ -554,25 +554,11 @@ class InferenceRun:
             latest = self.board.get_params_version()
             self.latest_version = latest[1] if latest is not None else self.latest_version
             return
-        with self._staged_lock:
-            self._staged = (record.epoch, record.version, arrays)
+        self._staged.put(record.epoch, record.version, arrays)
         self.latest_version = record.version
         with self._cond:
             self._cond.notify_all()
 
-    def _apply_staged_params(self) -> None:
-        with self._staged_lock:
-            staged, self._staged = self._staged, None
-        if staged is None:
-            return
-        epoch, version, arrays = staged
-        try:
-            self.parameter.from_arrays(arrays)
-        except ValueError as e:
-            logger.error("params version %d do not fit this network: %s", version, short(e))
-            return
-        self.params_epoch = epoch
-        self.parameter.version = version
 
     def _stats(self, rate: float) -> InferenceStats:
         requests = max(self._batch_requests, 1)
@@ -606,8 +592,8 @@ class InferenceRun:
         sender_thread.start()
         try:
             while not self.stop.is_set():
-                if self._staged is not None:
-                    self._apply_staged_params()
+                if self._staged.pending and (loaded := self._staged.load(self.parameter)) is not None:
+                    self.params_epoch = loaded[0]
                 batch = self._gather()
                 if batch:
                     self._act(batch)
