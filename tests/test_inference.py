@@ -541,3 +541,50 @@ def test_an_actor_killed_mid_episode_is_replaced_and_the_run_finishes(redis_url:
     log = server.output()
     assert "left slot 0; its state is freed" in log  # the killed actor's state went with its stream
     assert log.count("connected for slot 0") >= 2  # and the standby connected in its place
+
+
+def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Board) -> None:
+    """A server that never answers (stuck, or not yet given params) cannot hold an actor past its task's
+    end: stopping the run cancels the call it waits on."""
+    from concurrent import futures
+
+    from srl.runner.distribution.inference import METHOD
+
+    def never_answer(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        for _ in requests:
+            context.add_callback(lambda: None)
+            while context.is_active():
+                time.sleep(0.05)
+        yield b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    service, method = METHOD.split("/")[1:]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        service, {method: grpc.stream_stream_rpc_method_handler(never_answer)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert board.claim_lease("inference", "stuck-server", 60_000)
+        assert board.set_inference_address("stuck-server", f"127.0.0.1:{port}", False)
+        spec = env_spec(EnvConfig("CartPole-v1"))
+        stop = StopFlag()
+        client = InferenceClient(board, spec, 2, 0, "actor-x.0", task_tag(""), Codec(task=board.task_name), stop)
+        raised: list[BaseException] = []
+
+        def act() -> None:
+            try:
+                client.act(np.zeros((2, 4), np.float32))
+            except BaseException as e:
+                raised.append(e)
+
+        thread = threading.Thread(target=act, daemon=True)
+        thread.start()
+        thread.join(0.3)
+        assert thread.is_alive()  # waiting for the reply that does not come
+        stop.set("the task ended")
+        thread.join(5.0)
+        assert not thread.is_alive(), "the actor still waits for its reply after its run stopped"
+        assert len(raised) == 1 and isinstance(raised[0], InferenceLostError) and "stopping" in str(raised[0])
+        client.close()
+    finally:
+        server.stop(0)

@@ -716,6 +716,7 @@ class InferenceClient(Worker):
         """streams in a row that broke before their first reply (a server gone that the board still names)"""
         self.episodes_lost = False
         """the stream that broke last had acted: the envs' episodes must start again"""
+        stop.add_hook(self._interrupt)  # a reply waited for returns at once when the run stops
         self.round_trip_s = 0.0
         """seconds spent waiting for replies (the actor's share of inference)"""
 
@@ -731,7 +732,7 @@ class InferenceClient(Worker):
 
     def act(self, obs: np.ndarray) -> np.ndarray:
         stream = self._stream or self._connect()
-        if stream is None:
+        if stream is None or self.stop.is_set():
             raise InferenceLostError(f"stopping: {self.stop.reason}")
         done = self._terminated | self._truncated
         final = self._final if done.any() else obs
@@ -794,6 +795,11 @@ class InferenceClient(Worker):
             delay = min(delay * 2, 1.0)
         return None
 
+    def _interrupt(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
@@ -815,7 +821,8 @@ class InferenceClient(Worker):
 
 
 class _Stream:
-    """One bidirectional stream to a server: requests in, replies out, one at a time."""
+    """One bidirectional stream to a server: requests in, replies out, one at a time, in the caller's
+    thread (``cancel`` from another thread makes a blocked ``round_trip`` return)."""
 
     def __init__(self, address: InferenceAddress, ca_file: str | None, max_bytes: int) -> None:
         options = _grpc_options(max_bytes)
@@ -825,41 +832,30 @@ class _Stream:
         else:
             self.channel = grpc.insecure_channel(address.address, options=options)
         self._requests: queue.Queue[bytes | None] = queue.Queue()
-        self._replies: queue.Queue[bytes | BaseException] = queue.Queue()
-        call = self.channel.stream_stream(METHOD)(iter(self._requests.get, None))
-        self.call = call
-        self._reader = threading.Thread(target=self._read, name="srl-inference-replies", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            for reply in self.call:
-                self._replies.put(reply)
-            self._replies.put(InferenceLostError("the inference server closed the stream"))
-        except grpc.RpcError as e:
-            self._replies.put(e)
+        self.call = self.channel.stream_stream(METHOD)(iter(self._requests.get, None))
+        self._replies = iter(self.call)
 
     def round_trip(self, request: bytes, stop: StopFlag) -> bytes:
         self._requests.put(request)
-        while True:
-            try:
-                reply = self._replies.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if stop.is_set():
-                    raise InferenceLostError(f"stopping: {stop.reason}") from None
-        if isinstance(reply, grpc.RpcError):
-            code = reply.code() if hasattr(reply, "code") else None
-            details = reply.details() if hasattr(reply, "details") else str(reply)
+        try:
+            reply: bytes = next(self._replies)
+            return reply
+        except StopIteration:
+            raise InferenceLostError("the inference server closed the stream") from None
+        except grpc.RpcError as e:
+            if stop.is_set():
+                raise InferenceLostError(f"stopping: {stop.reason}") from None
+            code = e.code() if hasattr(e, "code") else None
+            details = e.details() if hasattr(e, "details") else str(e)
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                raise InferenceRefusedError(f"the inference server refused this actor: {details}")
+                raise InferenceRefusedError(f"the inference server refused this actor: {details}") from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InferenceRefusedError(f"the inference server refused this actor's request: {details}; is "
-                                            "srl the same version on every node?")
-            raise InferenceLostError(f"inference stream broke ({code.name if code else 'error'}: {details})")
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+                                            "srl the same version on every node?") from None
+            raise InferenceLostError(f"inference stream broke ({code.name if code else 'error'}: {details})") from None
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
     def close(self) -> None:
         self._requests.put(None)
