@@ -122,6 +122,14 @@ def _clean_stats(stats: NodeStats | None) -> dict[str, float | int | str | bool 
     return {str(k)[:64]: _scalar(v) for k, v in list(record.items())[:STATS_KEYS_LIMIT]}
 
 
+def _central(board: Board) -> bool:
+    """Whether the task acts with central inference (an inference server to show); a damaged config: no."""
+    try:
+        return board.get_task_config().get("inference") == "central"
+    except BoardError:
+        return False
+
+
 def _heartbeat_age(stats: NodeStats | None, now: float) -> float | None:
     """Seconds since the role last wrote its stats (its heartbeat), or None when it never did."""
     if stats is None or not stats.updated_at:
@@ -203,6 +211,13 @@ class Dashboard:
         }
         detail["train_count"] = trainer.train_count if trainer is not None and trainer.train_count else \
             status.train_count
+
+        detail["inference"] = None
+        if _central(board):
+            holder, ttl = board.lease_holder("inference")
+            detail["inference"] = {"holder": _scalar(holder), "lease_ttl_ms": ttl,
+                                   "heartbeat_age_s": _heartbeat_age(reports.inference, now),
+                                   "stats": _clean_stats(reports.inference)}
 
         actors = []
         actor_stats = []

@@ -493,7 +493,7 @@ def test_batched_sampling_draws_each_action_with_its_probability() -> None:
     assert torch.allclose(action, 2.0 * draws) and torch.allclose(logprob, normal.log_prob(action).sum(-1))
 
 
-def test_progress_shows_the_server_or_how_to_start_one(serve_task: Any, redis_url: str) -> None:
+def test_progress_and_the_dashboard_show_the_server_or_how_to_start_one(serve_task: Any, redis_url: str) -> None:
     from srl.runner.distribution.client import NodeHints, progress_lines
 
     served = serve_task(_impala(), actor_num=1)
@@ -505,6 +505,11 @@ def test_progress_shows_the_server_or_how_to_start_one(serve_task: Any, redis_ur
     assert status is not None
     line = next(x for x in progress_lines(board, status, 1.0) if x.startswith("  inference"))
     assert f"inference inference-test at {served.run.address}" in line and "1 actor(s) connected" in line
+    from srl.dashboard import Dashboard
+
+    detail = Dashboard(served.redis_params.connect(), "test").task(board.task_name)
+    assert detail is not None and detail["inference"]["holder"] == "inference-test"
+    assert detail["inference"]["stats"]["sessions"] == 1
     client.close()
     served.run.stop.set("test: the server goes")
     served.thread.join(timeout=10)

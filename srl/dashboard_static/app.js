@@ -202,6 +202,17 @@ function renderSlots(task) {
     "buffer " + num(t.memory) + ", loss " + num(t.loss, 4) + ", params v" + num(t.params_version) +
       ", " + (t.device || "?"),
   ));
+  if (task.inference) {  // central inference: the server that acts for every actor
+    const i = task.inference.stats;
+    rows.push(slotRow(
+      "inference", task.inference,
+      num(i.agent_steps_per_s, 1) + " actions/s, " + num(i.batch_envs_mean, 1) + " envs/batch",
+      "backpressure " + num(i.backpressure_wait_s, 1) + " s",
+      "request wait " + num(i.batch_wait_ms_mean, 2) + " ms",
+      num(i.sessions) + " actor(s) connected, params v" + num(i.params_version) + ", refused " +
+        num(i.refused_requests),
+    ));
+  }
   for (const actor of task.actors) {
     const s = actor.stats;
     const stalledNow = isNum(s.stalled_now_s) && s.stalled_now_s >= 1 ? ", WAITING now " + seconds(s.stalled_now_s) : "";
