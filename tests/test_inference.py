@@ -593,3 +593,71 @@ def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Bo
         client.close()
     finally:
         server.stop(0)
+
+
+def test_a_lost_life_ends_the_workers_episode_without_a_new_one(serve_task: Any) -> None:
+    """Atari's training signal: a lost life is a terminal step for the worker while the game goes on (no
+    reset), as Rollout tells a local worker; the server acts on."""
+    served = serve_task(_impala(), actor_num=1)
+    client = served.client(0)
+    obs = _obs(served)
+    client.act(obs)
+    client.observe(np.ones(2, np.float32), obs, np.array([True, False]), np.zeros(2, bool))  # no reset follows
+    assert client.act(obs).shape == (2,)
+    session = served.run._sessions[0]
+    assert session.worker._done[0].tolist() == [True, False]  # type: ignore[attr-defined]
+    assert served.run.refused == 0
+    client.close()
+
+
+def test_stacks_that_do_not_slide_are_refused_and_the_server_goes_on(serve_task: Any) -> None:
+    """Frames sent once need stacks that slide: a request whose stacks do not is refused and counted
+    (the worker's check raises), not the end of the server."""
+    served = serve_task(impala.Config(envs_per_actor=1, segment_length=4, seed=0), env="ALE/Pong-v5", actor_num=2)
+    spec = served.run.spec
+    frame = np.full((1, 1, *spec.obs_shape[1:]), 7, np.uint8)
+    obs = np.repeat(frame, spec.obs_shape[0], axis=1)  # an episode's first stack: one frame, repeated
+    forger = served.client(1)
+    forger.act(obs)
+    forger.observe(np.zeros(1, np.float32), obs, np.zeros(1, bool), np.zeros(1, bool))
+    unrelated = np.random.default_rng(0).integers(0, 255, size=obs.shape, dtype=np.uint8)
+    with pytest.raises(InferenceRefusedError, match="slide"):
+        forger.act(unrelated)
+    assert served.run.refused == 1
+    honest = served.client(0)
+    assert honest.act(obs).shape == (1,)
+    honest.close()
+
+
+def test_a_newer_stream_for_a_slot_replaces_the_older_one(serve_task: Any) -> None:
+    served = serve_task(_impala(), actor_num=1)
+    old = served.client(0, uid="actor-old")
+    _step(old, _obs(served), 2)
+    new = served.client(0, uid="actor-new")  # the slot's lease went to another actor (the old one paused)
+    served.board.release_lease("actor:0", "actor-old")
+    served.board.claim_lease("actor:0", "actor-new", 60_000)
+    _step(new, _obs(served), 2)
+    assert served.run._sessions[0].uid == "actor-new"
+    with pytest.raises(InferenceLostError):  # the old stream was ended, not left holding a thread
+        _step(old, _obs(served), 1)
+    wait_for(lambda: not served.run._retired, 5, "the replaced session to be dropped")
+    new.close()
+
+
+def test_a_failing_forward_pass_fails_its_batch_not_the_server(serve_task: Any) -> None:
+    served = serve_task(_impala(), actor_num=1)
+    client = served.client(0)
+    _step(client, _obs(served), 2)
+    net = served.run.parameter.net  # type: ignore[attr-defined]
+    working = net.distribution_value
+
+    def out_of_memory(x: torch.Tensor) -> Any:
+        net.distribution_value = working  # once
+        raise RuntimeError("CUDA out of memory (as a device would say)")
+
+    net.distribution_value = out_of_memory
+    with pytest.raises(InferenceLostError, match="UNAVAILABLE"):
+        client.act(_obs(served))
+    assert len(_step(client, _obs(served), 2)) == 2  # reconnected, acting again
+    assert served.run.refused == 0 and served.thread.is_alive()
+    client.close()

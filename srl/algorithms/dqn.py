@@ -477,6 +477,8 @@ class DQNWorker(Worker):
         if parameter.frame_stack:
             self.frames = FrameWriter(num_envs, parameter.frame_stack, config.n_step)
         self._newest = np.zeros(num_envs, dtype=np.int64)
+        self._acted_version = parameter.version
+        """the params version of the last act (each transition carries the version that chose its action)"""
 
     def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
         frames = self.frames if self.training else None
@@ -510,13 +512,14 @@ class DQNWorker(Worker):
             if explore.any():
                 action[explore] = self.rng.integers(self.n_actions, size=int(explore.sum()))
         self._obs, self._action = obs, action
+        self._acted_version = self.parameter.version  # a server may load newer params before the observe
         table = self.parameter.actions
         return action if table is None else table[action]
 
     def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
         if not self.training or self._obs is None:
             return
-        version = self.parameter.version
+        version = self._acted_version
         scale = self.reward_scale
         frames = self.frames
         if frames is not None:

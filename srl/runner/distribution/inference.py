@@ -83,6 +83,11 @@ logger = logging.getLogger("srl.inference")
 
 METHOD = "/srl.Inference/Act"
 """the one gRPC method: a bidirectional stream of requests and replies (raw bytes: srl codec batches)"""
+MAX_FAILED_BATCHES = 10
+"""forward passes failing in a row before the server gives up (a fault of its own, not of a request)"""
+FIRST_REQUEST_S = 10.0
+"""seconds a new stream has to send its first request before the server closes it (an idle connection
+must not hold one of its handler threads)"""
 MAX_STREAMS = 1024
 """actors one server serves at once (gRPC's synchronous server holds a thread per open stream)"""
 _RUNS = itertools.count()
@@ -122,9 +127,18 @@ def reply_schema(spec: EnvSpec) -> Schema:
     return Schema({"action": Column("float32", tuple(actions.shape), low=-VALUE_BOUND, high=VALUE_BOUND)})
 
 
+KEEPALIVE_MS = 10_000
+"""HTTP/2 pings on an idle or waiting stream: a peer that stops answering them (its host gone, its process
+frozen) is dropped ``KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS`` later, and an actor goes to the standby"""
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
 def _grpc_options(max_bytes: int) -> list[tuple[str, Any]]:
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes),
-            ("grpc.so_reuseport", 0)]
+            ("grpc.so_reuseport", 0), ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2)]
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -173,7 +187,9 @@ class _Session:
             if not started.all():
                 raise _Refused("a stream's first request must start every env's episode (started all true)")
         else:
-            if (started != done).any():
+            # an episode starts only where one ended; one may end without a start (a lost life ends the
+            # training signal's episode while the game goes on, as Rollout tells a local worker)
+            if (started & ~done).any():
                 raise _Refused("episodes may start only in the envs whose episodes just ended")
             final = request.obs.copy()
             final[done] = cols["final_obs"][done]
@@ -242,15 +258,23 @@ class InferenceRun:
         self._batch_wait_s = 0.0
         self._batch_requests = 0
         self._last_batches = 0
+        self._failed_batches = 0
+        self._retired: list[_Session] = []
+        """sessions a newer stream of their slot replaced: their rows are shipped, then they are dropped"""
+        self._event_log = Throttle()
+        self._dropped_rows = 0
+        self._session_counts: dict[int, int] = {}
         try:
             self.server, self.address = self._start_server()
         except BaseException:
             self.rows.close()
             raise
 
-    def _make_worker(self, slot: int) -> Worker:
+    def _make_worker(self, slot: int, session: int = 1) -> Worker:
+        """The worker of actor slot ``slot`` (its ε), for its ``session``-th stream (a stream of its own
+        random draws: a slot that reconnects does not repeat them)."""
         config = self.config
-        seed = None if config.seed is None else config.seed + 1000 * (slot + 1)
+        seed = None if config.seed is None else config.seed + 1000 * (slot + 1) + 7919 * (session - 1)
         return config.make_worker(self.spec, self.parameter, slot, self.task.actor_num, seed)
 
     # ------------------------------------------------------------ the gRPC server
@@ -280,12 +304,16 @@ class InferenceRun:
 
     def _serve_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         session: _Session | None = None
+        first = threading.Timer(FIRST_REQUEST_S, lambda: session is None and context.cancel())
+        first.daemon = True
+        first.start()  # a connection that says nothing does not keep a handler thread
         try:
             for data in requests:
                 try:
                     header, columns = self._open_request(data, session)
                     if session is None:
                         session = self._open_session(header, context)
+                    first.cancel()
                     request = _Request(session, np.array(columns["obs"]), columns, header.seq)
                     session.seq += 1
                 except _Refused as e:
@@ -310,6 +338,7 @@ class InferenceRun:
                 actions = request.actions.astype(self.reply_schema.columns["action"].dtype, copy=False)
                 yield self.wire.encode_batch(reply, {"action": actions}, None)
         finally:
+            first.cancel()
             if session is not None:
                 session.closed.set()
                 with self._cond:
@@ -344,11 +373,15 @@ class InferenceRun:
         if holder != uid:
             raise _Refused(f"{uid!r} does not hold actor slot {slot} (its holder: {holder!r})",
                            grpc.StatusCode.PERMISSION_DENIED)
-        session = _Session(slot, uid, self._make_worker(slot), context)
+        with self._cond:
+            count = self._session_counts[slot] = self._session_counts.get(slot, 0) + 1
+        session = _Session(slot, uid, self._make_worker(slot, count), context)
         with self._cond:
             old = self._sessions.get(slot)
-            if old is not None:
-                old.closed.set()  # the batcher ships its finished rows and drops it
+            if old is not None:  # the batcher ships its finished rows and drops it; its stream ends
+                old.closed.set()
+                old.context.cancel()
+                self._retired.append(old)
             self._sessions[slot] = session
         logger.info("actor %s connected for slot %d (%s)", uid, slot, context.peer())
         return session
@@ -357,11 +390,12 @@ class InferenceRun:
         self.refused += 1
         self.counters.add(bad_messages=1)
         who = f"slot {session.slot} ({session.uid})" if session is not None else "an unknown actor"
-        if self._board_log.ready():
-            logger.warning("refused a request from %s at %s: %s", who, context.peer(), short(error))
-        with contextlib.suppress(*BOARD_AWAY):
-            self.board.log_event(f"inference refused a request from {who}: {short(error, 300)}", level="WARNING",
-                                 source=self.options.uid)
+        if self._event_log.ready():  # once per interval: a flood of bad requests must not flood the log or board
+            logger.warning("refused a request from %s at %s: %s (%d refused so far)", who, context.peer(),
+                           short(error), self.refused)
+            with contextlib.suppress(*BOARD_AWAY):
+                self.board.log_event(f"inference refused a request from {who}: {short(error, 300)}",
+                                     level="WARNING", source=self.options.uid)
         context.abort(error.code, short(error, 400))
 
     # ------------------------------------------------------------ batching
@@ -402,27 +436,46 @@ class InferenceRun:
                 except _Refused as e:
                     request.error = e
                     request.done.set()
-                except ValueError as e:  # observations the worker refuses (frames that do not slide)
-                    request.error = _Refused(short(e))
+                except Exception as e:  # what the worker refuses (frames that do not slide): this request only
+                    request.error = _Refused(f"{type(e).__name__}: {short(e)}")
                     request.done.set()
             if not ready:
                 return
-            outputs = ready[0][0].session.worker.policy(join_policy_io([inputs for _, inputs in ready]))
-            parts = split_policy_io(outputs, [len(r.obs) for r, _ in ready])
+            try:
+                outputs = ready[0][0].session.worker.policy(join_policy_io([inputs for _, inputs in ready]))
+                parts = split_policy_io(outputs, [len(r.obs) for r, _ in ready])
+            except Exception as e:  # the network itself (a device out of memory, a bug): this batch fails
+                self._batch_failed(e, [request for request, _ in ready])
+                return
+            self._failed_batches = 0
             version = self.parameter.version
             for (request, _), part in zip(ready, parts, strict=True):
                 try:
                     request.actions = np.asarray(request.session.worker.act_with(request.obs, part))
                     request.version = version
                     request.session.acted = True
-                except ValueError as e:
-                    request.error = _Refused(short(e))
+                except Exception as e:
+                    request.error = _Refused(f"{type(e).__name__}: {short(e)}")
                 request.done.set()
         self.batches += 1
         self.agent_steps += len(ready) * self.envs
         self._batch_envs += len(ready) * self.envs
         self._batch_requests += len(ready)
         self._batch_wait_s += sum(now - r.arrived for r, _ in ready)
+
+    def _batch_failed(self, error: Exception, requests: list[_Request]) -> None:
+        """A forward pass failed: its actors are answered UNAVAILABLE (they reconnect and restart their
+        episodes) and their sessions closed; ``MAX_FAILED_BATCHES`` in a row is a fault of this server, not
+        of a request: it stops, and the task with it."""
+        self._failed_batches += 1
+        logger.error("a forward pass for %d actor(s) failed (%d in a row): %s: %s", len(requests),
+                     self._failed_batches, type(error).__name__, short(error), exc_info=self._failed_batches == 1)
+        for request in requests:
+            request.session.closed.set()
+            request.done.set()  # no actions: the handler answers UNAVAILABLE
+        if self._failed_batches >= MAX_FAILED_BATCHES:
+            raise RuntimeError(f"{MAX_FAILED_BATCHES} forward passes in a row failed; the last: "
+                               f"{type(error).__name__}: {short(error)}") from error
 
     def _batch_rows(self) -> int:
         if self.data_path.rows == "segments":
@@ -445,7 +498,10 @@ class InferenceRun:
                 continue
             priorities = worker.initial_priorities(columns)
             item = (columns, priorities, session.slot, int(columns["version"].max()) if "version" in columns else 0)
-            while not self.stop.is_set():
+            while True:
+                if self.stop.is_set():
+                    self._dropped_rows += len(columns["version"])
+                    break
                 try:
                     self._outbox.put(item, timeout=0.1)
                     break
@@ -455,7 +511,8 @@ class InferenceRun:
     def _reap(self) -> None:
         """Drop the sessions whose streams closed, after shipping the rows their workers finished."""
         with self._cond:
-            closed = [s for s in self._sessions.values() if s.closed.is_set()]
+            closed = [s for s in self._sessions.values() if s.closed.is_set()] + self._retired
+            self._retired = []
             for session in closed:
                 if self._sessions.get(session.slot) is session:
                     del self._sessions[session.slot]
@@ -610,8 +667,15 @@ class InferenceRun:
                 sessions = list(self._sessions.values())
                 self._sessions.clear()
             with contextlib.suppress(Exception):
-                self._ship_rows(sessions, closing=True)
-            self._outbox.put(None)
+                self._ship_rows(sessions + self._retired, closing=True)
+            if self._dropped_rows:
+                logger.info("not sending %d finished rows: %s", self._dropped_rows, self.stop.reason)
+            while sender_thread.is_alive():  # the end marker, once there is room (a dead sender needs none)
+                try:
+                    self._outbox.put(None, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
             sender_thread.join(timeout=10)
             board_thread.join(timeout=opts.heartbeat_interval + 5)
             self._final_report()
@@ -698,6 +762,9 @@ class InferenceClient(Worker):
         obs = np.zeros((num_envs, *spec.obs_shape), spec.obs_dtype)
         self.request_schema = request_schema(spec)
         self.reply_schema = reply_schema(spec)
+        self._action_high = (np.asarray(spec.actions.nvec) - 1 if isinstance(spec.actions, MultiDiscreteActions)
+                             else None)
+        """each dimension's largest action (MultiDiscrete: the schema bounds them all by the largest)"""
         max_bytes = batch_message_bytes(self.request_schema, num_envs) + 65536
         self.codec = codec.with_max_bytes(max_bytes)
         self._final = obs
@@ -756,6 +823,9 @@ class InferenceClient(Worker):
         finally:
             self.round_trip_s += time.monotonic() - started
         action = cols["action"]
+        if self._action_high is not None and (action > self._action_high).any():
+            self.lost()
+            raise InferenceLostError("a reply with an action beyond its dimension's range")
         self._seq += 1
         self._replies += 1
         self._failures = 0
