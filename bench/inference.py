@@ -10,8 +10,9 @@ Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA'
   throughput  agent steps/s of ``--actors`` actors x ``--envs-per-actor`` envs, local inference (each actor
               runs the network, fetches params) against central (one ``srl inference`` server batches every
               actor's requests), measured over ``--seconds`` after a warm-up, in the same run. No trainer
-              learns meanwhile (it would take the same two cores): this process publishes one params
-              version and drains the queue, acking every batch. Beside each: the params bytes actors
+              learns meanwhile (it would take the same two cores): this process publishes a params version
+              every ``--publish-interval`` seconds (IMPALA publishes every 4 train steps: several a second)
+              and drains the queue, acking every batch. Beside each: the params bytes actors
               fetched per second, Redis's bytes out per second, the server's envs per forward pass and how
               long a request waited for its batch. On MinAtar Breakout (MinAtar's CNN) and on Pong frames
               (the Nature CNN).
@@ -58,7 +59,8 @@ class Task:
     """A task on the bench's Redis, with this process as its trainer: one params version published, every
     batch drained and acked."""
 
-    def __init__(self, env: str, config: impala.Config, actors: int, inference: str) -> None:
+    def __init__(self, env: str, config: impala.Config, actors: int, inference: str,
+                 publish_interval: float = 0.0) -> None:
         self.name = f"bench-inference-{uuid.uuid4().hex[:8]}"
         self.redis_params = RedisParameters(url=REDIS_URL, task_name=self.name)
         board = Board(self.redis_params.connect(), self.name)
@@ -70,14 +72,27 @@ class Task:
         self.board.set_active()
         epoch = self.board.claim_trainer("bench-trainer", 600_000)
         assert epoch is not None
-        codec = Codec(task=self.name)
-        blob = codec.encode_params(runner.parameter.to_arrays(), {"epoch": epoch, "version": 1, "train_count": 0})
-        assert self.board.publish_params("bench-trainer", epoch, 1, blob, 0)
+        self.epoch, self.codec, self.arrays = epoch, Codec(task=self.name), runner.parameter.to_arrays()
+        self.version = 0
+        self.publish()
         self.spec = runner.spec
         self.stop = threading.Event()
         self.drained = 0
-        self._drain = threading.Thread(target=self._drain_loop, daemon=True)
-        self._drain.start()
+        self._threads = [threading.Thread(target=self._drain_loop, daemon=True)]
+        if publish_interval > 0:
+            self._threads.append(threading.Thread(target=self._publish_loop, args=(publish_interval,), daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def publish(self) -> None:
+        self.version += 1
+        meta = {"epoch": self.epoch, "version": self.version, "train_count": self.version}
+        blob = self.codec.encode_params(self.arrays, meta)
+        assert self.board.publish_params("bench-trainer", self.epoch, self.version, blob, self.version)
+
+    def _publish_loop(self, interval: float) -> None:
+        while not self.stop.wait(interval):
+            self.publish()
 
     def _drain_loop(self) -> None:
         queue = open_queue(None, namespace=self.name, role="consumer", redis_params=self.redis_params)
@@ -93,7 +108,8 @@ class Task:
     def end(self) -> None:
         self.board.end_task("END", "bench over")
         self.stop.set()
-        self._drain.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
     def delete(self) -> None:
         self.board.delete_task()
@@ -127,10 +143,10 @@ def net_out(client: redis.Redis) -> int:
     return int(client.info("stats")["total_net_output_bytes"])
 
 
-def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warmup: float,
+def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warmup: float, publish_interval: float,
                server_args: tuple[str, ...] = ()) -> dict[str, Any]:
     config = impala.Config(envs_per_actor=envs)
-    task = Task(env, config, actors, mode)
+    task = Task(env, config, actors, mode, publish_interval)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         if mode == "central":
@@ -165,17 +181,19 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
 def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
     print(f"\nagent steps/s, {args.actors} actors x {args.envs_per_actor} envs, IMPALA as it comes, "
           f"{args.seconds:g} s each after {args.warmup:g} s warm-up (server: max_wait_ms "
-          f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)})")
+          f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)}; a params version every "
+          f"{args.publish_interval:g} s)")
     print(f"{'env':<22}{'mode':<24}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
           f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}")
     for env in envs:
-        results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup)}
+        results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup,
+                                       args.publish_interval)}
         for wait in args.max_wait_ms:
             for threads in args.server_threads:
                 label = "central" + (f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
                     f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1 else "")
                 results[label] = throughput(env, "central", args.actors, args.envs_per_actor, args.seconds, args.warmup,
-                                            ("--max-wait-ms", wait, "--torch-threads", threads))
+                                            args.publish_interval, ("--max-wait-ms", wait, "--torch-threads", threads))
         for mode, r in results.items():
             ratio = r["steps_per_s"] / results["local"]["steps_per_s"]
             batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
@@ -232,6 +250,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--round-trips", type=int, default=3000)
+    parser.add_argument("--publish-interval", type=float, default=0.25, help="seconds between params versions")
     parser.add_argument("--max-wait-ms", default="2", help="the server's max_wait_ms; comma-separated: a row each")
     parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")
     args = parser.parse_args()

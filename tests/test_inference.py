@@ -7,6 +7,7 @@ talk to it with the actor's own ``InferenceClient``; the end-to-end tests run re
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -472,25 +473,30 @@ def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, n
 
 
 def test_batched_sampling_draws_each_action_with_its_probability() -> None:
-    """The Gumbel-max draw acting uses (one batched op for every env, and for a server's every worker):
-    frequencies follow the policy's probabilities, log-probabilities are the distribution's."""
+    """The draw acting uses (a few batched ops for every env, and for a server's every worker): the
+    Gumbel-max of the logits follows the policy's probabilities, a Gaussian's sample is mean + std x
+    noise, and the log-probabilities are the distributions' own."""
     from torch.distributions import Categorical, Normal
 
     from srl.rl.actor_critic import sample_actions
 
-    probs = torch.tensor([[0.7, 0.2, 0.1]]).repeat(20_000, 1)
-    dist = [Categorical(probs=probs)]
-    noise = torch.rand((20_000, 3), generator=torch.Generator().manual_seed(0))
-    action, logprob = sample_actions(dist, noise)
-    frequencies = torch.bincount(action, minlength=3).float() / 20_000
-    assert torch.allclose(frequencies, probs[0], atol=0.015)
-    assert torch.allclose(logprob, dist[0].log_prob(action))
-    greedy, _ = sample_actions(dist, None)
-    assert (greedy == 0).all()
-    normal = Normal(torch.zeros(5, 2), torch.full((5, 2), 2.0))
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.5, 0.5]])).repeat(20_000, 1)  # two splits: 3 and 2
+    noise = torch.rand((20_000, 5), generator=torch.Generator().manual_seed(0))
+    action, logprob = sample_actions(logits, noise, [3, 2])
+    assert action.shape == (20_000, 2)
+    frequencies = torch.bincount(action[:, 0], minlength=3).float() / 20_000
+    assert torch.allclose(frequencies, torch.tensor([0.7, 0.2, 0.1]), atol=0.015)
+    expected = Categorical(logits=logits[:, :3]).log_prob(action[:, 0]) + Categorical(
+        logits=logits[:, 3:]).log_prob(action[:, 1])
+    assert torch.allclose(logprob, expected, atol=1e-6)
+    greedy, _ = sample_actions(logits, None, [3, 2])
+    assert (greedy[:, 0] == 0).all()
+    mean, logstd = torch.zeros(5, 2), torch.full((1, 2), math.log(2.0))
     draws = torch.randn((5, 2), generator=torch.Generator().manual_seed(1))
-    action, logprob = sample_actions(normal, draws)
-    assert torch.allclose(action, 2.0 * draws) and torch.allclose(logprob, normal.log_prob(action).sum(-1))
+    action, logprob = sample_actions(mean, draws, [2], logstd)
+    normal = Normal(mean, torch.full((5, 2), 2.0))
+    assert torch.allclose(action, 2.0 * draws, atol=1e-6)
+    assert torch.allclose(logprob, normal.log_prob(action).sum(-1), atol=1e-5)
 
 
 def test_progress_and_the_dashboard_show_the_server_or_how_to_start_one(serve_task: Any, redis_url: str) -> None:
@@ -649,13 +655,13 @@ def test_a_failing_forward_pass_fails_its_batch_not_the_server(serve_task: Any) 
     client = served.client(0)
     _step(client, _obs(served), 2)
     net = served.run.parameter.net  # type: ignore[attr-defined]
-    working = net.distribution_value
+    working = net.action_outputs
 
     def out_of_memory(x: torch.Tensor) -> Any:
-        net.distribution_value = working  # once
+        net.action_outputs = working  # once
         raise RuntimeError("CUDA out of memory (as a device would say)")
 
-    net.distribution_value = out_of_memory
+    net.action_outputs = out_of_memory
     with pytest.raises(InferenceLostError, match="UNAVAILABLE"):
         client.act(_obs(served))
     assert len(_step(client, _obs(served), 2)) == 2  # reconnected, acting again

@@ -306,16 +306,44 @@ class ActorCritic(nn.Module):
         assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
         return self._distribution(self.actor_body(self.prepare(obs)))
 
-    def distribution_value(self, obs: torch.Tensor) -> tuple[Normal | list[Categorical], torch.Tensor]:
-        """``distribution`` and ``value`` of ``obs``, a shared encoder run once for both (what acting needs)."""
+    # ------------------------------------------------------------ acting: the heads' raw outputs, no distribution
+    # objects (building them costs more than a small network's forward pass); ``sample_actions`` samples
+    def action_outputs(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy head's output (logits, or the Gaussian's mean) and V(obs), a shared encoder run once."""
         assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
         if self.shared is not None:
             features = self.shared(obs)
-            return self._distribution(self.actor_body(features)), self.critic_head(features).squeeze(-1)
-        return self.distribution(obs), self.value(obs)
+            return self.actor_head(self.actor_body(features)), self.critic_head(features).squeeze(-1)
+        x = self.prepare(obs)
+        return self.actor_head(self.actor_body(x)), self.critic_head(self.critic_body(x)).squeeze(-1)
+
+    def actor_output(self, obs: torch.Tensor) -> torch.Tensor:
+        """The policy head's output alone (what acting greedily needs)."""
+        assert self.recurrent is None, "a recurrent network steps or unrolls with its state"
+        return self.actor_head(self.actor_body(self.prepare(obs)))
+
+    def step_outputs(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One step of E envs: the policy head's output, V(obs) and the next state."""
+        states = split_states(h, c)
+        if self.shared is not None:
+            out, state = self._core(0).step(self.shared(obs), states[0])
+            h, c = stack_states([state])
+            return self.actor_head(out), self.critic_head(out).squeeze(-1), h, c
+        x = self.prepare(obs)
+        actor_out, actor_state = self._core(0).step(self.actor_body(x), states[0])
+        critic_out, critic_state = self._core(1).step(self.critic_body(x), states[1])
+        h, c = stack_states([actor_state, critic_state])
+        return self.actor_head(actor_out), self.critic_head(critic_out).squeeze(-1), h, c
+
+    def sample(self, out: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An action per row of the policy head's ``out`` and its log-probability (see ``sample_actions``)."""
+        return sample_actions(out, noise, self.splits, self.logstd if self.continuous else None)
 
     def _distribution(self, features: torch.Tensor) -> Normal | list[Categorical]:
-        out = self.actor_head(features)
+        return self._head_distribution(self.actor_head(features))
+
+    def _head_distribution(self, out: torch.Tensor) -> Normal | list[Categorical]:
         if self.continuous:
             return Normal(out, self.logstd.expand_as(out).exp())
         return [Categorical(logits=logits) for logits in torch.split(out, self.splits, dim=-1)]
@@ -345,16 +373,8 @@ class ActorCritic(nn.Module):
     def step(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
              ) -> tuple[Normal | list[Categorical], torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One step of E envs: the policy, V(obs) and the next state."""
-        states = split_states(h, c)
-        if self.shared is not None:
-            out, state = self._core(0).step(self.shared(obs), states[0])
-            h, c = stack_states([state])
-            return self._distribution(out), self.critic_head(out).squeeze(-1), h, c
-        x = self.prepare(obs)
-        actor_out, actor_state = self._core(0).step(self.actor_body(x), states[0])
-        critic_out, critic_state = self._core(1).step(self.critic_body(x), states[1])
-        h, c = stack_states([actor_state, critic_state])
-        return self._distribution(actor_out), self.critic_head(critic_out).squeeze(-1), h, c
+        out, value, h, c = self.step_outputs(obs, h, c)
+        return self._head_distribution(out), value, h, c
 
     def unroll(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, resets: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,24 +446,31 @@ class ActorCriticParameter(Parameter):
         torch_from_arrays({"net": self.net}, arrays)
 
 
-def sample_actions(dist: Normal | list[Categorical], noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """An action per row of ``dist`` and its log-probability: with ``noise`` (``SegmentWorker._noise``'s
-    draws) a sample, mean + std x normal or the Gumbel-max of the logits (one draw per logit: as
-    ``torch.multinomial``, in one batched op), else the greedy action (the mean, the most probable)."""
-    if isinstance(dist, Normal):
-        action = dist.mean if noise is None else dist.mean + dist.stddev * noise
-        return action, dist.log_prob(action).sum(-1)
-    parts, logprob, start = [], None, 0
-    for d in dist:
-        logits = d.logits  # normalized: log-probabilities
-        width = logits.shape[-1]
+def sample_actions(out: torch.Tensor, noise: torch.Tensor | None, splits: list[int],
+                   logstd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An action per row of a policy head's ``out`` and its log-probability, in a few batched ops.
+
+    Discrete (``logstd`` None): ``out`` holds the logits of each of ``splits``; with ``noise`` (a uniform
+    per logit, ``SegmentWorker._noise``) the Gumbel-max draw (distributed as ``torch.multinomial``'s), else
+    the most probable. Box: ``out`` is the Gaussian's mean, ``exp(logstd)`` its deviation; with ``noise`` (a
+    normal per dimension) mean + std x noise, else the mean. The log-probability is the distribution's."""
+    if logstd is not None:
+        std = logstd.expand_as(out).exp()
+        action = out if noise is None else out + std * noise
+        density = -((action - out) ** 2) / (2 * std**2) - logstd - 0.5 * math.log(2 * math.pi)
+        return action, density.sum(-1)
+    parts: list[torch.Tensor] = []
+    logprob: torch.Tensor | None = None
+    start = 0
+    for width in splits:
+        logp = torch.log_softmax(out[:, start : start + width], dim=-1)
         if noise is None:
-            a = logits.argmax(-1)
+            a = logp.argmax(-1)
         else:
-            a = (logits - torch.log(-torch.log(noise[:, start : start + width]))).argmax(-1)
+            a = (logp - torch.log(-torch.log(noise[:, start : start + width]))).argmax(-1)
         start += width
         parts.append(a)
-        chosen = logits.gather(-1, a.unsqueeze(-1)).squeeze(-1)
+        chosen = logp.gather(-1, a.unsqueeze(-1)).squeeze(-1)
         logprob = chosen if logprob is None else logprob + chosen
     assert logprob is not None
     return (parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1)), logprob
@@ -522,12 +549,12 @@ class SegmentWorker(Worker):
         net = self.parameter.net
         x, h, c, noise = inputs
         if self.recurrent:
-            dist, value, h, c = net.step(x, h, c)
+            out, value, h, c = net.step_outputs(x, h, c)
         elif noise is not None:
-            dist, value = net.distribution_value(x)
+            out, value = net.action_outputs(x)
         else:
-            dist, value = net.distribution(x), None
-        action, logprob = sample_actions(dist, noise)
+            out, value = net.actor_output(x), None
+        action, logprob = net.sample(out, noise)
         return action, logprob, value, h, c
 
     def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
