@@ -98,6 +98,8 @@ class RecurrentCore(nn.Module):
         cuts = resets.any(dim=0)
         cuts[0] = True
         bounds = [*torch.nonzero(cuts).flatten().tolist(), x.shape[1]]
+        if x.is_cuda:  # weights loaded or moved leave cuDNN's one block; it would compact them at every call
+            self.rnn.flatten_parameters()
         outputs = []
         h, c = state
         for start, stop in itertools.pairwise(bounds):
