@@ -441,25 +441,34 @@ def test_sync_ppo_is_refused_with_central_inference() -> None:
         runner.train_distribution(RedisParameters(), actor_num=1, max_steps=100, inference="central")
 
 
+INFERENCE_ARGS = ("--listen", "127.0.0.1:0", "--batch-max-age", "0.2")
+
+
+def _central_run(nodes: list[Any], redis_url: str, namespace: str, tmp_path: Any, actors: int,
+                 config: RLConfig) -> tuple[Any, Board, ClientThread]:
+    """A trainer, a server and ``actors`` actor processes (2 slots: the rest stand by) and a client that
+    trains 150 steps with central inference, once the server acts; the server's node, the board, the client."""
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    server = start(nodes, "inference", redis_url, namespace, tmp_path, *INFERENCE_ARGS)
+    for _ in range(actors):
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+    board = board_for(redis_url, namespace)
+    client = ClientThread(srl.Runner("CartPole-v1", config), RedisParameters(url=redis_url, task_name=namespace),
+                          actor_num=2, max_train_count=150, local_processes=False, inference="central")
+    client.start()
+    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
+             "the server to act for the actors")
+    return server, board, client
+
+
 def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, namespace: str,
                                                               nodes: list[Any], tmp_path: Any) -> None:
     """SIGKILL the server mid-run: the standby takes the lease, actors reconnect and restart their
     episodes, the run finishes, and nothing queued is lost (sent = received at the end)."""
-    inference_args = ["--listen", "127.0.0.1:0", "--batch-max-age", "0.2"]
-    start(nodes, "trainer", redis_url, namespace, tmp_path)
-    first = start(nodes, "inference", redis_url, namespace, tmp_path, *inference_args)
-    for _ in range(2):
-        start(nodes, "actor", redis_url, namespace, tmp_path)
-    board = board_for(redis_url, namespace)
-    runner = srl.Runner("CartPole-v1", _impala())
-    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
-                          max_train_count=150, local_processes=False, inference="central")
-    client.start()
-    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
-             "the first server to act")
+    first, board, client = _central_run(nodes, redis_url, namespace, tmp_path, 2, _impala())
     pid = lease_holder_pid(board, "inference")
     assert pid == first.proc.pid
-    start(nodes, "inference", redis_url, namespace, tmp_path, *inference_args)  # the standby
+    start(nodes, "inference", redis_url, namespace, tmp_path, *INFERENCE_ARGS)  # the standby
     sigkill(pid)
     wait_for(lambda: (lease_holder_pid(board, "inference") or pid) != pid, 30, "the standby to take the lease")
     client.join(timeout=120)
@@ -529,18 +538,7 @@ def test_an_actor_killed_mid_episode_is_replaced_and_the_run_finishes(redis_url:
                                                                        nodes: list[Any], tmp_path: Any) -> None:
     """SIGKILL an actor: its stream closes with the process and the server frees its state; the standby
     actor takes the slot and connects; the run ends."""
-    start(nodes, "trainer", redis_url, namespace, tmp_path)
-    server = start(nodes, "inference", redis_url, namespace, tmp_path, "--listen", "127.0.0.1:0",
-                   "--batch-max-age", "0.2")
-    for _ in range(3):  # one stands by
-        start(nodes, "actor", redis_url, namespace, tmp_path)
-    board = board_for(redis_url, namespace)
-    runner = srl.Runner("CartPole-v1", _impala(recurrent="lstm"))
-    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
-                          max_train_count=150, local_processes=False, inference="central")
-    client.start()
-    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
-             "the server to act for the actors")
+    server, board, client = _central_run(nodes, redis_url, namespace, tmp_path, 3, _impala(recurrent="lstm"))
     victim = lease_holder_pid(board, "actor:0")
     assert victim is not None
     sigkill(victim)
