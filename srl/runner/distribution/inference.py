@@ -254,6 +254,8 @@ class InferenceRun:
         self.agent_steps = 0
         self.batches = 0
         self.refused = 0
+        self._stats_lock = threading.Lock()
+        """the counts below change in the batcher and the handlers, and are read and reset by the board thread"""
         self._batch_envs = 0
         self._batch_wait_s = 0.0
         self._batch_requests = 0
@@ -387,7 +389,8 @@ class InferenceRun:
         return session
 
     def _refuse(self, error: _Refused, context: grpc.ServicerContext, session: _Session | None) -> None:
-        self.refused += 1
+        with self._stats_lock:
+            self.refused += 1
         self.counters.add(bad_messages=1)
         who = f"slot {session.slot} ({session.uid})" if session is not None else "an unknown actor"
         if self._event_log.ready():  # once per interval: a flood of bad requests must not flood the log or board
@@ -457,11 +460,12 @@ class InferenceRun:
                 except Exception as e:
                     request.error = _Refused(f"{type(e).__name__}: {short(e)}")
                 request.done.set()
-        self.batches += 1
-        self.agent_steps += len(ready) * self.envs
-        self._batch_envs += len(ready) * self.envs
-        self._batch_requests += len(ready)
-        self._batch_wait_s += sum(now - r.arrived for r, _ in ready)
+        with self._stats_lock:
+            self.batches += 1
+            self.agent_steps += len(ready) * self.envs
+            self._batch_envs += len(ready) * self.envs
+            self._batch_requests += len(ready)
+            self._batch_wait_s += sum(now - r.arrived for r, _ in ready)
 
     def _batch_failed(self, error: Exception, requests: list[_Request]) -> None:
         """A forward pass failed: its actors are answered UNAVAILABLE (they reconnect and restart their
@@ -616,21 +620,21 @@ class InferenceRun:
         with self._cond:
             self._cond.notify_all()
 
-
     def _stats(self, rate: float) -> InferenceStats:
-        requests = max(self._batch_requests, 1)
-        batches = self.batches
-        stats = InferenceStats(
-            uid=self.options.uid, sessions=len(self._sessions), agent_steps=self.agent_steps,
-            agent_steps_per_s=round(rate, 1), batches=batches,
-            batch_envs_mean=round(self._batch_envs / max(batches - self._last_batches, 1), 2),
-            batch_wait_ms_mean=round(1000 * self._batch_wait_s / requests, 3),
-            params_version=self.parameter.version, sent_batches=self.rows.sent_batches,
-            refused_requests=self.refused, backpressure_wait_s=round(self.rows.backpressure_wait_s, 3),
-        )
-        self._batch_envs = self._batch_requests = 0
-        self._batch_wait_s = 0.0
-        self._last_batches = batches
+        with self._stats_lock:
+            requests = max(self._batch_requests, 1)
+            batches = self.batches
+            stats = InferenceStats(
+                uid=self.options.uid, sessions=len(self._sessions), agent_steps=self.agent_steps,
+                agent_steps_per_s=round(rate, 1), batches=batches,
+                batch_envs_mean=round(self._batch_envs / max(batches - self._last_batches, 1), 2),
+                batch_wait_ms_mean=round(1000 * self._batch_wait_s / requests, 3),
+                params_version=self.parameter.version, sent_batches=self.rows.sent_batches,
+                refused_requests=self.refused, backpressure_wait_s=round(self.rows.backpressure_wait_s, 3),
+            )
+            self._batch_envs = self._batch_requests = 0
+            self._batch_wait_s = 0.0
+            self._last_batches = batches
         return stats
 
     # ------------------------------------------------------------ the loop
