@@ -15,6 +15,7 @@ import inspect
 import itertools
 import logging
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -271,20 +272,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "actor":
         from srl.runner.distribution.actor import actor_run_forever
 
-        options = build_dataclass(ActorOptions, args)
+        options = _node_options(ActorOptions, args)
         options.run_once = args.run_once
         actor_run_forever(redis_params, args.queue_url, options)
         return 0
     if args.command == "trainer":
         from srl.runner.distribution.trainer import trainer_run_forever
 
-        options = build_dataclass(TrainerOptions, args)
+        options = _node_options(TrainerOptions, args)
         trainer_run_forever(redis_params, args.queue_url, run_once=args.run_once, options=options)
         return 0
     if args.command == "inference":
         from srl.runner.distribution.inference import inference_run_forever
 
-        inference_options = build_dataclass(InferenceOptions, args)
+        inference_options = _node_options(InferenceOptions, args)
         inference_options.run_once = args.run_once
         inference_run_forever(redis_params, args.queue_url, inference_options)
         return 0
@@ -298,6 +299,27 @@ def _run(args: argparse.Namespace) -> int:
         print("task ended (cancelled)" if ended else "the task was not running")
         return 0
     return _status(board, redis_params, args.watch, args.events, args.dead_letters)
+
+
+def _node_options(cls: type, args: argparse.Namespace) -> Any:
+    """A node's options from the command line, checked: a value no node can run with is a usage error (one
+    line, exit 2), not a traceback."""
+    options = build_dataclass(cls, args)
+    try:
+        options.validate()
+    except ValueError as e:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        # the options named as they are typed (lease_ttl: --lease-ttl): a name of two words anywhere, a
+        # one-word name (listen) where the message begins with it
+        names = "|".join(name for name in fields if "_" in name)
+        text = str(e)
+        first = text.split(" ", 1)[0]
+        if first in fields and "_" not in first:
+            text = "--" + text
+        if names:
+            text = re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), text)
+        raise UsageError(text) from e
+    return options
 
 
 def _terminate_as_interrupt() -> None:

@@ -255,3 +255,16 @@ def test_the_client_ends_a_timed_task_that_no_trainer_serves(
                               progress_interval=None)
     status = board_for(redis_url, namespace).get_status()
     assert status is not None and status.status == TaskState.END and "no trainer ended it" in status.end_reason
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["actor", "--lease-ttl", "0"], "--lease-ttl must be"),
+    (["trainer", "--train-ahead", "0.5"], "--train-ahead must be a number >= 1"),
+    (["inference", "--listen", "bad"], "--listen must be host:port"),
+    (["inference", "--tls-cert-file", "cert.pem"], "--tls-cert-file and --tls-key-file go together"),
+])
+def test_a_node_option_no_node_can_run_with_is_one_line_and_exit_2(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([argv[0], "--host", "127.0.0.1", *argv[1:]]) == 2  # before anything connects or waits
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
