@@ -47,17 +47,20 @@ from srl.runner.distribution.inference import InferenceClient, InferenceLostErro
 from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.options import ActorOptions
 from srl.runner.distribution.params_cache import ParamsCache, default_directory, private_directory
-from srl.runner.distribution.queues import (
-    QueueError,
-    check_queue,
-    open_queue,
-)
+from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, Throttle
+from srl.runner.distribution.retry import Throttle
 from srl.runner.distribution.sender import RowSender
 from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import ActorStats
-from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
+from srl.runner.distribution.task import (
+    TASK_GONE,
+    TASK_REPLACED,
+    StopFlag,
+    TaskSpec,
+    batch_rows,
+    max_message_rows,
+)
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.actor")
@@ -65,7 +68,6 @@ logger = logging.getLogger("srl.actor")
 _RUNS = itertools.count()
 """runs of actors in this process"""
 
-_QUEUE_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, QueueError)
 
 
 class ActorRun:
@@ -95,19 +97,17 @@ class ActorRun:
         allow = allowed_env_modules(options.allow_env_modules)
         self.spec = env_spec(task.env_config, allow)
         config.check_spec(self.spec)
-        self.max_rows = max_message_rows(task)
         self.params_cache: ParamsCache | None = None
         """the params this machine's actors share (None: each fetches its own)"""
         # (sender, seq) names a batch for the trainer's dedupe: seq starts again with each run, so each run
         # of this process (a slot taken back, the next task) sends under a name of its own
         self.sender = f"{options.uid}.{next(_RUNS)}"
         self.task_tag = task_tag(board.task_id)
-        self.central = task.inference == "central"
-        """central inference: the task's inference server acts; this actor steps envs, keeps no network"""
         self.rows: RowSender | None = None
         self.inference: InferenceClient | None = None
+        """with central inference: the task's inference server acts; this actor steps envs, keeps no network"""
         self.parameter: Parameter | None = None
-        if self.central:
+        if task.inference == "central":
             self.codec = options.codec(board.task_name)
             ca = options.inference_ca_file or redis_params.ssl_ca_certs
             self.inference = InferenceClient(board, self.spec, config.envs_per_actor, slot, self.sender,
@@ -128,7 +128,7 @@ class ActorRun:
                     self.params_cache = ParamsCache(directory, f"{redis_params.describe()} {board.task_id}")
             queue = open_queue(queue_params, namespace=redis_params.task_name, role="producer",
                                redis_params=redis_params)
-            self.rows = RowSender(queue, board, self.lease_name, self.codec, schema, self.max_rows,
+            self.rows = RowSender(queue, board, self.lease_name, self.codec, schema, max_message_rows(task),
                                   task.queue_capacity, self.sender, self.task_tag, self.stop, self.counters,
                                   self._begin_wait, self._end_wait)
         try:
@@ -138,7 +138,6 @@ class ActorRun:
             if self.rows is not None:
                 self.rows.close()
             raise
-        self.capacity = task.queue_capacity
         self._staged = StagedParams()
         self.params_epoch = -1
         self.params_version = -1
@@ -206,7 +205,7 @@ class ActorRun:
                     head = self.board.get_params_head()
                 if head is not None:
                     self._note_head(head[0], head[2])
-                    if head[1] > 0 and head[1] != self.latest_version and not self.central:
+                    if head[1] > 0 and head[1] != self.latest_version and self.inference is None:
                         self._fetch_params((head[0], head[1]))
             except BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
                 away_since = away_since or time.monotonic()
@@ -384,9 +383,7 @@ class ActorRun:
         self.throttled_s += self._end_wait()
 
     def _batch_rows(self) -> int:
-        if self.data_path.rows == "segments":
-            return 1  # a segment goes as soon as it is complete
-        return max(1, min(self.options.batch_size, self.max_rows))
+        return batch_rows(self.task, self.options.batch_size)
 
     # ------------------------------------------------------------ sending
     def _flush(self) -> int | None:
@@ -416,7 +413,7 @@ class ActorRun:
         steps_since_count = 0
         self._loop_started = time.monotonic()
         try:
-            if not self.central:
+            if self.inference is None:
                 self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
             while not self.stop.is_set():
                 if self._staged.pending and self.worker.may_load_params():

@@ -76,7 +76,14 @@ from srl.runner.distribution.retry import Throttle
 from srl.runner.distribution.sender import RowSender
 from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import InferenceStats
-from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
+from srl.runner.distribution.task import (
+    TASK_GONE,
+    TASK_REPLACED,
+    StopFlag,
+    TaskSpec,
+    batch_rows,
+    max_message_rows,
+)
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.inference")
@@ -117,6 +124,11 @@ def request_schema(spec: EnvSpec) -> Schema:
     })
 
 
+def max_request_bytes(spec: EnvSpec, envs: int) -> int:
+    """The largest request an actor of ``envs`` envs sends (the columns, and room for the header)."""
+    return batch_message_bytes(request_schema(spec), envs) + 65536
+
+
 def reply_schema(spec: EnvSpec) -> Schema:
     """One row per env: its action as the env takes it (an index, indices, or floats)."""
     actions = spec.actions
@@ -150,6 +162,11 @@ class _Refused(Exception):
     def __init__(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
         super().__init__(reason)
         self.code = code
+
+
+def _refused(error: Exception) -> _Refused:
+    """What a request made its worker raise, as the refusal its actor is told."""
+    return error if isinstance(error, _Refused) else _Refused(f"{type(error).__name__}: {short(error)}")
 
 
 @dataclass
@@ -228,8 +245,7 @@ class InferenceRun:
         self.schema = config.schema(self.spec)
         self.request_schema = request_schema(self.spec)
         self.reply_schema = reply_schema(self.spec)
-        self.data_path = config.data_path()
-        self.max_request_bytes = batch_message_bytes(self.request_schema, self.envs) + 65536
+        self.max_request_bytes = max_request_bytes(self.spec, self.envs)
         compress = options.compress if options.compress is not None else self.schema.has_images
         max_params = params_message_bytes(self.parameter.to_arrays())
         self.codec = options.codec(board.task_name, compress=compress,
@@ -436,11 +452,8 @@ class InferenceRun:
                 try:
                     request.session.prepare(request)
                     ready.append((request, request.session.worker.policy_inputs(request.obs)))
-                except _Refused as e:
-                    request.error = e
-                    request.done.set()
                 except Exception as e:  # what the worker refuses (frames that do not slide): this request only
-                    request.error = _Refused(f"{type(e).__name__}: {short(e)}")
+                    request.error = _refused(e)
                     request.done.set()
             if not ready:
                 return
@@ -458,7 +471,7 @@ class InferenceRun:
                     request.version = version
                     request.session.acted = True
                 except Exception as e:
-                    request.error = _Refused(f"{type(e).__name__}: {short(e)}")
+                    request.error = _refused(e)
                 request.done.set()
         with self._stats_lock:
             self.batches += 1
@@ -481,19 +494,15 @@ class InferenceRun:
             raise RuntimeError(f"{MAX_FAILED_BATCHES} forward passes in a row failed; the last: "
                                f"{type(error).__name__}: {short(error)}") from error
 
-    def _batch_rows(self) -> int:
-        if self.data_path.rows == "segments":
-            return 1
-        return max(1, min(self.options.batch_size, max_message_rows(self.task)))
-
     def _ship_rows(self, sessions: list[_Session], closing: bool = False) -> None:
         """Hand the rows the sessions' workers finished to the sender (blocks while it is behind: the
         actors then wait for their actions, which is backpressure)."""
         now = time.monotonic()
+        rows = batch_rows(self.task, self.options.batch_size)
         for session in sessions:
             worker = session.worker
             pending = worker.pending()
-            if not pending or not (closing or pending >= self._batch_rows()
+            if not pending or not (closing or pending >= rows
                                    or now - session.rows_since >= self.options.batch_max_age):
                 continue
             columns = worker.take()
@@ -570,8 +579,11 @@ class InferenceRun:
                         self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
                         break
                     self._check_actor_leases()
-                head = self.board.get_params_head()
-                if head is not None and head[1] != self.latest_version:
+                    version = hb.params_version  # the heartbeat read the params head too
+                else:
+                    head = self.board.get_params_head()
+                    version = 0 if head is None else head[1]
+                if version > 0 and version != self.latest_version:
                     self._fetch_params()
             except BOARD_AWAY as e:
                 if self._board_log.ready():
@@ -756,7 +768,6 @@ class InferenceClient(Worker):
     def __init__(self, board: Board, spec: EnvSpec, num_envs: int, slot: int, sender: str, tag: int,
                  codec: Codec, stop: StopFlag, ca_file: str | None = None) -> None:
         self.board = board
-        self.spec = spec
         self.num_envs = num_envs
         self.slot = slot
         self.sender = sender
@@ -764,13 +775,11 @@ class InferenceClient(Worker):
         self.stop = stop
         self.ca_file = ca_file
         obs = np.zeros((num_envs, *spec.obs_shape), spec.obs_dtype)
-        self.request_schema = request_schema(spec)
         self.reply_schema = reply_schema(spec)
         self._action_high = (np.asarray(spec.actions.nvec) - 1 if isinstance(spec.actions, MultiDiscreteActions)
                              else None)
         """each dimension's largest action (MultiDiscrete: the schema bounds them all by the largest)"""
-        max_bytes = batch_message_bytes(self.request_schema, num_envs) + 65536
-        self.codec = codec.with_max_bytes(max_bytes)
+        self.codec = codec.with_max_bytes(max_request_bytes(spec, num_envs))
         self._final = obs
         self._reward = np.zeros(num_envs, np.float32)
         self._terminated = np.zeros(num_envs, bool)
@@ -788,8 +797,6 @@ class InferenceClient(Worker):
         self.episodes_lost = False
         """the stream that broke last had acted: the envs' episodes must start again"""
         stop.add_hook(self._interrupt)  # a reply waited for returns at once when the run stops
-        self.round_trip_s = 0.0
-        """seconds spent waiting for replies (the actor's share of inference)"""
 
     def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
         self._started[env_ids] = True
@@ -811,7 +818,6 @@ class InferenceClient(Worker):
                    "terminated": self._terminated, "truncated": self._truncated, "started": self._started}
         header = BatchHeader(actor_id=self.sender, actor_index=self.slot, epoch=0, seq=self._seq, params_version=0,
                              count=self.num_envs, created_at=time.time(), task=self.tag)
-        started = time.monotonic()
         try:
             reply = stream.round_trip(self.codec.encode_batch(header, columns, None), self.stop)
             head, cols, _ = self.codec.decode_batch(reply, self.reply_schema)
@@ -824,8 +830,6 @@ class InferenceClient(Worker):
         except BaseException:
             self.lost()
             raise
-        finally:
-            self.round_trip_s += time.monotonic() - started
         action = cols["action"]
         if self._action_high is not None and (action > self._action_high).any():
             self.lost()

@@ -185,6 +185,14 @@ def max_message_rows(task: TaskSpec) -> int:
     return MAX_MESSAGE_ROWS
 
 
+def batch_rows(task: TaskSpec, batch_size: int) -> int:
+    """Rows a worker's finished rows are sent at (an actor's, or the inference server's for an actor): a
+    segment as soon as it is complete; transitions ``batch_size`` at a time, within the message bound."""
+    if task.rl_config.data_path().rows == "segments":
+        return 1
+    return max(1, min(batch_size, max_message_rows(task)))
+
+
 class StopFlag:
     """Why a node should stop working on its task; the first reason wins. Hooks run once when it is set
     (a call blocked on a socket is cancelled by one, so it returns at once)."""
