@@ -229,7 +229,7 @@ def test_a_time_limit_bootstraps_from_the_state_after_the_step(algorithm: str) -
     worker.observe(np.zeros(2, np.float32), final, np.zeros(2, bool), np.array([True, False]))
     with torch.no_grad():
         if algorithm == "ppo":
-            value = parameter.net.step(torch.from_numpy(final[:1]), h[:1], c[:1])[1]
+            value = parameter.net.step_outputs(torch.from_numpy(final[:1]), h[:1], c[:1])[1]
             recorded, gamma = worker._reward[0], worker.gamma
         else:
             value = r2d2.unrescale(parameter.q.step(torch.from_numpy(final[:1]), h[:1], c[:1])[0].max(dim=1).values)

@@ -341,9 +341,7 @@ class ActorCritic(nn.Module):
         return sample_actions(out, noise, self.splits, self.logstd if self.continuous else None)
 
     def _distribution(self, features: torch.Tensor) -> Normal | list[Categorical]:
-        return self._head_distribution(self.actor_head(features))
-
-    def _head_distribution(self, out: torch.Tensor) -> Normal | list[Categorical]:
+        out = self.actor_head(features)
         if self.continuous:
             return Normal(out, self.logstd.expand_as(out).exp())
         return [Categorical(logits=logits) for logits in torch.split(out, self.splits, dim=-1)]
@@ -369,12 +367,6 @@ class ActorCritic(nn.Module):
     def initial_state(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Zero states for ``batch`` envs, ``(batch, cores, size)`` (``c`` None for a GRU)."""
         return stack_states([self._core(k).initial(batch, device) for k in range(len(self.cores))])
-
-    def step(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
-             ) -> tuple[Normal | list[Categorical], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One step of E envs: the policy, V(obs) and the next state."""
-        out, value, h, c = self.step_outputs(obs, h, c)
-        return self._head_distribution(out), value, h, c
 
     def unroll(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, resets: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -596,7 +588,7 @@ class SegmentWorker(Worker):
                 if self.recurrent:
                     index = torch.from_numpy(np.flatnonzero(cut)).to(self.parameter.device)
                     c = None if self._c is None else self._c[index]
-                    final_value = self.parameter.net.step(final, self._h[index], c)[1]
+                    final_value = self.parameter.net.step_outputs(final, self._h[index], c)[1]
                 else:
                     final_value = self.parameter.net.value(final)
             reward[cut] += self.gamma * final_value.cpu().numpy()
