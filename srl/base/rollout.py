@@ -66,6 +66,9 @@ class Rollout:
     (``observe``); its ``act`` gets the observations of all envs at once.
     """
 
+    obs: np.ndarray
+    """each env's observation now, what the worker acts on next"""
+
     def __init__(
         self,
         env_config: EnvConfig,
@@ -95,19 +98,16 @@ class Rollout:
             self.signal = env_config.training_signal()
             self.worker = worker
             self.num_envs = num_envs
-            obs, reset_info = self.envs.reset(seed=seed)
-            self.obs = self.transform.batch(obs)
+            self.env_steps = 0
+            self.episodes = 0
+            self._returns = np.zeros(num_envs, dtype=np.float64)
+            self._lengths = np.zeros(num_envs, dtype=np.int64)
+            self._lives: np.ndarray | None = None
+            """each env's lives after its last step (the training signal cuts the worker's episode at a loss)"""
+            self.restart(seed)
         except BaseException:
             self.envs.close()
             raise
-        self.env_steps = 0
-        self.episodes = 0
-        self._returns = np.zeros(num_envs, dtype=np.float64)
-        self._lengths = np.zeros(num_envs, dtype=np.int64)
-        lives = reset_info.get("lives")
-        self._lives: np.ndarray | None = None if lives is None else np.asarray(lives, dtype=np.int64)
-        """each env's lives after its last step (the training signal cuts the worker's episode at a loss)"""
-        worker.reset(np.arange(num_envs), self.obs)
 
     def step(self) -> list[Episode]:
         """One step of every env; the episodes that ended in it."""
@@ -145,10 +145,10 @@ class Rollout:
         self.obs = next_obs
         return episodes
 
-    def restart(self) -> None:
-        """Start every env's episode again (the episodes going on are dropped, not counted): for an actor
-        whose inference server went away, which took its envs' state with it."""
-        obs, reset_info = self.envs.reset()
+    def restart(self, seed: int | None = None) -> None:
+        """Start every env's episode (``seed``: the first time); again, the episodes going on are dropped,
+        not counted: for an actor whose inference server went away, which took its envs' state with it."""
+        obs, reset_info = self.envs.reset(seed=seed)
         self.obs = self.transform.batch(obs)
         self._returns[:] = 0.0
         self._lengths[:] = 0
