@@ -120,30 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    actor = sub.add_parser("actor", help="serve as an actor: wait for tasks on the board, act, send experience")
-    add_dataclass_options(actor, RedisParameters, "board (Redis)")
-    actor.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
-                       help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
-                            "default: the board's Redis")
-    actor.add_argument("--run-once", action="store_true", help="exit after one task")
-    add_dataclass_options(actor, ActorOptions, "actor")
-
-    trainer = sub.add_parser("trainer", help="serve as the trainer: take the lease, learn, publish params")
-    add_dataclass_options(trainer, RedisParameters, "board (Redis)")
-    trainer.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
-                         help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
-                              "default: the board's Redis")
-    trainer.add_argument("--run-once", "--once", dest="run_once", action="store_true", help="exit after one task")
-    add_dataclass_options(trainer, TrainerOptions, "trainer")
-
-    inference = sub.add_parser("inference", help="serve central inference: act for every actor of a task that "
-                                                 "asks for it (train_distribution(inference='central'))")
-    add_dataclass_options(inference, RedisParameters, "board (Redis)")
-    inference.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
-                           help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
-                                "default: the board's Redis")
-    inference.add_argument("--run-once", action="store_true", help="exit after one task")
-    add_dataclass_options(inference, InferenceOptions, "inference")
+    _add_node(sub, "actor", "serve as an actor: wait for tasks on the board, act, send experience", ActorOptions)
+    _add_node(sub, "trainer", "serve as the trainer: take the lease, learn, publish params", TrainerOptions,
+              "--once")
+    _add_node(sub, "inference", "serve central inference: act for every actor of a task that asks for it "
+                                "(train_distribution(inference='central'))", InferenceOptions)
 
     status = sub.add_parser("status", help="show a task: status, slots, heartbeats, rates, queue depth")
     add_dataclass_options(status, RedisParameters, "board (Redis)")
@@ -164,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
                                        "history.csv (log_dir of Runner.train / train_distribution)")
     plot.add_argument("log_dir", help="the run's log_dir")
     return parser
+
+
+def _add_node(sub: Any, role: str, help_text: str, options: type, *run_once_aliases: str) -> None:
+    """``srl <role>``: the board's options, the queue's URL, --run-once, and the role's own options."""
+    node = sub.add_parser(role, help=help_text)
+    add_dataclass_options(node, RedisParameters, "board (Redis)")
+    node.add_argument("--queue-url", default=os.environ.get("SRL_QUEUE_URL") or None,
+                      help="experience queue URL (amqp://, mqtt://, pubsub://...; env SRL_QUEUE_URL); "
+                           "default: the board's Redis")
+    node.add_argument("--run-once", *run_once_aliases, dest="run_once", action="store_true",
+                      help="exit after one task")
+    add_dataclass_options(node, options, role)
 
 
 def _redis_params(args: argparse.Namespace) -> RedisParameters:

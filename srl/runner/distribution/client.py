@@ -875,7 +875,8 @@ def progress_lines(
     refuse the task; an ended task's nodes are not asked for."""
     reports = Reports.read(board)
     counters = board.get_counters()
-    actor_num = int(board.get_task_config().get("actor_num", 1))
+    config = board.get_task_config()
+    actor_num = int(config.get("actor_num", 1))
     ended = status.status.finished
     trainer = reports.trainer
     train_count = trainer.train_count if trainer is not None else 0
@@ -929,7 +930,7 @@ def progress_lines(
             f"loss {_g(trainer.loss) if trainer.loss is not None else '-'}, params v{trainer.params_version}"
             f"{lag}{waiting}"
         )
-    if board.get_task_config().get("inference") == "central":
+    if config.get("inference") == "central":
         lines.append(_inference_line(board, reports.inference, ended, missing))
     for i in range(actor_num):
         holder, _ = board.lease_holder(f"actor:{i}")
