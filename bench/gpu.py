@@ -136,19 +136,7 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
             rollout.step()
             if (rows := worker.take()) is not None:
                 segments.append(rows)
-    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     obs = np.random.default_rng(0).normal(size=(config.envs_per_actor, *spec.obs_shape)).astype(np.float32)
-
-    def timed(step: Callable[[], object]) -> float:
-        for _ in range(5):  # untimed: CUDA's context and kernels
-            step()
-        sync()
-        count, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            step()
-            count += 1
-        sync()
-        return count / (time.perf_counter() - t0)
 
     def update() -> object:
         while (stats := trainer.train()) is None:
@@ -156,7 +144,22 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
                 buffer.add(rows)
         return stats
 
-    return timed(lambda: worker.act(obs)), timed(update)
+    return calls_per_second(lambda: worker.act(obs), device, seconds), calls_per_second(update, device, seconds)
+
+
+def calls_per_second(step: Callable[[], object], device: str, seconds: float) -> float:
+    """How many times ``step`` runs a second on ``device``, after 5 untimed calls (CUDA's context and
+    kernels); on CUDA the clock stops after the device finished."""
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(5):
+        step()
+    sync()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        step()
+        count += 1
+    sync()
+    return count / (time.perf_counter() - t0)
 
 
 def inference_rate(device: str, seconds: float, threads: int = 1, actors: int = 4, envs: int = 8) -> float:
@@ -170,7 +173,6 @@ def inference_rate(device: str, seconds: float, threads: int = 1, actors: int = 
     workers = [config.make_worker(spec, parameter, i, actors, i) for i in range(actors)]
     frame = np.random.default_rng(0).integers(0, 255, size=(envs, 1, *spec.obs_shape[1:]), dtype=np.uint8)
     obs = np.repeat(frame, spec.obs_shape[0], axis=1)  # one frame stacked: the stacks slide as the worker checks
-    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def batch() -> None:
         with torch.inference_mode():
@@ -178,15 +180,7 @@ def inference_rate(device: str, seconds: float, threads: int = 1, actors: int = 
             for w, part in zip(workers, split_policy_io(outputs, [envs] * actors), strict=True):
                 w.act_with(obs, part)  # no observe: the same step of the segment, again
 
-    for _ in range(5):
-        batch()
-    sync()
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        batch()
-        count += 1
-    sync()
-    return count * actors * envs / (time.perf_counter() - t0)
+    return calls_per_second(batch, device, seconds) * actors * envs
 
 
 def main() -> int:
