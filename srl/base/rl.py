@@ -449,21 +449,24 @@ class TrainStats:
         return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def optimizer_to_arrays(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """An optimizer's state as arrays (``optimizer/<param>/<name>``) and its hyper-parameters as JSON."""
+def optimizer_to_arrays(
+    optimizer: torch.optim.Optimizer, prefix: str = "optimizer"
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """An optimizer's state as arrays (``<prefix>/<param>/<name>``) and its hyper-parameters as JSON."""
     state = optimizer.state_dict()
     arrays: dict[str, np.ndarray] = {}
     for index, entries in state["state"].items():
         for name, value in entries.items():
             tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            arrays[f"optimizer/{int(index)}/{name}"] = tensor.detach().to("cpu").numpy().copy()
+            arrays[f"{prefix}/{int(index)}/{name}"] = tensor.detach().to("cpu").numpy().copy()
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}
               for group in state["param_groups"]]
     return arrays, {"param_groups": groups}
 
 
 def optimizer_from_arrays(
-    optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]
+    optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
+    prefix: str = "optimizer",
 ) -> None:
     """Load what ``optimizer_to_arrays`` wrote; ValueError naming what does not fit this optimizer."""
     current = optimizer.state_dict()
@@ -480,7 +483,7 @@ def optimizer_from_arrays(
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in arrays.items():
         parts = key.split("/")
-        if len(parts) != 3 or parts[0] != "optimizer" or not parts[1].isdigit() or int(parts[1]) not in shapes:
+        if len(parts) != 3 or parts[0] != prefix or not parts[1].isdigit() or int(parts[1]) not in shapes:
             raise ValueError(f"unexpected optimizer entry {key!r}")
         index, name = int(parts[1]), parts[2]
         if value.ndim and tuple(value.shape) != shapes[index]:
@@ -512,27 +515,36 @@ class Learner(ABC):
         """The run's budget (env steps, gradient steps; None: not bounded), for schedules that anneal
         over it (PPO's learning rate). Nothing by default."""
 
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Every optimizer a checkpoint keeps, by the name its entries go under: ``optimizer`` alone by
+        default; a learner with several (SAC's critic, actor and temperature) names each."""
+        return {} if self.optimizer is None else {"optimizer": self.optimizer}
+
     def state_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """What a checkpoint keeps beyond the weights: the optimizer's state, ``train_count`` and what
-        ``extra_state`` adds, as arrays and JSON (no pickle)."""
+        """What a checkpoint keeps beyond the weights: the state of each of ``optimizers()``,
+        ``train_count`` and what ``extra_state`` adds, as arrays and JSON (no pickle)."""
         arrays, meta = self.extra_state()
         meta = {"train_count": self.train_count, **meta}
-        if self.optimizer is not None:
-            opt_arrays, opt_meta = optimizer_to_arrays(self.optimizer)
+        for name, optimizer in self.optimizers().items():
+            opt_arrays, opt_meta = optimizer_to_arrays(optimizer, name)
             arrays.update(opt_arrays)
-            meta["optimizer"] = opt_meta
+            meta[name] = opt_meta
         return arrays, meta
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         """Restore what ``state_arrays`` wrote (after the weights are loaded); ValueError if it does not fit."""
-        opt = {k: v for k, v in arrays.items() if k.startswith("optimizer/")}
-        if self.optimizer is not None and isinstance(meta.get("optimizer"), dict):
-            optimizer_from_arrays(self.optimizer, opt, meta["optimizer"])
+        optimizers = self.optimizers()
+        for name, optimizer in optimizers.items():
+            if isinstance(meta.get(name), dict):
+                optimizer_from_arrays(optimizer, {k: v for k, v in arrays.items() if k.startswith(name + "/")},
+                                      meta[name], name)
         count = meta.get("train_count", self.train_count)
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 2**62:
             raise ValueError(f"train_count {count!r} in the trainer state is not a count")
         self.train_count = count
-        self.load_extra_state({k: v for k, v in arrays.items() if not k.startswith("optimizer/")}, meta)
+        kept = {"optimizer", *optimizers}
+        extra = {k: v for k, v in arrays.items() if k.partition("/")[0] not in kept}
+        self.load_extra_state(extra, meta)
 
     def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """An algorithm's own training state (a target network, running statistics, schedule counters)."""
