@@ -15,6 +15,7 @@ ALGORITHMS: dict[str, str] = {
     "ppo": "srl.algorithms.ppo",
     "impala": "srl.algorithms.impala",
     "r2d2": "srl.algorithms.r2d2",
+    "sac": "srl.algorithms.sac",
 }
 
 
