@@ -1,4 +1,4 @@
-"""The learners and the acting of DQN, PPO, IMPALA and R2D2 on the CPU and on CUDA, with a net worth a GPU.
+"""The learners and the acting of DQN, PPO, IMPALA, R2D2 and SAC on the CPU and on CUDA, with a net worth a GPU.
 
     python bench/gpu.py                           # 256x256, batch 256: CPU, and CUDA when torch sees one
     python bench/gpu.py --hidden 64,64 --batch 64 --seconds 5
@@ -27,6 +27,10 @@ R2D2 (the same env, its defaults: LSTM 128, batches of 64 sequences of 80 steps,
 ``act`` and one ``train()`` (both networks unrolled over every sequence, the loss on the last 40 steps,
 the priority update); its row adds sequences/s (updates/s x 64), the figure to compare with the CPU's.
 
+SAC (Pendulum-v1's shapes, ``--hidden`` and ``--batch``, a uniform memory of 10,000 valid random rows): the
+worker's ``act`` on 8 envs and one ``train()`` (a critic step on both critics, an actor step through them, the
+temperature step, the Polyak targets), with the CUDA ÷ CPU ratio of the learner.
+
 Inference (central inference's server, SEED RL): IMPALA's Nature CNN on Pong frames, the forward pass one
 server runs for 4 actors x 8 envs joined (``policy_inputs`` of each actor's worker, one ``policy``, each
 worker's ``act_with``), as inference steps/s (envs acted for per second) on the CPU and on CUDA, and their ratio.
@@ -50,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
-from srl.algorithms import dqn, impala, ppo, r2d2
+from srl.algorithms import dqn, impala, ppo, r2d2, sac
 from srl.base.rollout import Rollout
 
 ENV = "Pendulum-v1"
@@ -147,6 +151,29 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
     return calls_per_second(lambda: worker.act(obs), device, seconds), calls_per_second(update, device, seconds)
 
 
+def sac_rates(device: str, hidden: tuple[int, ...], batch: int, seconds: float, threads: int = 1
+              ) -> tuple[float, float]:
+    """(worker act() calls/s on 8 envs, learner train steps/s) of SAC on ``device``."""
+    config = sac.Config(seed=0, device=device, torch_threads=threads, batch_size=batch, warmup_size=batch,
+                        envs_per_actor=8)
+    config.hidden_block.set_mlp(hidden)
+    config.memory.set_replay_memory(10_000)
+    runner = srl.Runner(ENV, config)
+    spec, parameter = runner.spec, runner.parameter
+    memory = config.make_buffer(spec)
+    rng = np.random.default_rng(0)
+    n, dim = 10_000, spec.obs_shape[0]
+    memory.add({"obs": rng.normal(size=(n, dim)).astype(np.float32),
+                "action": rng.uniform(-1.0, 1.0, size=(n, *spec.actions.shape)).astype(np.float32),
+                "reward": rng.uniform(-16.0, 0.0, n).astype(np.float32),
+                "next_obs": rng.normal(size=(n, dim)).astype(np.float32),
+                "discount": np.full(n, config.gamma, np.float32), "version": np.zeros(n, np.int64)})
+    trainer = config.make_learner(spec, parameter, memory)
+    worker = config.make_worker(spec, parameter, 0, 1, 0)
+    obs = rng.normal(size=(8, dim)).astype(np.float32)
+    return calls_per_second(lambda: worker.act(obs), device, seconds), calls_per_second(trainer.train, device, seconds)
+
+
 def calls_per_second(step: Callable[[], object], device: str, seconds: float) -> float:
     """How many times ``step`` runs a second on ``device``, after 5 untimed calls (CUDA's context and
     kernels); on CUDA the clock stops after the device finished."""
@@ -192,13 +219,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first (default 200)")
     parser.add_argument("--repeat", type=int, default=3, help="windows per row; the median is printed (default 3)")
     parser.add_argument("--cpu-threads", default="1", help="torch CPU thread counts, comma-separated (default 1)")
-    parser.add_argument("--algorithms", default="dqn,ppo,impala,r2d2,inference",
-                        help="comma-separated (default dqn,ppo,impala,r2d2,inference)")
+    parser.add_argument("--algorithms", default="dqn,ppo,impala,r2d2,sac,inference",
+                        help="comma-separated (default dqn,ppo,impala,r2d2,sac,inference)")
     args = parser.parse_args()
     algorithms = args.algorithms.split(",")
-    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala", "r2d2", "inference"})
+    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala", "r2d2", "sac", "inference"})
     if unknown:
-        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala, r2d2, inference")
+        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala, r2d2, sac, inference")
     hidden = tuple(int(x) for x in args.hidden.split(","))
     threads = [int(x) for x in args.cpu_threads.split(",")]
 
@@ -215,7 +242,21 @@ def main() -> int:
             print(f"{'cuda':<22} {steps:>18,.0f} {steps / cpu_steps:>8.2f}  {torch.cuda.get_device_name(0)}")
         else:
             print(f"{'cuda':<22} {'-':>18} {'-':>8}  torch sees no CUDA device here")
-    for algorithm in (a for a in algorithms if a not in ("dqn", "inference")):
+    if "sac" in algorithms:
+        print(f"\nSAC on {ENV}, hidden {hidden}, batch {args.batch}; torch {torch.__version__}")
+        print(f"{'device':<22} {'act calls/s':>12} {'train steps/s':>14}  note")
+        sac_cpu = 0.0
+        for n in threads:
+            act, learn = sac_rates("cpu", hidden, args.batch, args.seconds, n)
+            sac_cpu = sac_cpu or learn
+            print(f"{'cpu, ' + str(n) + ' thread' + ('s' if n > 1 else ''):<22} {act:>12,.0f} {learn:>14,.1f}")
+        if cuda:
+            act, learn = sac_rates("cuda", hidden, args.batch, args.seconds, threads[0])
+            print(f"{'cuda':<22} {act:>12,.0f} {learn:>14,.1f}  {learn / sac_cpu:.1f}x the CPU's learner; "
+                  f"{torch.cuda.get_device_name(0)}")
+        else:
+            print(f"{'cuda':<22} {'-':>12} {'-':>14}  torch sees no CUDA device here")
+    for algorithm in (a for a in algorithms if a not in ("dqn", "inference", "sac")):
         print(f"\n{algorithm.upper()} on CartPole-v1, hidden {hidden}; torch {torch.__version__}")
         print(f"{'device':<22} {'act calls/s':>12} {'updates/s':>10}  note")
         per_update = r2d2.Config().batch_size if algorithm == "r2d2" else 0

@@ -86,7 +86,7 @@ def test_the_temperature_moves_toward_its_entropy_target(target_entropy: float, 
         stats = learner.train()
         assert stats is not None and stats.gradient_steps == 1
     assert (learner.alpha() - before) * direction > 0
-    assert stats.alpha == pytest.approx(learner.alpha())
+    assert stats.alpha == pytest.approx(learner.alpha(), rel=0.01)  # the temperature it learned with: a step before
 
 
 def test_a_fixed_temperature_stays_put() -> None:
@@ -116,6 +116,7 @@ def test_actions_respect_asymmetric_bounds_and_reach_both_ends() -> None:
     config = small(envs_per_actor=64)
     spec = box_spec([0.0, -3.0], [1.0, 5.0])
     parameter = config.make_parameter(spec, torch.device("cpu"))
+    parameter.version = 2  # trained params: the policy acts, not the uniform warmup
     worker = config.make_worker(spec, parameter, 0, 1, seed=1)
     obs = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
     for bias, end in ((100.0, [1.0, 5.0]), (-100.0, [0.0, -3.0])):
@@ -130,9 +131,24 @@ def test_actions_respect_asymmetric_bounds_and_reach_both_ends() -> None:
             np.testing.assert_allclose(action, np.tile(end, (64, 1)), atol=1e-4)
     with torch.no_grad():
         parameter.nets.actor.mean.bias.fill_(0.0)
-    worker.training = True
-    random = worker.act(np.zeros((64, 3), np.float32))  # the untrained mean near 0: spread around the middle
-    assert random[:, 1].min() < 1.0 < random[:, 1].max()
+
+
+def test_untrained_params_act_uniformly_over_the_bounds_and_trained_ones_by_the_policy() -> None:
+    config = small(envs_per_actor=256)
+    spec = box_spec([0.0, -3.0], [1.0, 5.0])
+    parameter = config.make_parameter(spec, torch.device("cpu"))
+    worker = config.make_worker(spec, parameter, 0, 1, seed=1)
+    obs = np.zeros((256, 3), np.float32)
+    parameter.version = 1  # the untrained weights every run starts from
+    uniform = worker.act(obs)
+    assert uniform[:, 1].min() < -2.5 and uniform[:, 1].max() > 4.5  # the whole range, not the middle
+    np.testing.assert_allclose(worker._action, (uniform - [0.5, 1.0]) / [0.5, 4.0], atol=1e-5)  # rows: [-1, 1]
+    parameter.version = 2
+    policy = worker.act(obs)  # the untrained actor's own Gaussian: narrow around the middle
+    assert policy[:, 1].max() - policy[:, 1].min() < 0.8 * (uniform[:, 1].max() - uniform[:, 1].min())
+    config.uniform_warmup = False
+    parameter.version = 1
+    assert worker.act(obs)[:, 1].max() < 4.5
 
 
 def test_the_worker_s_rows_are_n_step_transitions_bootstrapping_after_a_time_limit_only() -> None:
@@ -198,7 +214,7 @@ def test_a_checkpoint_keeps_the_three_optimizers_the_targets_and_the_temperature
     for a, b in zip(before.target_q2.parameters(), after.target_q2.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     count = again.train_count
-    again.train(max_train_count=count + 50)
+    again.train(max_train_count=50)
     assert again.train_count > count
 
 

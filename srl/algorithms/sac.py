@@ -15,13 +15,17 @@ The maths is CleanRL's ``sac_continuous_action.py`` and Stable-Baselines3's, in 
 - log π(a|s) = log N(u; mean, std) - sum log(1 - tanh(u)^2), the second term written
   2 (log 2 - u - softplus(-2u)) so it stays finite where tanh saturates;
 - the critics learn r + γ^n (min_i Q'_i(s', a') - α log π(a'|s')) with a' ~ π(s'), a target of 0 future
-  value after a terminal step and the final observation's value after a time limit;
+  value after a terminal step and the final observation's value after a time limit (with ``n_step`` > 1 the
+  entropy bonus counts at the bootstrap state only, Ape-X's shortcut; the default n = 1 is exact);
 - the actor minimizes α log π(a|s) - min_i Q_i(s, a); the temperature α = exp(log_alpha) minimizes
   -log_alpha (log π + target_entropy), target_entropy = -dim(A) unless set.
 
 Choices, beyond the papers:
 
 - **Every step updates the actor** (SB3, the paper), not every other step (TD3's delay, CleanRL's default).
+- **One step takes every gradient from the same weights** (the original implementation's order; CleanRL and
+  SB3 update the critics before the actor's loss is taken), so its losses, |TD| and the temperature come to
+  the host in one copy: on CUDA each copy waits for the device.
 - **Rows carry no actor priorities.** With a prioritized memory, new transitions enter at its highest
   priority and the learner sets |TD| (the mean over both critics) afterwards, as R2D2's; so a forged batch
   cannot lift later transitions. The default memory is uniform (CleanRL, SB3).
@@ -89,8 +93,8 @@ class Config(RLConfig):
     algorithm: ClassVar[str] = "sac"
 
     hidden_block: MLPBlockConfig = field(default_factory=_mlp_256)
-    """the layers of the actor's and each critic's network (a critic's input is the observation and the
-    action together, or an image encoder's features and the action)"""
+    """the layers of each critic (its input: the observation and the action together, or an image encoder's
+    features and the action) and, for vector observations, of the actor (the ``mlp`` encoder)"""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors,
     the Nature CNN for images of 36x36 and up, the MinAtar CNN for smaller ones"""
@@ -99,8 +103,11 @@ class Config(RLConfig):
     batch_size: int = 256
     """transitions per gradient step"""
     warmup_size: int = 5000
-    """transitions in memory before training starts (CleanRL's learning_starts; acting meanwhile with the
-    untrained actor, whose squashed actions spread over the whole range)"""
+    """transitions in memory before training starts (CleanRL's learning_starts)"""
+    uniform_warmup: bool = True
+    """act uniformly at random in the bounds while the params are the untrained ones (version 1: the warmup
+    and the first ``publish_every`` train steps), as CleanRL and SB3 act before learning starts; False: the
+    untrained actor's own Gaussian, narrow around the middle of the range"""
     env_steps_per_train: float | None = 1.0
     """env steps per train step, one process and distributed alike (all actors together); None: actors run
     flat out"""
@@ -117,13 +124,14 @@ class Config(RLConfig):
     tau: float = 0.005
     """after each step the target critics move this far towards the critics"""
     alpha: float | None = None
-    """a fixed entropy temperature; None: learned, starting at ``initial_alpha``, towards ``target_entropy``"""
+    """a fixed entropy temperature (``initial_alpha`` and ``target_entropy`` then play no part); None: learned,
+    starting at ``initial_alpha``, towards ``target_entropy``"""
     initial_alpha: float = 1.0
     """the learned temperature's first value"""
     target_entropy: float | None = None
     """the entropy the learned temperature aims the policy at; None: -dim(A) (the paper's heuristic)"""
     reward_scale: float = 1.0
-    """rewards are multiplied by this before learning"""
+    """rewards are multiplied by this (> 0) before learning"""
 
     def validate(self) -> None:
         super().validate()
@@ -145,7 +153,7 @@ class Config(RLConfig):
         check_number("initial_alpha", self.initial_alpha, 0.0, 1e6, low_open=True)
         if self.target_entropy is not None:
             check_number("target_entropy", self.target_entropy, -1e6, 1e6)
-        check_number("reward_scale", self.reward_scale, -1e9, 1e9)
+        check_number("reward_scale", self.reward_scale, 0.0, 1e9, low_open=True)
         if self.warmup_size < self.batch_size:
             raise ValueError(f"warmup_size ({self.warmup_size}) must be at least batch_size ({self.batch_size})")
         if self.memory.capacity < self.warmup_size:
@@ -280,11 +288,13 @@ class SACParameter(Parameter):
         low, high = actions.low.astype(np.float64), actions.high.astype(np.float64)
         self.action_center = ((high + low) / 2.0).astype(np.float32)
         self.action_half = ((high - low) / 2.0).astype(np.float32)
+        self.action_low, self.action_high = actions.low.astype(np.float32), actions.high.astype(np.float32)
         self.nets = SACNetworks(config, spec).to(device)
 
     def to_env(self, action: np.ndarray) -> np.ndarray:
-        """Actions in [-1, 1] -> the env's bounds."""
-        env_action: np.ndarray = self.action_center + self.action_half * action.astype(np.float32)
+        """Actions in [-1, 1] -> the env's bounds (clipped: center + half can round a float32 step past them)."""
+        env_action: np.ndarray = np.clip(self.action_center + self.action_half * action.astype(np.float32),
+                                         self.action_low, self.action_high)
         return env_action
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -329,20 +339,24 @@ class SACWorker(Worker):
             return self.act_with(obs, self.policy(self.policy_inputs(obs)))
 
     def policy_inputs(self, obs: np.ndarray) -> PolicyIO:
-        noise = None
-        if self.training:
-            noise = torch.randn((len(obs), self._action_dim), generator=self.generator).to(self.parameter.device)
-        return torch.from_numpy(obs).to(self.parameter.device), noise
+        """The observations and a standard normal per action dimension (zeros while evaluating: the mean
+        action), so the inputs of workers training and evaluating join alike."""
+        shape = (len(obs), self._action_dim)
+        noise = torch.randn(shape, generator=self.generator) if self.training else torch.zeros(shape)
+        return torch.from_numpy(obs).to(self.parameter.device), noise.to(self.parameter.device)
 
     def policy(self, inputs: PolicyIO) -> PolicyIO:
-        """(the action in [-1, 1],): sampled with the inputs' noise, the mean's tanh without it."""
+        """(tanh(mean + std * noise),): the action in [-1, 1]."""
         obs, noise = inputs
         mean, log_std = self.parameter.nets.actor(obs)
-        u = mean if noise is None else mean + log_std.exp() * noise
-        return (torch.tanh(u),)
+        return (torch.tanh(mean + log_std.exp() * noise),)
 
     def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
-        action = outputs[0].float().cpu().numpy().reshape((len(obs), *self.parameter.action_shape))
+        shape = (len(obs), *self.parameter.action_shape)
+        if self.training and self.config.uniform_warmup and self.parameter.version <= DataPath.FIRST_VERSION:
+            action = (2.0 * torch.rand(shape, generator=self.generator) - 1.0).numpy()  # untrained: uniform
+        else:
+            action = outputs[0].float().cpu().numpy().reshape(shape)
         self._obs, self._action = obs, action
         self._acted_version = self.parameter.version
         return self.parameter.to_env(action)
@@ -402,11 +416,11 @@ class SACStats(TrainStats):
 
     actor_loss: float = 0.0
     alpha: float = 0.0
-    """the entropy temperature after the step"""
+    """the entropy temperature the step learned with"""
     entropy: float = 0.0
     """-mean log π of the actions the actor sampled for the batch"""
     q: float = 0.0
-    """mean Q of the batch's actions (the first critic)"""
+    """mean of min(Q1, Q2) over the batch's observations, at the actions the actor sampled for them"""
     nonfinite_losses: int = 0
     """steps skipped so far because a loss was NaN or infinite"""
 
@@ -427,6 +441,7 @@ class SACLearner(Learner):
         self.target_q2 = copy.deepcopy(nets.q2).requires_grad_(False)
         self._critic_params: list[torch.Tensor] = [*nets.q1.parameters(), *nets.q2.parameters()]
         self._target_params: list[torch.Tensor] = [*self.target_q1.parameters(), *self.target_q2.parameters()]
+        self._actor_params: list[torch.Tensor] = list(nets.actor.parameters())
         self.optimizer = make_adam([*nets.q1.parameters(), *nets.q2.parameters()], config.critic_lr)
         self.actor_optimizer = make_adam(nets.actor.parameters(), config.actor_lr)
         self.alpha_optimizer = make_adam([nets.log_alpha], config.critic_lr)
@@ -459,7 +474,7 @@ class SACLearner(Learner):
         action, reward = to_device(b["action"], dev), to_device(b["reward"], dev)
         discount, weights = to_device(b["discount"], dev), to_device(sample.weights, dev)
         nets = self.parameter.nets
-        alpha = nets.log_alpha.detach().exp() if config.alpha is None else torch.tensor(config.alpha, device=dev)
+        alpha = nets.log_alpha.detach().exp() if config.alpha is None else torch.tensor([config.alpha], device=dev)
 
         with torch.no_grad():
             next_action, next_logp = nets.actor.sample(next_obs)
@@ -467,43 +482,38 @@ class SACLearner(Learner):
             target = reward + discount * (next_q - alpha * next_logp)
         td1, td2 = target - nets.q1(obs, action), target - nets.q2(obs, action)
         critic_loss = (weights * (td1.pow(2) + td2.pow(2))).mean()
-        critic_value = float(critic_loss.detach())
-        if not math.isfinite(critic_value):  # diverged on this sample: skip the step, not poison the weights
-            return self._nonfinite()
-        self.optimizer.zero_grad(set_to_none=True)
-        critic_loss.backward(inputs=self._critic_params)
-        self.optimizer.step()
-
-        # the actor and the temperature learn from the critics just updated (CleanRL's order)
         new_action, logp = nets.actor.sample(obs)
         q_new = torch.min(nets.q1(obs, new_action), nets.q2(obs, new_action))
         actor_loss = (alpha * logp - q_new).mean()
-        host = torch.stack([actor_loss.detach(), logp.detach().mean(), q_new.detach().mean()]).cpu().numpy()
-        if not np.isfinite(host).all():
-            return self._nonfinite()
-        self.actor_optimizer.zero_grad(set_to_none=True)
-        actor_loss.backward(inputs=list(nets.actor.parameters()))
+        alpha_loss = -(nets.log_alpha * (logp.detach() + self.target_entropy)).mean()
+        # Every gradient from the same weights, before any step (the original implementation's order), so that
+        # the losses, |TD| and the temperature reach the host in one copy: on CUDA each copy waits for the device
+        for optimizer in self.optimizers().values():
+            optimizer.zero_grad(set_to_none=True)
+        critic_loss.backward(inputs=self._critic_params)
+        actor_loss.backward(inputs=self._actor_params)
+        if config.alpha is None:
+            alpha_loss.backward(inputs=[nets.log_alpha])
+        td_abs = 0.5 * (td1.detach().abs() + td2.detach().abs())
+        host = torch.cat([torch.stack([critic_loss.detach(), actor_loss.detach(), logp.detach().mean(),
+                                       q_new.detach().mean(), alpha.reshape(())]), td_abs]).cpu().numpy()
+        if not np.isfinite(host[:4]).all():  # diverged on this sample: skip the step, not poison the weights
+            self.nonfinite_losses += 1
+            return SACStats(loss=float("nan"), gradient_steps=0, alpha=float(host[4]),
+                            nonfinite_losses=self.nonfinite_losses)
+        self.optimizer.step()
         self.actor_optimizer.step()
         if config.alpha is None:
-            alpha_loss = -(nets.log_alpha * (logp.detach() + self.target_entropy)).mean()
-            self.alpha_optimizer.zero_grad(set_to_none=True)
-            alpha_loss.backward()
             self.alpha_optimizer.step()
         with torch.no_grad():
             torch._foreach_lerp_(self._target_params, self._critic_params, config.tau)
 
-        td_abs = (0.5 * (td1.detach().abs() + td2.detach().abs())).cpu().numpy()
-        self.memory.update_priorities(sample.indices, td_abs, sample.generations)
+        self.memory.update_priorities(sample.indices, host[5:], sample.generations)
         self.train_count += 1
-        return SACStats(loss=critic_value, actor_loss=float(host[0]), alpha=self.alpha(), entropy=-float(host[1]),
-                        q=float(host[2]), nonfinite_losses=self.nonfinite_losses)
+        return SACStats(loss=float(host[0]), actor_loss=float(host[1]), alpha=float(host[4]), entropy=-float(host[2]),
+                        q=float(host[3]), nonfinite_losses=self.nonfinite_losses)
 
     def alpha(self) -> float:
         """The entropy temperature now."""
         fixed = self.config.alpha
         return float(self.parameter.nets.log_alpha.detach().exp()) if fixed is None else fixed
-
-    def _nonfinite(self) -> SACStats:
-        self.nonfinite_losses += 1
-        return SACStats(loss=float("nan"), gradient_steps=0, alpha=self.alpha(),
-                        nonfinite_losses=self.nonfinite_losses)
