@@ -74,3 +74,25 @@ def test_impala_learns_cartpole_in_a_small_budget() -> None:
     runner = srl.Runner("CartPole-v1", impala.Config(seed=0))
     runner.train(max_steps=100_000, progress_interval=None)
     assert np.mean(runner.evaluate(max_episodes=10)) >= 195
+
+
+@pytest.mark.parametrize(("adam_eps", "moves"), [(None, False), (1e-8, True)])
+def test_a_step_on_gradients_of_noise_moves_the_weights_little_unless_adam_eps_is_tiny(
+    adam_eps: float | None, moves: bool
+) -> None:
+    """A solved task leaves the policy gradient tiny noise: with the default ``adam_eps`` a step on it is
+    about gradient / eps * lr, far below lr; with Adam's usual 1e-8 it is lr-sized whatever the gradient
+    (what walked solved CartPole policies away: docs/benchmarks.md)."""
+    config = impala.Config(seed=0) if adam_eps is None else impala.Config(seed=0, adam_eps=adam_eps)
+    spec = srl.Runner("CartPole-v1", config).spec
+    parameter = config.make_parameter(spec, torch.device("cpu"))
+    learner = config.make_learner(spec, parameter, config.make_buffer(spec))
+    assert learner.optimizer.param_groups[0]["eps"] == config.adam_eps
+    params = list(parameter.net.parameters())
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-6)
+    learner.optimizer.param_groups[0]["lr"] = 1e-3
+    learner.optimizer.step()
+    largest = max(float((p.detach() - b).abs().max()) for p, b in zip(params, before, strict=True))
+    assert (largest > 0.5e-3) if moves else (largest < 0.05e-3), largest

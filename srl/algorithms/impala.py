@@ -56,7 +56,7 @@ class Config(RLConfig):
     """IMPALA settings."""
 
     algorithm: ClassVar[str] = "impala"
-    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128}
+    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "adam_eps": 1e-8}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
@@ -82,6 +82,10 @@ class Config(RLConfig):
     """the learner's FIFO: when it is full the learner stops reading the queue and actors wait"""
     lr: float = 2e-3
     """Adam learning rate (annealed: see anneal_lr)"""
+    adam_eps: float = 1e-3
+    """Adam's ε. Large enough that steps shrink with the gradients once the advantages are mere noise (a
+    solved task), instead of Adam rescaling that noise to steps of about ``lr`` that walk a good policy
+    away (TorchBeast's IMPALA: RMSProp with ε 0.01; the study: docs/benchmarks.md)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run's max_steps (else max_train_count), as the paper"""
     gamma: float = 0.99
@@ -114,6 +118,7 @@ class Config(RLConfig):
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
         check_int("publish_every", self.publish_every, 1, 1 << 30)
         check_number("lr", self.lr, 0.0, 1.0, low_open=True)
+        check_number("adam_eps", self.adam_eps, 0.0, 1.0, low_open=True)
         check_number("gamma", self.gamma, 0.0, 1.0, low_open=True)
         for name in ("vtrace_lambda", "rho_bar", "c_bar"):
             check_number(name, getattr(self, name), 0.0, 100.0)
@@ -204,7 +209,7 @@ class IMPALALearner(Learner):
         self.parameter = parameter
         self.buffer = buffer
         self.device = parameter.device
-        self.optimizer = make_adam(parameter.net.parameters(), config.lr)
+        self.optimizer = make_adam(parameter.net.parameters(), config.lr, config.adam_eps)
         self.train_count = 0
         self.anneal = LinearAnneal()
 
