@@ -209,7 +209,7 @@ class IMPALALearner(Learner):
         self.parameter = parameter
         self.buffer = buffer
         self.device = parameter.device
-        self.optimizer = make_adam(parameter.net.parameters(), config.lr, config.adam_eps)
+        self.optimizer = make_adam(parameter.net.parameters(), config.lr, eps=config.adam_eps)
         self.train_count = 0
         self.anneal = LinearAnneal()
 

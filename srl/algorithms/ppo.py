@@ -258,8 +258,7 @@ class PPOLearner(Learner):
         self.segments_per_update = segments_per_update
         self.device = parameter.device
         self.lr = float(config.lr or 1e-3)
-        self.optimizer = make_adam(parameter.net.parameters(), self.lr)
-        self.optimizer.param_groups[0]["eps"] = 1e-5
+        self.optimizer = make_adam(parameter.net.parameters(), self.lr, eps=1e-5)
         self.return_rms = RunningMeanStd(())
         self.train_count = 0
         self.anneal = LinearAnneal()

@@ -451,8 +451,7 @@ class R2D2Learner(Learner):
         self.device = parameter.device
         self.target = copy.deepcopy(parameter.q)
         self.target.requires_grad_(False)
-        self.optimizer = make_adam(parameter.q.parameters(), config.lr)
-        self.optimizer.param_groups[0]["eps"] = 1e-3
+        self.optimizer = make_adam(parameter.q.parameters(), config.lr, eps=1e-3)
         self.train_count = 0
         self.nonfinite_losses = 0
 

@@ -442,7 +442,7 @@ class SACLearner(Learner):
         self._critic_params: list[torch.Tensor] = [*nets.q1.parameters(), *nets.q2.parameters()]
         self._target_params: list[torch.Tensor] = [*self.target_q1.parameters(), *self.target_q2.parameters()]
         self._actor_params: list[torch.Tensor] = list(nets.actor.parameters())
-        self.optimizer = make_adam([*nets.q1.parameters(), *nets.q2.parameters()], config.critic_lr)
+        self.optimizer = make_adam(self._critic_params, config.critic_lr)
         self.actor_optimizer = make_adam(nets.actor.parameters(), config.actor_lr)
         self.alpha_optimizer = make_adam([nets.log_alpha], config.critic_lr)
         dim = int(np.prod(parameter.action_shape))
