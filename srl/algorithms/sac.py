@@ -64,6 +64,7 @@ from srl.base.rl import (
     Worker,
     torch_from_arrays,
     torch_to_arrays,
+    worker_generator,
 )
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
@@ -318,9 +319,7 @@ class SACWorker(Worker):
         self.config = config
         self.parameter = parameter
         self.num_envs = num_envs
-        if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1)[0])
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = worker_generator(seed)
         self._action_dim = int(np.prod(parameter.action_shape))
         self._gammas = config.gamma ** np.arange(config.n_step + 1)
         self._windows: list[deque[tuple[np.ndarray, np.ndarray, float, int]]] = [deque() for _ in range(num_envs)]

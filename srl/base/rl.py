@@ -293,6 +293,14 @@ def concat_rows(parts: list[Columns]) -> Columns | None:
     return {name: np.concatenate([rows[name] for rows in parts]) for name in parts[0]}
 
 
+def worker_generator(seed: int | None) -> torch.Generator:
+    """A worker's own CPU generator for its sampling draws (one drawn from the OS when ``seed`` is None):
+    its own, so an inference server acting for many workers draws each one's from its own."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().generate_state(1)[0])
+    return torch.Generator().manual_seed(seed)
+
+
 class Worker(ABC):
     """Acts in ``num_envs`` envs at once and turns their steps into rows (see the module docstring).
 

@@ -51,6 +51,7 @@ from srl.base.rl import (
     concat_rows,
     torch_from_arrays,
     torch_to_arrays,
+    worker_generator,
 )
 from srl.base.schema import Column, Schema
 from srl.rl.blocks import MLPBlockConfig, to_device
@@ -477,9 +478,7 @@ class SegmentWorker(Worker):
         self.num_envs = num_envs
         self.T = horizon
         self.gamma = gamma
-        if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1)[0])
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = worker_generator(seed)
         spec = parameter.spec
         act = spec.actions
         act_dtype = np.float32 if isinstance(act, BoxActions) else np.int64
