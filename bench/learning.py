@@ -12,12 +12,13 @@ or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()``
 ``EVAL_EPISODES`` says why; ``--eval-episodes``). "one" is ``Runner.train`` in this process; "dist" is
 ``Runner.train_distribution`` on an embedded Redis with the trainer and ``--actors`` actors as local
 processes, experience over ``--queue``; "central" is "dist" with central inference (an inference server
-acts for the actors, SEED RL's way); "lagged" (off-policy cases) is one process given a distributed
-run's data path, so the two can be told apart seed by seed: the worker acts with a copy of the weights
-refreshed every ``--lag`` train steps (so up to that old) and hands its rows over ``--chunk`` at a time
-(defaults 150 and 128, near what a 1-actor DQN run shows: params published every 100 train steps and
-picked up within a 0.1 s poll; a rate-limited actor's batches of up to 256 rows, 103 on average),
-reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in one
+acts for the actors, SEED RL's way); "lagged" (off-policy and asynchronous cases) is one process
+given a distributed run's data path, so the two can be told apart seed by seed: the worker acts with a
+copy of the weights refreshed every ``--lag`` train steps (so up to that old) and hands its transitions
+over ``--chunk`` at a time, its segments as they complete (defaults 150 and 128, near what a 1-actor
+DQN run shows: params published every 100 train steps and picked up within a 0.1 s poll; a
+rate-limited actor's batches of up to 256 rows, 103 on average; a 2-actor IMPALA run's segments are
+about 40 train steps old at p95), reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in one
 process a seed fixes the run; in a distributed run it fixes the initial weights, each actor's envs
 and exploration, but not the interleaving of processes, so two runs of one seed differ.
 
@@ -42,6 +43,7 @@ import logging
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +169,7 @@ CASES = {case.name: case for case in [
     Case("impala-cartpole", "CartPole-v1", impala.Config, "steps:300000",
          (Reference("RLlib tuned IMPALA 150 (older) / 450 (newer)", "50M", pass_bar=True),), 475.0,
          "steps:20000", floor=400.0),
+    Case("impala-acrobot", "Acrobot-v1", impala.Config, "steps:300000", (), -100.0, "steps:20000"),
     Case("sac-pendulum", "Pendulum-v1", sac.Config, "train:20000",
          (Reference("RL Zoo SAC -157.0 ± 88.7", "20k"),), -160.0, "train:2000", floor=-250.0),
     Case("sac-lunarlander-box", "LunarLanderContinuous-v3", sac.Config, "train:200000",
@@ -256,20 +259,37 @@ def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def off_policy(case: Case) -> bool:
-    return case.make_config().data_path().env_steps_per_train is not None
+def laggable(config: RLConfig) -> bool:
+    """Whether a run of ``config`` can act with stale weights: off-policy, or on-policy without a handoff per
+    version (IMPALA, asynchronous PPO); sync PPO's actors wait for every version, so its rows are never old."""
+    path = config.data_path()
+    return path.env_steps_per_train is not None or path.max_policy_lag != 0
 
 
-def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int | None = None,
+@dataclass(frozen=True)
+class Lagged:
+    """Mode lagged's data path (see the module docstring)."""
+
+    lag: int = 150
+    """train steps between refreshes of the worker's weights (0: it acts with the trainer's own)"""
+    chunk: int = 128
+    """transitions handed over at a time (segments go as they complete)"""
+    delay: int = 0
+    """hand-overs held back before the buffer gets them (a queue's and a FIFO's depth)"""
+
+
+def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None = None,
                  max_steps: int | None = None) -> tuple[int, int]:
-    """One process on a distributed run's data path: the worker's weights are a copy refreshed every ``lag``
-    train steps, its rows reach the replay ``chunk`` at a time; one train step per env step as in
-    ``Runner.train``. Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
+    """One process on a distributed run's data path: the worker's weights are a copy refreshed every
+    ``lagged.lag`` train steps, its rows reach the buffer ``lagged.chunk`` at a time, ``lagged.delay``
+    hand-overs late; one train step per env step as in ``Runner.train`` (on-policy: one whenever a batch
+    is in). Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
+    lag, chunk, delay = lagged.lag, lagged.chunk, lagged.delay
     config = runner.rl_config = runner.rl_config.settled(runner.env_config)  # as Runner.train does
     spec = runner.spec
     path = config.data_path()
-    if path.env_steps_per_train is None:
-        raise ValueError(f"mode 'lagged' needs an off-policy case (env_steps_per_train set), not {config.algorithm}")
+    if not laggable(config):
+        raise ValueError(f"mode 'lagged' needs an off-policy or asynchronous case, not sync {config.algorithm}")
     parameter = runner.parameter
     buffer = config.make_buffer(spec)
     trainer = config.make_learner(spec, parameter, buffer)
@@ -280,22 +300,26 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
         acting.from_arrays(parameter.to_arrays())
     worker = config.make_worker(spec, acting, 0, 1, config.seed)
     env_steps, credit, refreshed = 0, 0.0, 0
+    in_transit: deque[dict[str, np.ndarray]] = deque()
     with Rollout(runner.env_config, worker, config.envs_per_actor, config.seed, config.vectorization) as rollout:
         while (max_train_count is None or trainer.train_count < max_train_count) and (
                 max_steps is None or env_steps < max_steps):
             rollout.step()
             env_steps += rollout.num_envs
-            if worker.pending() >= chunk:
+            if worker.pending() >= (chunk if path.rows == "transitions" else 1):  # segments: when complete
                 rows = worker.take()
                 if rows is not None:
+                    in_transit.append(rows)
+                while len(in_transit) > delay:  # the queue's and the FIFO's batches ahead of these
+                    rows = in_transit.popleft()
                     buffer.add(rows, worker.initial_priorities(rows))
-            credit += path.train_credit(rollout.num_envs)
-            while credit >= 1.0:
+            credit += 1.0 if path.env_steps_per_train is None else path.train_credit(rollout.num_envs)
+            while credit >= 1.0:  # on-policy: train while an update's worth is in, as Runner.train
                 stats = trainer.train()
-                if stats is None:  # warming up
+                if stats is None:  # warming up, or waiting for segments
                     credit = 0.0
                     break
-                credit -= max(1, stats.gradient_steps)
+                credit -= max(1, stats.gradient_steps) if path.env_steps_per_train is not None else 0.0
                 if lag > 0 and trainer.train_count - refreshed >= lag:  # a "publication": rows carry its version
                     acting.from_arrays(parameter.to_arrays())
                     refreshed = trainer.train_count
@@ -303,8 +327,8 @@ def train_lagged(runner: srl.Runner, lag: int, chunk: int, max_train_count: int 
     return env_steps, trainer.train_count
 
 
-def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, lag: int = 150,
-              chunk: int = 128, changes: dict[str, Any] | None = None, curve: float | None = None,
+def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, lagged: Lagged = Lagged(),
+              changes: dict[str, Any] | None = None, curve: float | None = None,
               log_dir: Path | None = None) -> tuple[srl.Runner, Run]:
     """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet).
     ``curve``: evaluate every that many seconds into ``log_dir``'s eval.csv (modes one and dist)."""
@@ -313,7 +337,7 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
     if mode == "lagged":
-        env_steps, train_count = train_lagged(runner, lag, chunk, **limits(budget))
+        env_steps, train_count = train_lagged(runner, lagged, **limits(budget))
     else:
         logging_: dict[str, Any] = {} if curve is None else {"log_dir": log_dir, "eval_interval": curve}
         if mode == "one":
@@ -328,10 +352,10 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
 
 
 def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = EVAL_EPISODES,
-             lag: int = 150, chunk: int = 128, changes: dict[str, Any] | None = None, curve: float | None = None,
+             lagged: Lagged = Lagged(), changes: dict[str, Any] | None = None, curve: float | None = None,
              curve_dir: Path | None = None) -> Run:
     log_dir = None if curve_dir is None else curve_dir / f"{case.name}-{mode}-{seed}"
-    runner, run = train_run(case, mode, seed, budget, actors, queue, lag, chunk, changes, curve, log_dir)
+    runner, run = train_run(case, mode, seed, budget, actors, queue, lagged, changes, curve, log_dir)
     run.evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
     if log_dir is not None and (log_dir / "eval.csv").exists():
         with open(log_dir / "eval.csv") as f:
@@ -354,7 +378,9 @@ def main() -> None:
                         help="experience queue of a distributed run")
     parser.add_argument("--lag", type=int, default=150, help="mode lagged: train steps between weight refreshes "
                         "(0: the trainer's own weights)")
-    parser.add_argument("--chunk", type=int, default=128, help="mode lagged: rows handed over at a time")
+    parser.add_argument("--chunk", type=int, default=128, help="mode lagged: transitions handed over at a time")
+    parser.add_argument("--delay", type=int, default=0, help="mode lagged: hand-overs held back before the buffer "
+                        "gets them (a queue's depth)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                         help="change a config field of every case run, checked before any runs (repeatable): "
                         "--set batch_size=32, --set 'memory={\"capacity\": 10000}'")
@@ -384,8 +410,9 @@ def main() -> None:
         plan = [(n, m) for n, m in STANDARD if m in modes]
     if unknown_modes := [m for m in modes if m not in MODES]:
         parser.error(f"unknown mode(s) {unknown_modes}; known: {', '.join(MODES)}")
-    if on_policy := sorted({n for n, m in plan if m == "lagged" and not off_policy(CASES[n])}):
-        parser.error(f"mode lagged needs an off-policy case (DQN); {', '.join(on_policy)} train on-policy")
+    if synced := sorted({n for n, m in plan if m == "lagged" and not laggable(CASES[n].make_config())}):
+        parser.error(f"mode lagged needs an off-policy or asynchronous case; {', '.join(synced)} wait for every "
+                     "version (sync)")
     if not plan:
         parser.error(f"nothing to run: the standard suite has no {args.modes!r} runs; name cases with --cases "
                      "(--list shows them)")
@@ -411,8 +438,9 @@ def main() -> None:
             continue
         budget = args.budget or (case.quick_budget if args.quick else case.budget)
         for seed in range(args.first_seed, args.first_seed + seeds):
-            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes, args.lag, args.chunk,
-                           changes, args.curve, None if args.curve is None else Path(args.log_dir))
+            run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes,
+                           Lagged(args.lag, args.chunk, args.delay), changes, args.curve,
+                           None if args.curve is None else Path(args.log_dir))
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)

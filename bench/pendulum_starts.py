@@ -164,7 +164,7 @@ def main() -> None:
                 parser.error(f"unknown mode {mode!r}; known: {', '.join(learning.MODES)}")
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 runner, _ = learning.train_run(case, mode, seed, case.budget, args.actors, args.queue,
-                                               args.lag, args.chunk, changes)
+                                               learning.Lagged(args.lag, args.chunk), changes)
                 if args.save:
                     Path(args.save).mkdir(parents=True, exist_ok=True)
                     runner.save(Path(args.save) / f"{mode}-{seed}.safetensors")
