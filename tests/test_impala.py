@@ -96,3 +96,37 @@ def test_a_step_on_gradients_of_noise_moves_the_weights_little_unless_adam_eps_i
     learner.optimizer.step()
     largest = max(float((p.detach() - b).abs().max()) for p, b in zip(params, before, strict=True))
     assert (largest > 0.5e-3) if moves else (largest < 0.05e-3), largest
+
+
+def test_the_clipped_policy_term_stops_pushing_a_ratio_out_of_its_range() -> None:
+    """π/μ at 1.5 with a positive advantage: no gradient (the clip holds it); with a negative one the
+    gradient brings it back; at 1 the gradient is the paper's (−A per row, mean over rows)."""
+    behaviour = torch.log(torch.tensor([[0.4, 0.4, 0.4, 0.4]]))
+    logprob = torch.log(torch.tensor([[0.6, 0.6, 0.4, 0.4]])).requires_grad_(True)  # r = 1.5, 1.5, 1, 1
+    advantages = torch.tensor([[1.0, -1.0, 2.0, -3.0]])
+    impala.policy_term(logprob, behaviour, advantages, 0.1).backward()
+    assert logprob.grad is not None
+    expected = torch.tensor([[0.0, 1.5 / 4, -2.0 / 4, 3.0 / 4]])  # d/dlogπ of −r A / 4 is −r A / 4
+    assert torch.allclose(logprob.grad, expected), logprob.grad
+    paper = logprob.detach().clone().requires_grad_(True)
+    impala.policy_term(paper, behaviour, advantages, None).backward()
+    assert paper.grad is not None and torch.allclose(paper.grad, -advantages / 4)
+
+
+def test_on_policy_rows_train_the_same_with_and_without_the_clip() -> None:
+    """One process acts with the learner's own weights (π = μ): the clip never binds, so the weights after
+    a few steps match the paper's loss (up to float rounding), and they did move."""
+    initial, trained = [], []
+    for clip_ratio in (0.1, None):
+        config = impala.Config(seed=3, envs_per_actor=4, batch_segments=4, segment_length=8, clip_ratio=clip_ratio)
+        runner = srl.Runner("CartPole-v1", config)
+        initial.append(runner.parameter.to_arrays())
+        runner.train(max_steps=4 * 8 * 5, progress_interval=None)
+        assert runner.train_count == 5
+        trained.append(runner.parameter.to_arrays())
+    names = sorted(trained[0])
+    assert names == sorted(trained[1])
+    assert all(np.array_equal(initial[0][k], initial[1][k]) for k in names)
+    assert not all(np.allclose(trained[0][k], initial[0][k], atol=1e-4) for k in names)
+    for name in names:
+        assert np.allclose(trained[0][name], trained[1][name], atol=1e-5), name

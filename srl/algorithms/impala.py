@@ -6,7 +6,8 @@ log-probabilities, each consumed once from a bounded FIFO, params published
 every ``publish_every`` train steps, no version waited for), ``vtrace`` (the
 paper's recursion, six lines), and ``Learner`` (one gradient step per batch of
 segments: V-trace targets with the current network, the policy-gradient term
-with the clipped ρ_s advantage, the value loss and the entropy bonus). The
+with the V-trace advantage, PPO-clipped where π has moved away from the acting
+policy, the value loss and the entropy bonus). The
 policy network and the actors' segment worker are the ones PPO uses
 (``srl.rl.actor_critic``). Must never: know about Redis or queues.
 
@@ -56,7 +57,8 @@ class Config(RLConfig):
     """IMPALA settings."""
 
     algorithm: ClassVar[str] = "impala"
-    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "adam_eps": 1e-8}
+    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "adam_eps": 1e-8,
+                                              "clip_ratio": None}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
@@ -107,6 +109,12 @@ class Config(RLConfig):
     max_policy_lag: int | None = None
     """refuse segments acted with params more than this many versions old (None: accept any; V-trace
     corrects the off-policy part)"""
+    clip_ratio: float | None = 0.1
+    """bound each update's move away from the acting policy μ: the policy term is PPO's clipped surrogate of
+    π/μ (clipped to 1 ± this) on the V-trace advantages, as APPO's. Rows that sit in a queue while the
+    learner moves on otherwise let it push one way for as many steps as they are late, to a one-action
+    policy it cannot leave (docs/benchmarks.md). On-policy rows (π = μ) train as without it. None: the
+    paper's ρ̄-clipped policy gradient"""
 
     def validate(self) -> None:
         super().validate()
@@ -127,6 +135,8 @@ class Config(RLConfig):
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
         if self.max_policy_lag is not None:
             check_int("max_policy_lag", self.max_policy_lag, 0, 1 << 30)
+        if self.clip_ratio is not None:
+            check_number("clip_ratio", self.clip_ratio, 0.0, 1.0, low_open=True)
         if self.buffer_segments < self.batch_segments:
             raise ValueError(f"buffer_segments ({self.buffer_segments}) must hold a batch ({self.batch_segments})")
 
@@ -162,12 +172,14 @@ class Config(RLConfig):
 def vtrace(
     log_rhos: torch.Tensor, discounts: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor,
     bootstrap_value: torch.Tensor, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0,
+    rho_weighted: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """V-trace targets ``vs`` and policy-gradient advantages for ``(N, T)`` tensors.
 
     v_s = V(x_s) + Σ_t γ^(t-s) (Π_{i<t} c_i) δ_t V, δ_t V = ρ_t (r_t + γ V(x_{t+1}) - V(x_t)),
     ρ_t = min(ρ̄, π/μ), c_i = λ min(c̄, π/μ); computed backwards: v_s - V(x_s) = δ_s + γ_s c_s (v_{s+1} - V(x_{s+1})).
-    The advantage is ρ_s (r_s + γ v_{s+1} - V(x_s)). ``discounts`` is γ (1 - done).
+    The advantage is ρ_s (r_s + γ v_{s+1} - V(x_s)), or without the ρ_s (``rho_weighted=False``) for a loss
+    that weighs it by π/μ itself. ``discounts`` is γ (1 - done).
     """
     rhos = log_rhos.exp()
     clipped_rhos = rhos.clamp(max=rho_bar)
@@ -181,8 +193,21 @@ def vtrace(
         vs_minus_v[:, t] = acc
     vs = vs_minus_v + values
     next_vs = torch.cat([vs[:, 1:], bootstrap_value[:, None]], dim=1)
-    advantages = clipped_rhos * (rewards + discounts * next_vs - values)
-    return vs, advantages
+    advantages = rewards + discounts * next_vs - values
+    return vs, clipped_rhos * advantages if rho_weighted else advantages
+
+
+def policy_term(logprob: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
+                clip_ratio: float | None) -> torch.Tensor:
+    """The policy-gradient loss over ``(N, T)`` log π(a) (with gradients), log μ(a) and V-trace advantages:
+    −mean(log π · A) with ρ-weighted advantages (``clip_ratio`` None, the paper's), else PPO's clipped
+    surrogate −mean(min(r A, clip(r, 1 ± clip_ratio) A)), r = π/μ, with unweighted ones: the same gradient
+    where r = 1, none that moves r further out of 1 ± clip_ratio in the advantage's direction."""
+    if clip_ratio is None:
+        return -(logprob * advantages).mean()
+    ratio = (logprob - behaviour).exp()
+    clipped = ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    return -torch.min(ratio * advantages, clipped * advantages).mean()
 
 
 @dataclass
@@ -196,6 +221,8 @@ class IMPALAStats(TrainStats):
     """mean importance weight π/μ before clipping (1: on-policy)"""
     rho_clipped: float = 0.0
     """fraction of importance weights clipped at ρ̄"""
+    clip_fraction: float = 0.0
+    """fraction of π/μ outside 1 ± clip_ratio (0 without the clip)"""
     lr: float = 0.0
 
 
@@ -250,9 +277,9 @@ class IMPALALearner(Learner):
         discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
         with torch.no_grad():
             log_rhos = logprob.detach() - behaviour
-            vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap,
-                                    config.rho_bar, config.c_bar, config.vtrace_lambda)
-        policy_loss = -(logprob * advantages).mean()
+            vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap, config.rho_bar,
+                                    config.c_bar, config.vtrace_lambda, rho_weighted=config.clip_ratio is None)
+        policy_loss = policy_term(logprob, behaviour, advantages, config.clip_ratio)
         value_loss = 0.5 * ((vs - value) ** 2).mean()
         entropy_mean = entropy.mean()
         loss = policy_loss + config.baseline_cost * value_loss - config.entropy_cost * entropy_mean
@@ -267,9 +294,12 @@ class IMPALALearner(Learner):
             net.obs_rms.update(obs)
         self.train_count += steps
         rhos = log_rhos.exp()
+        clip_fraction = 0.0 if config.clip_ratio is None else float(
+            ((rhos - 1.0).abs() > config.clip_ratio).float().mean().item())
         return IMPALAStats(
             loss=float(loss.item()), gradient_steps=steps, policy_loss=float(policy_loss.item()),
             value_loss=float(value_loss.item()), entropy=float(entropy_mean.item()),
             rho_mean=float(rhos.mean().item()), rho_clipped=float((rhos > config.rho_bar).float().mean().item()),
+            clip_fraction=clip_fraction,
             lr=lr,
         )
