@@ -1,0 +1,142 @@
+"""The WAN proxy itself (tests/wan_proxy.py): latency, a bandwidth cap, partitions that hold and heal,
+resets; and Redis through it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from tests.wan_proxy import WanProxy
+
+
+@pytest.fixture()
+def echo() -> Iterator[int]:
+    """A TCP echo server on loopback; yields its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield port
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def connect(proxy: WanProxy, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", proxy.port), timeout=timeout)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def round_trip(sock: socket.socket, payload: bytes = b"ping") -> float:
+    started = time.monotonic()
+    sock.sendall(payload)
+    assert recv_exactly(sock, len(payload)) == payload
+    return time.monotonic() - started
+
+
+def test_each_direction_is_delayed_and_a_change_applies_to_what_follows(echo: int) -> None:
+    with WanProxy("127.0.0.1", echo) as proxy, connect(proxy) as sock:
+        assert round_trip(sock) < 0.06  # no delay configured: nothing waits (a loose bound, not a benchmark)
+        proxy.set_delay(0.05)
+        assert round_trip(sock) >= 0.1  # 50 ms each way
+        proxy.set_delay(0.0)
+        round_trip(sock)  # bytes stamped before the change may still be in flight
+        assert round_trip(sock) < 0.06
+
+
+def test_bandwidth_is_capped(echo: int) -> None:
+    payload = bytes(range(256)) * 800  # 200 KiB
+    with WanProxy("127.0.0.1", echo, rate=1_000_000) as proxy, connect(proxy) as sock:
+        took = round_trip(sock, payload)
+    assert took >= len(payload) / 1_000_000 * 0.95  # 1 MB/s each way (the echo overlaps the two)
+    assert proxy.stats.bytes_up == proxy.stats.bytes_down == len(payload)
+
+
+def test_a_partition_holds_traffic_and_healing_delivers_it_in_order(echo: int) -> None:
+    with WanProxy("127.0.0.1", echo) as proxy, connect(proxy) as sock:
+        round_trip(sock)
+        proxy.partition()
+        sock.sendall(b"one,")
+        sock.sendall(b"two")
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # silence, not a closed connection
+            sock.recv(16)
+        late = socket.create_connection(("127.0.0.1", proxy.port), timeout=0.3)  # the kernel accepts...
+        late.sendall(b"new")
+        with pytest.raises(TimeoutError):  # ...and nothing gets through
+            late.recv(16)
+        proxy.heal()
+        sock.settimeout(5.0)
+        late.settimeout(5.0)
+        assert recv_exactly(sock, 7) == b"one,two"
+        assert recv_exactly(late, 3) == b"new"
+        late.close()
+
+
+def test_a_reset_aborts_open_connections_and_new_ones_work(echo: int) -> None:
+    with WanProxy("127.0.0.1", echo) as proxy:
+        with connect(proxy) as sock:
+            round_trip(sock)
+            deadline = time.monotonic() + 5
+            while proxy.open_connections < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert proxy.reset() == 1
+            with pytest.raises((ConnectionResetError, ConnectionError, BrokenPipeError)):
+                round_trip(sock)
+                round_trip(sock)  # a write may land before the RST is seen; the next one cannot
+        with connect(proxy) as again:
+            assert round_trip(again) >= 0.0
+        assert proxy.stats.resets == 1 and proxy.stats.connections == 2
+
+
+def test_redis_answers_through_the_proxy_at_its_delay(redis_url: str) -> None:
+    target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    with WanProxy(target["host"], target["port"], delay_s=0.025) as proxy:
+        client = redis.Redis(host="127.0.0.1", port=proxy.port, db=target.get("db", 0), socket_timeout=5)
+        client.ping()
+        started = time.monotonic()
+        for _ in range(4):
+            client.ping()
+        assert (time.monotonic() - started) / 4 >= 0.05
+        pipe = client.pipeline(transaction=False)
+        for _ in range(50):
+            pipe.ping()
+        started = time.monotonic()
+        assert all(pipe.execute())
+        assert time.monotonic() - started < 25 * 0.05  # a pipeline pays one round trip, not fifty
+        client.close()
