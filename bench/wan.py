@@ -1,0 +1,144 @@
+"""srl over a slow network: each node reaches Redis (the board and the experience queue) through a TCP
+proxy that delays each direction by half the round trip, against loopback measured in the same run.
+
+    python bench/wan.py                                  # DQN, IMPALA, sync PPO at 0, 20 and 100 ms RTT
+    python bench/wan.py --algos dqn --rtt 0,100 --seconds 30
+    python bench/wan.py --queue amqp                     # the queue on RabbitMQ, behind its own proxy
+
+Each cell is one distributed run (a trainer and ``--actors`` actor processes on an embedded Redis) of
+``--seconds``; its rates are taken from the run's history between ``--warmup`` seconds and the end
+(so starting, which pays round trips of its own, is left out): the trainer's train steps per second
+(sync PPO: an update per train step) and every actor's env steps per second together. The proxy is
+``tests/wan_proxy.py`` (latency only here: no bandwidth cap, no loss). Run nothing else meanwhile:
+rates are wall-clock, and the ratios are what to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import srl
+from srl.algorithms import dqn, impala, ppo
+from srl.base.rl import RLConfig
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.embedded import start_embedded_redis
+from tests.wan_proxy import WanProxy
+
+ALGOS: dict[str, tuple[str, Any]] = {
+    "dqn": ("CartPole-v1", dqn.Config),
+    "impala": ("CartPole-v1", impala.Config),
+    "ppo": ("CartPole-v1", ppo.Config),
+}
+QUEUES = {"redis": None, "amqp": ("127.0.0.1", 5672, "amqp://guest:guest@{}/"),
+          "mqtt": ("127.0.0.1", 1883, "mqtt://{}")}
+TARGETS = {  # (algo, rtt ms): (train/s ratio, env steps/s ratio), the issue's floors
+    ("dqn", 20): (0.95, 0.95), ("dqn", 100): (0.8, 0.8),
+    ("impala", 20): (None, 0.95), ("impala", 100): (None, 0.8),
+    ("ppo", 20): (0.8, None), ("ppo", 100): (0.5, None),
+}
+
+
+@dataclass
+class Cell:
+    algo: str
+    rtt_ms: float
+    train_per_s: float
+    env_steps_per_s: float
+    window_s: float
+
+
+def rates(history: Path, warmup: float) -> tuple[float, float, float]:
+    """(train steps/s, env steps/s, window seconds) between the first row at ``warmup`` s or later and the last."""
+    with open(history) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train_count") and r.get("env_steps")]
+    window = [r for r in rows if float(r["wall_s"]) >= warmup]
+    if len(window) < 2:
+        raise RuntimeError(f"{history}: fewer than 2 history rows after {warmup}s; run longer (--seconds)")
+    first, last = window[0], window[-1]
+    span = float(last["wall_s"]) - float(first["wall_s"])
+    return ((float(last["train_count"]) - float(first["train_count"])) / span,
+            (float(last["env_steps"]) - float(first["env_steps"])) / span, span)
+
+
+def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: int, queue: str) -> Cell:
+    env, make = ALGOS[algo]
+    config: RLConfig = make()
+    config.seed = 0
+    with start_embedded_redis() as server, WanProxy("127.0.0.1", server.port, delay_s=rtt_ms / 2000) as board_proxy, \
+            tempfile.TemporaryDirectory() as log_dir:
+        queue_params: str | None = None
+        queue_proxy = None
+        if queue != "redis":
+            host, port, template = QUEUES[queue]  # type: ignore[misc]
+            queue_proxy = WanProxy(host, port, delay_s=rtt_ms / 2000).start()
+            queue_params = template.format(f"127.0.0.1:{queue_proxy.port}")
+        try:
+            runner = srl.Runner(env, config)
+            runner.train_distribution(RedisParameters(url=board_proxy.url("redis", "/0")), queue_params,
+                                      actor_num=actors, timeout=seconds, progress_interval=None, log_dir=log_dir,
+                                      local_processes=True)
+            train, steps, span = rates(Path(log_dir) / "history.csv", warmup)
+        finally:
+            if queue_proxy is not None:
+                queue_proxy.stop()
+    return Cell(algo, rtt_ms, train, steps, span)
+
+
+def row(values: tuple[str, ...], widths: tuple[int, ...]) -> str:
+    """The first column left-aligned, the rest right-aligned."""
+    return " ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True)))
+
+
+def ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}" if base > 0 else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algos", default="dqn,impala,ppo", help=f"comma-separated among {', '.join(ALGOS)}")
+    parser.add_argument("--rtt", default="0,20,100", help="round trips in ms, comma-separated (0: loopback, "
+                        "the baseline: always run first)")
+    parser.add_argument("--seconds", type=float, default=40.0, help="each run's length")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of each run left out of its rates")
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--queue", default="redis", choices=sorted(QUEUES))
+    args = parser.parse_args()
+    logging.getLogger("srl").setLevel(logging.WARNING)
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    if unknown := [a for a in algos if a not in ALGOS]:
+        parser.error(f"unknown algorithm(s) {unknown}; known: {', '.join(ALGOS)}")
+    rtts = sorted({0.0, *(float(r) for r in args.rtt.split(",") if r.strip())})
+    cells: list[Cell] = []
+    for algo in algos:
+        for rtt in rtts:
+            cell = run_cell(algo, rtt, args.seconds, args.warmup, args.actors, args.queue)
+            cells.append(cell)
+            print(f"{algo} at {rtt:g} ms RTT: {cell.train_per_s:.1f} train steps/s, {cell.env_steps_per_s:.0f} "
+                  f"env steps/s over {cell.window_s:.0f}s", flush=True)
+    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue}; each node behind a proxy delaying each "
+          f"direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; ratios ÷ loopback)")
+    columns = ("algo", "RTT ms", "train/s", "÷ loop", "target", "env/s", "÷ loop", "target")
+    widths = (7, 6, 8, 7, 7, 8, 7, 7)
+    line = row(columns, widths)
+    print(line)
+    print("-" * len(line))
+    for cell in cells:
+        base = next(c for c in cells if c.algo == cell.algo and c.rtt_ms == 0.0)
+        train_target, env_target = TARGETS.get((cell.algo, int(cell.rtt_ms)), (None, None))
+        values = (cell.algo, f"{cell.rtt_ms:g}", f"{cell.train_per_s:.1f}", ratio(cell.train_per_s, base.train_per_s),
+                  f"≥ {train_target}" if train_target else "", f"{cell.env_steps_per_s:.0f}",
+                  ratio(cell.env_steps_per_s, base.env_steps_per_s), f"≥ {env_target}" if env_target else "")
+        print(row(values, widths))
+
+
+if __name__ == "__main__":
+    main()
