@@ -1,16 +1,24 @@
 """The WAN proxy itself (tests/wan_proxy.py): latency, a bandwidth cap, partitions that hold and heal,
-resets; and Redis through it."""
+resets; Redis through it; and a distributed run with every node 50 ms of round trip from Redis and
+from each queue backend."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 import redis
 
+import srl
+from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import TaskState
+from tests.nodes import board_for, tiny_config
+from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 from tests.wan_proxy import WanProxy
 
 
@@ -140,3 +148,41 @@ def test_redis_answers_through_the_proxy_at_its_delay(redis_url: str) -> None:
         assert all(pipe.execute())
         assert time.monotonic() - started < 25 * 0.05  # a pipeline pays one round trip, not fifty
         client.close()
+
+
+@contextlib.contextmanager
+def far(url: str, delay_s: float) -> Iterator[str]:
+    """``url`` with its server behind a :class:`WanProxy` of ``delay_s`` one way (Pub/Sub: its emulator)."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if "emulator_host" in query:
+        host, _, port = query["emulator_host"].rpartition(":")
+    else:
+        host, port = parts.hostname or "127.0.0.1", str(parts.port)
+    with WanProxy(host, int(port), delay_s=delay_s) as proxy:
+        where = f"127.0.0.1:{proxy.port}"
+        if "emulator_host" in query:
+            yield urlunsplit(parts._replace(query=urlencode({**query, "emulator_host": where})))
+        else:
+            userinfo = parts.netloc.rpartition("@")[0]
+            yield urlunsplit(parts._replace(netloc=f"{userinfo}@{where}" if userinfo else where))
+
+
+@pytest.mark.slow
+def test_a_run_with_every_node_50ms_from_redis_and_the_queue_ends_with_an_evaluation(
+    broker: Broker, redis_url: str, namespace: str  # noqa: F811
+) -> None:
+    with far(redis_url, 0.025) as board_url, far(broker.url, 0.025) as queue_url:
+        runner = srl.Runner("CartPole-v1", tiny_config())
+        runner.train_distribution(
+            RedisParameters(url=board_url, task_name=namespace), queue_url, actor_num=2, max_train_count=200,
+            progress_interval=None, local_processes=True, actor_options={"batch_size": 64, "batch_max_age": 0.2},
+        )
+        assert runner.train_count == 200
+        assert len(runner.evaluate(max_episodes=2)) == 2
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] >= tiny_config().warmup_size
+    board.delete_task()
