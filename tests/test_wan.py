@@ -186,3 +186,66 @@ def test_a_run_with_every_node_50ms_from_redis_and_the_queue_ends_with_an_evalua
     counters = board.get_counters()
     assert counters.get("bad_messages", 0) == 0 and counters["received_transitions"] >= tiny_config().warmup_size
     board.delete_task()
+
+
+def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_close_sends_them(
+    redis_url: str, namespace: str
+) -> None:
+    """``ahead`` 2: two batches go to the sending thread at once though the broker is out of reach (the
+    acting loop goes on); the third waits for room in the outbox; healed, every batch arrives once, in order,
+    the last of them sent by ``close``."""
+    from srl.base.rollout import Rollout
+    from srl.runner.distribution.board import Board
+    from srl.runner.distribution.codec import Codec
+    from srl.runner.distribution.node import CounterDeltas
+    from srl.runner.distribution.queues import open_queue
+    from srl.runner.distribution.sender import RowSender
+    from srl.runner.distribution.task import StopFlag
+
+    config = tiny_config()
+    runner = srl.Runner("CartPole-v1", config)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    with Rollout(runner.env_config, worker, 1, seed=0) as rollout:
+        while worker.pending() < 24:
+            rollout.step()
+    rows = worker.take()
+    assert rows is not None
+    priorities = worker.initial_priorities(rows)
+    schema = config.schema(runner.spec)
+    codec = Codec(task=namespace)
+    direct = RedisParameters(url=redis_url, task_name=namespace)
+    target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    with WanProxy(target["host"], target["port"], delay_s=0.005) as proxy:
+        params = RedisParameters(url=proxy.url("redis", "/0"), task_name=namespace)
+        sender = RowSender(open_queue(None, namespace=namespace, role="producer", redis_params=params),
+                           Board(params.connect(), namespace), "actor:0", codec, schema, max_rows=8, capacity=100,
+                           sender="a.1", task_tag=0, stop=StopFlag(), counters=CounterDeltas(), ahead=2)
+        consumer = open_queue(None, namespace=namespace, role="consumer", redis_params=direct)
+        try:
+            def send(i: int) -> None:
+                chunk = {k: v[8 * i:8 * i + 8] for k, v in rows.items()}
+                sender.send(chunk, None if priorities is None else priorities[8 * i:8 * i + 8], 0, 0, 1)
+
+            proxy.partition()
+            first = threading.Thread(target=lambda: (send(0), send(1)), daemon=True)
+            first.start()
+            first.join(5)
+            assert not first.is_alive()  # both handed over: the thread waits on the cut link with them
+            third = threading.Thread(target=send, args=(2,), daemon=True)
+            third.start()
+            third.join(0.3)
+            assert third.is_alive()  # the outbox is full: the caller waits (its backpressure)
+            proxy.heal()
+            third.join(10)
+            assert not third.is_alive()
+            sender.close()  # sends what the thread still holds
+            assert sender.sent_batches == 3
+            got = []
+            deadline = time.monotonic() + 10
+            while len(got) < 3 and time.monotonic() < deadline:
+                got += consumer.get_many(3 - len(got), timeout=0.5)
+            assert [codec.decode_batch(m.data, schema)[0].seq for m in got] == [0, 1, 2]
+            assert consumer.get_many(1, timeout=0.2) == []
+        finally:
+            consumer.destroy()
+            consumer.close()

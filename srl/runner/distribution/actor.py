@@ -130,7 +130,7 @@ class ActorRun:
                                redis_params=redis_params)
             self.rows = RowSender(queue, board, self.lease_name, self.codec, schema, max_message_rows(task),
                                   task.queue_capacity, self.sender, self.task_tag, self.stop, self.counters,
-                                  self._begin_wait, self._end_wait)
+                                  self._begin_wait, self._end_wait, ahead=options.send_ahead)
         try:
             self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed, config.vectorization,
                                    allow)
@@ -456,6 +456,8 @@ class ActorRun:
             self.stop.set("actor stopping")
             self._poll_now.set()
             board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
+            if self.rows is not None:
+                self.rows.finish()  # the sending thread's last put counted before the final report takes the counts
             self._final_report()
             self.rollout.close()
             if self.rows is not None:

@@ -78,6 +78,10 @@ class ActorOptions(NodeOptions):
     soon as they are complete)"""
     batch_max_age: float = 1.0
     """seconds a partly filled batch may wait before it is sent anyway"""
+    send_ahead: int = 4
+    """batches a sending thread may hold while the actor acts on: the thread reads the queue's depth and
+    puts every batch waiting in one call, so a broker a long round trip away costs the acting loop
+    nothing until this many are unsent (0: the acting loop sends each batch itself, two round trips)"""
     params_poll_interval: float = 0.1
     """seconds between checks of the params version on the board (one HMGET) while acting"""
     params_wait_poll_interval: float = 0.01
@@ -97,6 +101,7 @@ class ActorOptions(NodeOptions):
         super().validate()
         check_int("batch_size", self.batch_size, 1, 1 << 20)
         check_number("batch_max_age", self.batch_max_age, 0.0, 3600.0, low_open=True)
+        check_int("send_ahead", self.send_ahead, 0, 1024)
         check_number("params_poll_interval", self.params_poll_interval, 0.0, 3600.0, low_open=True)
         check_number("params_wait_poll_interval", self.params_wait_poll_interval, 0.0, 3600.0, low_open=True)
 

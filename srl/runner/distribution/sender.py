@@ -2,14 +2,19 @@
 
 Owns: :class:`RowSender` — cutting rows into messages the queue and the codec take, naming each batch
 (sender, seq) for the trainer's dedupe, backpressure (wait while the queue holds ``capacity`` batches),
-resending what a broker refused or could not take, and counting what went. Must never: drop rows while
-the run goes on; ack or read anything.
+resending what a broker refused or could not take, and counting what went. With ``ahead`` > 0 a
+sending thread does the broker's part (the depth read, the put): the caller hands it encoded batches and
+waits only when ``ahead`` of them are still unsent, and the thread puts every batch waiting, as far as
+the queue has room, in one call, so a long round trip to the broker costs a pipeline, not two round
+trips per batch in the acting loop. Must never: drop rows while the run goes on; ack or read anything.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -47,6 +52,8 @@ class RowSender:
             # waits while the queue is full (backpressure), resends what the broker refused
 
     ``begin_wait`` / ``end_wait``: the owner's clock of idle time (the backpressure waits are idle).
+    ``ahead``: batches handed to a sending thread before ``send`` waits (0: ``send`` puts them itself);
+    ``finish`` (and ``close``) sends what it holds unless the run stopped.
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class RowSender:
         counters: CounterDeltas,
         begin_wait: Callable[[], None] = _no_wait,
         end_wait: Callable[[], float] = _no_wait_end,
+        ahead: int = 0,
     ) -> None:
         self.queue = queue
         self.in_flight = InFlight(queue, board, role_id, counters)
@@ -82,6 +90,16 @@ class RowSender:
         self.sent_batches = 0
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
+        self.ahead = ahead
+        self._outbox: deque[tuple[bytes, int]] = deque()
+        """encoded batches and the rows each counts, not yet put (``ahead`` mode)"""
+        self._changed = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if ahead > 0:
+            self._thread = threading.Thread(target=self._send_loop, name="srl-sender", daemon=True)
+            self._thread.start()
 
     def send(self, columns: Columns, priorities: np.ndarray | None, slot: int, epoch: int,
              params_version: int) -> None:
@@ -96,6 +114,12 @@ class RowSender:
                 params_version=max(params_version, 0), count=count, created_at=time.time(), task=self.task_tag,
             )
             blob = self.codec.encode_batch(header, chunk_cols, chunk_pr)
+            if self._thread is not None:
+                if not self._hand_over(blob, self.schema.counted(chunk_cols)):
+                    logger.info("not sending %d rows: %s", count, self.stop.reason)
+                    return
+                self.seq += 1
+                continue
             self.wait_for_room()
             if self.stop.is_set():
                 logger.info("not sending %d rows: %s", count, self.stop.reason)
@@ -105,10 +129,13 @@ class RowSender:
             self.put([blob])
             self.in_flight.sent(1, self.schema.counted(chunk_cols))
 
-    def wait_for_room(self) -> None:
-        """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more."""
+    def wait_for_room(self, clock: bool = True) -> int:
+        """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more; the room
+        left (0: the run is stopping). ``clock``: the wait is the owner's idle time and its stall (not when
+        a sending thread waits while the owner acts on)."""
         delay = 0.005
         waited_from: float | None = None
+        room = 0
         while not self.stop.is_set():
             try:
                 depth = with_retry(self.in_flight.depth, "queue depth", should_stop=self.stop.is_set)
@@ -121,17 +148,80 @@ class RowSender:
                 delay = min(delay * 2, 0.25)
                 continue
             if depth < self.capacity:
+                room = self.capacity - depth
                 break
             if waited_from is None:
-                self._begin_wait()
-                waited_from = self.stalled_since = time.monotonic()
+                waited_from = time.monotonic()
+                if clock:
+                    self._begin_wait()
+                    self.stalled_since = waited_from
             self.stop.wait(delay)
             delay = min(delay * 2, 0.25)
-        self.stalled_since = None
-        if waited_from is not None:
+        if clock:
+            self.stalled_since = None
+        if waited_from is not None and clock:
             waited = self._end_wait() or time.monotonic() - waited_from
             self.backpressure_wait_s += waited
             self.counters.add(backpressure_wait_s=waited)
+        return room
+
+    # ------------------------------------------------------------ ahead: the sending thread
+    def _hand_over(self, blob: bytes, rows: int) -> bool:
+        """Queue ``blob`` for the sending thread, first waiting while ``ahead`` batches are unsent (that wait
+        is the caller's backpressure). False: the run stopped first."""
+        with self._changed:
+            self._raise_thread_error()
+            if len(self._outbox) >= self.ahead:
+                self._begin_wait()
+                waited_from = self.stalled_since = time.monotonic()
+                while len(self._outbox) >= self.ahead and not self.stop.is_set() and self._error is None:
+                    self._changed.wait(0.05)
+                self.stalled_since = None
+                waited = self._end_wait() or time.monotonic() - waited_from
+                self.backpressure_wait_s += waited
+                self.counters.add(backpressure_wait_s=waited)
+                self._raise_thread_error()
+            if self.stop.is_set():
+                return False
+            self._outbox.append((blob, rows))
+            self._changed.notify_all()
+        return True
+
+    def _raise_thread_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the sending thread failed: {type(self._error).__name__}: "
+                               f"{short(self._error)}") from self._error
+
+    def _send_loop(self) -> None:
+        """Put what waits in the outbox, as much at a time as the queue has room for, until closed or stopped."""
+        try:
+            while True:
+                with self._changed:
+                    while not self._outbox and not self._closing and not self.stop.is_set():
+                        self._changed.wait(0.1)
+                    if self.stop.is_set() or not self._outbox:
+                        break
+                room = self.wait_for_room(clock=False)
+                if room <= 0:  # stopping
+                    break
+                with self._changed:
+                    taken = [self._outbox.popleft() for _ in range(min(room, len(self._outbox)))]
+                    self._changed.notify_all()
+                self.sent_batches += len(taken)
+                self.put([blob for blob, _ in taken])
+                self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
+        except BaseException as e:  # the caller raises it at its next send, or at close
+            logger.exception("the sending thread failed")
+            with self._changed:
+                self._error = e
+                self._changed.notify_all()
+        finally:
+            with self._changed:
+                left = sum(rows for _, rows in self._outbox)
+                self._outbox.clear()
+                self._changed.notify_all()
+            if left:
+                logger.info("not sending %d rows: %s", left, self.stop.reason or "the sender closed")
 
     def put(self, payloads: list[bytes]) -> None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
@@ -165,5 +255,19 @@ class RowSender:
                 logger.warning("%d message(s) not sent: %s", len(payloads), self.stop.reason)
                 return
 
+    def finish(self) -> None:
+        """Send what the thread still holds (unless the run stopped) and wait for it: its last put is counted
+        when this returns (a node's final report must come after it, or the run's sums miss that batch)."""
+        if self._thread is None:
+            return
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._thread.join(timeout=30.0)
+        if self._thread.is_alive():
+            logger.warning("the sending thread did not finish within 30 s")
+
     def close(self) -> None:
+        """:meth:`finish`, then close the queue."""
+        self.finish()
         self.queue.close()
