@@ -4,6 +4,7 @@ proxy that delays each direction by half the round trip, against loopback measur
     python bench/wan.py                                  # DQN, IMPALA, sync PPO at 0, 20 and 100 ms RTT
     python bench/wan.py --algos dqn --rtt 0,100 --seconds 30
     python bench/wan.py --queue amqp                     # the queue on RabbitMQ, behind its own proxy
+    python bench/wan.py --algos impala --queue-capacity 32 --set buffer_segments=256 --actor send_ahead=0
 
 Each cell is one distributed run (a trainer and ``--actors`` actor processes on an embedded Redis) of
 ``--seconds``; its rates are taken from the run's history between ``--warmup`` seconds and the end
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import sys
 import tempfile
@@ -69,10 +71,16 @@ def rates(history: Path, warmup: float) -> tuple[float, float, float]:
             (float(last["env_steps"]) - float(first["env_steps"])) / span, span)
 
 
-def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: int, queue: str) -> Cell:
+def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: int, queue: str,
+             changes: dict[str, Any], actor_options: dict[str, Any], queue_capacity: int) -> Cell:
     env, make = ALGOS[algo]
     config: RLConfig = make()
     config.seed = 0
+    for name, value in changes.items():
+        if not hasattr(config, name):
+            raise SystemExit(f"--set {name}: {algo} has no such field")
+        setattr(config, name, value)
+    config.validate()
     with start_embedded_redis() as server, WanProxy("127.0.0.1", server.port, delay_s=rtt_ms / 2000) as board_proxy, \
             tempfile.TemporaryDirectory() as log_dir:
         queue_params: str | None = None
@@ -85,7 +93,8 @@ def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: in
             runner = srl.Runner(env, config)
             runner.train_distribution(RedisParameters(url=board_proxy.url("redis", "/0")), queue_params,
                                       actor_num=actors, timeout=seconds, progress_interval=None, log_dir=log_dir,
-                                      local_processes=True)
+                                      local_processes=True, queue_capacity=queue_capacity,
+                                      actor_options=actor_options)
             train, steps, span = rates(Path(log_dir) / "history.csv", warmup)
         finally:
             if queue_proxy is not None:
@@ -111,7 +120,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of each run left out of its rates")
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--queue", default="redis", choices=sorted(QUEUES))
+    parser.add_argument("--queue-capacity", type=int, default=8, help="batches in the queue before actors wait")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                        help="an algorithm config field for every run (repeatable)")
+    parser.add_argument("--actor", action="append", default=[], metavar="OPTION=JSON",
+                        help="an ActorOptions field for every actor (repeatable): send_ahead=0")
     args = parser.parse_args()
+    changes, actor_options = (
+        {k.strip(): json.loads(v) for k, _, v in (item.partition("=") for item in items)}
+        for items in (args.set, args.actor))
     logging.getLogger("srl").setLevel(logging.WARNING)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     if unknown := [a for a in algos if a not in ALGOS]:
@@ -120,12 +137,14 @@ def main() -> None:
     cells: list[Cell] = []
     for algo in algos:
         for rtt in rtts:
-            cell = run_cell(algo, rtt, args.seconds, args.warmup, args.actors, args.queue)
+            cell = run_cell(algo, rtt, args.seconds, args.warmup, args.actors, args.queue, changes, actor_options,
+                            args.queue_capacity)
             cells.append(cell)
             print(f"{algo} at {rtt:g} ms RTT: {cell.train_per_s:.1f} train steps/s, {cell.env_steps_per_s:.0f} "
                   f"env steps/s over {cell.window_s:.0f}s", flush=True)
-    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue}; each node behind a proxy delaying each "
-          f"direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; ratios ÷ loopback)")
+    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue} of capacity {args.queue_capacity}; each node "
+          f"behind a proxy delaying each direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; "
+          f"ratios ÷ loopback){' ' + ' '.join(args.set + args.actor) if args.set or args.actor else ''}")
     columns = ("algo", "RTT ms", "train/s", "÷ loop", "target", "env/s", "÷ loop", "target")
     widths = (7, 6, 8, 7, 7, 8, 7, 7)
     line = row(columns, widths)
