@@ -153,17 +153,23 @@ class RowSender:
             if waited_from is None:
                 waited_from = time.monotonic()
                 if clock:
-                    self._begin_wait()
-                    self.stalled_since = waited_from
+                    self._stall_began(waited_from)
             self.stop.wait(delay)
             delay = min(delay * 2, 0.25)
-        if clock:
-            self.stalled_since = None
-        if waited_from is not None and clock:
-            waited = self._end_wait() or time.monotonic() - waited_from
-            self.backpressure_wait_s += waited
-            self.counters.add(backpressure_wait_s=waited)
+        if clock and waited_from is not None:
+            self._stall_ended(waited_from)
         return room
+
+    def _stall_began(self, since: float) -> None:
+        self._begin_wait()
+        self.stalled_since = since
+
+    def _stall_ended(self, since: float) -> None:
+        """The owner waited since ``since``: its backpressure."""
+        self.stalled_since = None
+        waited = self._end_wait() or time.monotonic() - since
+        self.backpressure_wait_s += waited
+        self.counters.add(backpressure_wait_s=waited)
 
     # ------------------------------------------------------------ ahead: the sending thread
     def _hand_over(self, blob: bytes, rows: int) -> bool:
@@ -172,14 +178,11 @@ class RowSender:
         with self._changed:
             self._raise_thread_error()
             if len(self._outbox) >= self.ahead:
-                self._begin_wait()
-                waited_from = self.stalled_since = time.monotonic()
+                waited_from = time.monotonic()
+                self._stall_began(waited_from)
                 while len(self._outbox) >= self.ahead and not self.stop.is_set() and self._error is None:
                     self._changed.wait(0.05)
-                self.stalled_since = None
-                waited = self._end_wait() or time.monotonic() - waited_from
-                self.backpressure_wait_s += waited
-                self.counters.add(backpressure_wait_s=waited)
+                self._stall_ended(waited_from)
                 self._raise_thread_error()
             if self.stop.is_set():
                 return False
