@@ -294,12 +294,11 @@ class IMPALALearner(Learner):
             net.obs_rms.update(obs)
         self.train_count += steps
         rhos = log_rhos.exp()
-        clip_fraction = 0.0 if config.clip_ratio is None else float(
-            ((rhos - 1.0).abs() > config.clip_ratio).float().mean().item())
+        outside = (rhos - 1.0).abs() > config.clip_ratio if config.clip_ratio is not None else torch.zeros_like(rhos)
+        numbers = torch.stack([loss.detach(), policy_loss.detach(), value_loss.detach(), entropy_mean.detach(),
+                               rhos.mean(), (rhos > config.rho_bar).float().mean(), outside.float().mean()])
+        loss_, policy_, value_, entropy_, rho_mean, rho_clipped, clip_fraction = numbers.tolist()  # one host copy
         return IMPALAStats(
-            loss=float(loss.item()), gradient_steps=steps, policy_loss=float(policy_loss.item()),
-            value_loss=float(value_loss.item()), entropy=float(entropy_mean.item()),
-            rho_mean=float(rhos.mean().item()), rho_clipped=float((rhos > config.rho_bar).float().mean().item()),
-            clip_fraction=clip_fraction,
-            lr=lr,
+            loss=loss_, gradient_steps=steps, policy_loss=policy_, value_loss=value_, entropy=entropy_,
+            rho_mean=rho_mean, rho_clipped=rho_clipped, clip_fraction=clip_fraction, lr=lr,
         )
