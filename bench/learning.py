@@ -40,6 +40,7 @@ import csv
 import importlib.util
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -313,13 +314,14 @@ def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None
                 while len(in_transit) > delay:  # the queue's and the FIFO's batches ahead of these
                     rows = in_transit.popleft()
                     buffer.add(rows, worker.initial_priorities(rows))
-            credit += 1.0 if path.env_steps_per_train is None else path.train_credit(rollout.num_envs)
-            while credit >= 1.0:  # on-policy: train while an update's worth is in, as Runner.train
+            # off-policy: the replay ratio's train steps, as Runner.train; on-policy: one per batch that is in
+            credit = math.inf if path.env_steps_per_train is None else credit + path.train_credit(rollout.num_envs)
+            while credit >= 1.0:
                 stats = trainer.train()
                 if stats is None:  # warming up, or waiting for segments
                     credit = 0.0
                     break
-                credit -= max(1, stats.gradient_steps) if path.env_steps_per_train is not None else 0.0
+                credit -= max(1, stats.gradient_steps)
                 if lag > 0 and trainer.train_count - refreshed >= lag:  # a "publication": rows carry its version
                     acting.from_arrays(parameter.to_arrays())
                     refreshed = trainer.train_count

@@ -102,6 +102,18 @@ def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: in
     return Cell(algo, rtt_ms, train, steps, span)
 
 
+def assignments(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """``NAME=JSON`` items as a dict; a value that is not JSON is the parser's error."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"expected NAME=JSON (buffer_segments=256, send_ahead=0), not {item!r}")
+    return out
+
+
 def row(values: tuple[str, ...], widths: tuple[int, ...]) -> str:
     """The first column left-aligned, the rest right-aligned."""
     return " ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True)))
@@ -126,9 +138,7 @@ def main() -> None:
     parser.add_argument("--actor", action="append", default=[], metavar="OPTION=JSON",
                         help="an ActorOptions field for every actor (repeatable): send_ahead=0")
     args = parser.parse_args()
-    changes, actor_options = (
-        {k.strip(): json.loads(v) for k, _, v in (item.partition("=") for item in items)}
-        for items in (args.set, args.actor))
+    changes, actor_options = assignments(parser, args.set), assignments(parser, args.actor)
     logging.getLogger("srl").setLevel(logging.WARNING)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     if unknown := [a for a in algos if a not in ALGOS]:
