@@ -24,7 +24,7 @@ from srl.runner.distribution.board import (
     TaskState,
 )
 from srl.runner.distribution.client import summary_lines
-from srl.runner.distribution.node import NodeOptions, lease_kept, serve
+from srl.runner.distribution.node import LeaseGuard, NodeOptions, lease_kept, serve
 from srl.runner.distribution.redis_parameters import RedisParameters
 from tests.nodes import tiny_config, wait_for
 
@@ -113,6 +113,33 @@ def test_a_lease_is_kept_while_a_node_builds_its_run_and_lapses_after(board: Boa
     with lease_kept(board, "trainer", "a", ttl_s=1.0, interval_s=0.05):  # another's: renewing cannot take it
         time.sleep(0.2)
     assert board.lease_holder("trainer")[0] == "b"
+
+
+def test_a_lease_guard_is_silent_while_heartbeats_are_on_time_and_renews_when_they_are_late(board: Board) -> None:
+    """The guard renews only when the run's heartbeat is late by an interval (a slow params transfer in the
+    heartbeat's thread); on time, it sends nothing."""
+    assert board.claim_lease("trainer", "a", 1000)
+    with LeaseGuard(board, "trainer", "a", ttl_s=1.0, interval_s=0.2) as guard:
+        for _ in range(10):  # heartbeats every half interval: the guard never has to renew
+            assert board.renew_lease("trainer", "a", 1000)
+            guard.renewed()
+            time.sleep(0.1)
+        assert guard.late_renewals == 0
+        time.sleep(2.5)  # the heartbeat stuck for two and a half TTLs: the time passing is the case under test
+        assert board.lease_holder("trainer")[0] == "a"
+        assert guard.late_renewals >= 5
+
+
+def test_a_lease_guard_that_finds_the_lease_taken_stops_until_the_run_took_it_back(board: Board) -> None:
+    assert board.claim_lease("trainer", "b", 10_000)
+    with LeaseGuard(board, "trainer", "a", ttl_s=1.0, interval_s=0.05) as guard:
+        wait_for(lambda: not guard.armed, 5, "the guard to find the lease taken", interval=0.01)
+        assert guard.late_renewals == 0 and board.lease_holder("trainer")[0] == "b"
+        board.release_lease("trainer", "b")
+        assert board.claim_lease("trainer", "a", 300)  # the run took it back and says so
+        guard.renewed()
+        wait_for(lambda: guard.late_renewals > 0, 5, "the guard to renew again", interval=0.01)
+    assert board.lease_holder("trainer")[0] == "a"
 
 
 def test_a_start_that_hangs_lets_its_lease_lapse(board: Board) -> None:

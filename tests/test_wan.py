@@ -249,3 +249,27 @@ def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_c
         finally:
             consumer.destroy()
             consumer.close()
+
+
+@pytest.mark.slow
+def test_leases_hold_while_params_crawl_over_a_slow_link(redis_url: str, namespace: str) -> None:
+    """Params of ~1 MB over a 200 kB/s link take five seconds each way, more than twice the lease's TTL: the
+    trainer's publications and the actors' fetches run in the threads that also send the heartbeats, and
+    the lease guards renew meanwhile, so no node's lease lapses (each would take it back, and say so)."""
+    config = tiny_config()
+    config.hidden_block.set_mlp((512, 512))
+    target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    with WanProxy(target["host"], target["port"], delay_s=0.01, rate=200_000) as proxy:
+        runner = srl.Runner("CartPole-v1", config)
+        node = {"lease_ttl": 2.0, "heartbeat_interval": 0.5}
+        runner.train_distribution(
+            RedisParameters(url=proxy.url("redis", "/0"), task_name=namespace), None, actor_num=1,
+            max_train_count=150, timeout=240, progress_interval=None, local_processes=True,
+            actor_options={**node, "batch_size": 64}, trainer_options=node,
+        )
+        assert runner.train_count == 150
+        assert proxy.stats.bytes_down > 3 * 1_000_000  # params went several times
+    board = board_for(redis_url, namespace)
+    lapsed = [e.text for e in board.get_events(1000) if "lapsed" in e.text]
+    assert lapsed == []
+    board.delete_task()

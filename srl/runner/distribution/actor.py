@@ -44,7 +44,14 @@ from srl.runner.distribution.codec import (
 )
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.inference import InferenceClient, InferenceLostError
-from srl.runner.distribution.node import CounterDeltas, apply_overrides, remove_orphans, require_remote, serve
+from srl.runner.distribution.node import (
+    CounterDeltas,
+    LeaseGuard,
+    apply_overrides,
+    remove_orphans,
+    require_remote,
+    serve,
+)
 from srl.runner.distribution.options import ActorOptions
 from srl.runner.distribution.params_cache import ParamsCache, default_directory, private_directory
 from srl.runner.distribution.queues import check_queue, open_queue
@@ -87,6 +94,8 @@ class ActorRun:
         self.slot = slot
         self.options = options
         self.lease_name = f"actor:{slot}"
+        self.lease_guard = LeaseGuard(board, self.lease_name, options.uid, options.lease_ttl,
+                                      options.heartbeat_interval)
         self.stop = StopFlag()
         self.counters = CounterDeltas()
         config = task.rl_config
@@ -194,6 +203,7 @@ class ActorRun:
                         break
                     if not hb.lease_held and not self._take_slot_back(away_since):
                         break
+                    self.lease_guard.renewed()
                     away_since = None
                     if hb.task_status != "ACTIVE":
                         status = self.board.get_status()
@@ -233,7 +243,9 @@ class ActorRun:
                                            prefer=self.slot)
         if slot == self.slot:
             away = 0.0 if away_since is None else time.monotonic() - away_since
-            logger.warning("actor %s took its lapsed slot %d back (%.0fs without the board)", opts.uid, slot, away)
+            text = f"actor {opts.uid} took its lapsed slot {slot} back ({away:.0f}s without the board)"
+            logger.warning("%s", text)
+            self.board.log_event(text, level="WARNING", source=opts.uid)
             return True
         if slot is not None:  # another slot was free, ours was not: give it back, stand by
             self.board.release_lease(f"actor:{slot}", opts.uid)
@@ -405,6 +417,7 @@ class ActorRun:
         opts = self.options
         path = self.data_path
         board_thread = threading.Thread(target=self._board_loop, name="srl-actor-board", daemon=True)
+        self.lease_guard.start()  # renews while the board thread is busy moving params
         board_thread.start()
         stats = ", ".join(f"{k}={v:.4g}" for k, v in self.worker.stats().items())
         logger.info("actor %s holds slot %d of %d (%d env(s)%s); env %s", opts.uid, self.slot, self.task.actor_num,
@@ -456,6 +469,7 @@ class ActorRun:
             self.stop.set("actor stopping")
             self._poll_now.set()
             board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
+            self.lease_guard.stop()
             if self.rows is not None:
                 self.rows.finish()  # the sending thread's last put counted before the final report takes the counts
             self._final_report()

@@ -68,7 +68,7 @@ from srl.runner.distribution.codec import (
     task_tag,
 )
 from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.node import CounterDeltas, apply_overrides, require_remote, serve
+from srl.runner.distribution.node import CounterDeltas, LeaseGuard, apply_overrides, require_remote, serve
 from srl.runner.distribution.options import InferenceOptions
 from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
@@ -225,6 +225,7 @@ class InferenceRun:
         self.board = board
         self.task = task
         self.options = options
+        self.lease_guard = LeaseGuard(board, "inference", options.uid, options.lease_ttl, options.heartbeat_interval)
         self.tls = bool(options.tls_cert_file)
         if redis_params.describe().startswith("rediss://") and not self.tls:
             raise ValueError("the board is reached over TLS, so central inference must be too: give the inference "
@@ -569,7 +570,9 @@ class InferenceRun:
                     if hb.replaced:
                         self.stop.set(TASK_REPLACED)
                         break
-                    if not hb.lease_held:
+                    if hb.lease_held:
+                        self.lease_guard.renewed()
+                    else:
                         self.stop.set("lost the inference lease: it was not renewed in time (was this process "
                                       "paused or cut off from Redis?)")
                         break
@@ -661,6 +664,7 @@ class InferenceRun:
                     opts.max_wait_ms)
         board_thread = threading.Thread(target=self._board_loop, name="srl-inference-board", daemon=True)
         sender_thread = threading.Thread(target=self._send_loop, name="srl-inference-sender", daemon=True)
+        self.lease_guard.start()  # renews while the board thread is busy fetching params
         board_thread.start()
         sender_thread.start()
         try:
@@ -694,6 +698,7 @@ class InferenceRun:
                     continue
             sender_thread.join(timeout=10)
             board_thread.join(timeout=opts.heartbeat_interval + 5)
+            self.lease_guard.stop()
             self._final_report()
             self.rows.close()
         return self.stop.reason

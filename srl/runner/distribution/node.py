@@ -134,40 +134,92 @@ class _Notes:
         self.state = ""
 
 
-@contextlib.contextmanager
-def lease_kept(board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
-               max_s: float = float("inf")) -> Iterator[None]:
-    """Renew lease ``name`` every ``interval_s`` in a thread while the block runs, for ``max_s`` at most:
-    between claiming a lease and a run's first heartbeat, building the run (torch's imports, a replay
-    memory of gigabytes, a CUDA context) can take longer than the lease's TTL on a busy machine, and a
-    lease that lapses then hands the task to a standby while this node is still building it. Past
-    ``max_s`` the lease is left to lapse: a start that hangs must not hold the slot for ever."""
-    done = threading.Event()
-    ttl_ms = int(ttl_s * 1000)
-    give_up_at = time.monotonic() + max_s
+class LeaseGuard:
+    """Keeps lease ``name`` from a thread of its own whenever the run's heartbeat is late.
 
-    def keep() -> None:
+    A run renews its lease with its heartbeat, in the thread that also moves params (megabytes over a slow
+    link), publishes them and reads the task: a renewal must never wait behind one of those. The guard
+    renews (on its own connection from the client's pool) only when no renewal happened for
+    ``interval_s``: while the heartbeat is on time it sends nothing. The run says
+    :meth:`renewed` after each heartbeat that held the lease. A renewal that finds the lease gone stops the
+    guard's renewals until the run took it back (its heartbeat finds out, and decides). Before a run's
+    first heartbeat (claiming, building: torch's imports, a replay memory of gigabytes, a CUDA context),
+    nothing says :meth:`renewed`, so the guard renews every ``interval_s``, for ``max_s`` at most: a start
+    that hangs must not hold the slot for ever.
+
+        with LeaseGuard(board, "trainer", uid, ttl_s, interval_s) as guard:
+            ... heartbeat(...) held: guard.renewed() ...
+    """
+
+    def __init__(self, board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
+                 max_s: float = float("inf")) -> None:
+        self.board = board
+        self.name = name
+        self.uid = uid
+        self.interval_s = interval_s
+        self.max_s = max_s
+        self.late_renewals = 0
+        """renewals the guard made because the heartbeat was late"""
+        self._ttl_ms = int(ttl_s * 1000)
+        self._last = time.monotonic()
+        self.armed = True
+        """False from a renewal that found the lease gone until the run says :meth:`renewed` again"""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name=f"srl-lease-{name}", daemon=True)
+
+    def renewed(self) -> None:
+        """The run's heartbeat renewed the lease (or took it back) just now."""
+        self._last = time.monotonic()
+        self.armed = True
+
+    def start(self) -> LeaseGuard:
+        self._last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> LeaseGuard:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _keep(self) -> None:
+        give_up_at = time.monotonic() + self.max_s
         failed = False
-        while not done.wait(interval_s):
-            if time.monotonic() >= give_up_at:
+        while not self._done.wait(max(0.0, self._last + self.interval_s - time.monotonic()) if self.armed
+                                  else self.interval_s):
+            now = time.monotonic()
+            if now >= give_up_at:
                 logger.warning("%s has not started its run within %.0f s of taking lease %s; no longer renewing "
-                               "it, so a standby can take over (max_start_s)", uid, max_s, name)
+                               "it, so a standby can take over (max_start_s)", self.uid, self.max_s, self.name)
                 return
+            if not self.armed or now - self._last < self.interval_s:
+                continue
             try:
-                if not board.renew_lease(name, uid, ttl_ms):
-                    return  # lost all the same: the run finds out at its first heartbeat
-            except Exception as e:  # a blip, a failover (READONLY), a full Redis: the next renewal retries
+                held = self.board.renew_lease(self.name, self.uid, self._ttl_ms)
+            except Exception as e:  # a blip, a failover (READONLY), a full Redis: the next tick retries
                 if not failed:
-                    logger.warning("renewing lease %s while the run starts failed (%s); retrying", name, short(e))
+                    logger.warning("renewing lease %s failed (%s); retrying", self.name, short(e))
                 failed = True
+                continue
+            failed = False
+            if not held:  # lost all the same: the run finds out at its next heartbeat
+                self.armed = False
+                continue
+            self._last = now
+            self.late_renewals += 1
 
-    thread = threading.Thread(target=keep, name=f"srl-lease-{name}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+
+def lease_kept(board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
+               max_s: float = float("inf")) -> LeaseGuard:
+    """Renew lease ``name`` every ``interval_s`` while a block runs that sends no heartbeats (a run being
+    built, a trainer's last publication), for ``max_s`` at most: a :class:`LeaseGuard` nobody tells."""
+    return LeaseGuard(board, name, uid, ttl_s, interval_s, max_s)
 
 
 def serve(

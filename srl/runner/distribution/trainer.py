@@ -51,7 +51,14 @@ from srl.runner.distribution.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.ingest import Ingest
-from srl.runner.distribution.node import apply_overrides, lease_kept, remove_orphans, require_remote, serve
+from srl.runner.distribution.node import (
+    LeaseGuard,
+    apply_overrides,
+    lease_kept,
+    remove_orphans,
+    require_remote,
+    serve,
+)
 from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.publisher import Publisher
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
@@ -101,6 +108,7 @@ class TrainerRun:
         self.task = task
         self.epoch = epoch
         self.options = options
+        self.lease_guard = LeaseGuard(board, "trainer", options.uid, options.lease_ttl, options.heartbeat_interval)
         self.redis_params = redis_params
         self.queue_params = queue_params
         self.stop = StopFlag()
@@ -250,6 +258,7 @@ class TrainerRun:
             return
         if not hb.lease_held and not self._take_lease_back():
             return
+        self.lease_guard.renewed()
         self._lease_lost_at = None
         if hb.task_status != "ACTIVE":
             self.task_ended = True
@@ -315,16 +324,14 @@ class TrainerRun:
                         self.learner.train_count)
 
     def _finish_ended_task(self, board_thread: threading.Thread) -> None:
-        """The task was ended on the board (a client's cancel): the board thread, which renewed the lease with
-        its heartbeats, has stopped, so the lease is kept here while the last weights go (first: the client
-        waits for them) and then the last checkpoint; the client loads both once this trainer lets go."""
-        opts = self.options
+        """The task was ended on the board (a client's cancel): the board thread has stopped its heartbeats,
+        so the lease guard renews the lease while the last weights go (first: the client waits for them) and
+        then the last checkpoint; the client loads both once this trainer lets go."""
         self.publisher.wake.set()
-        board_thread.join(timeout=opts.heartbeat_interval + 5)  # one writer of the board's params at a time
-        with lease_kept(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval, opts.max_start_s):
-            self.publisher.request_final(self.learner.train_count)
-            self._flush_final()
-            self.checkpoints.keep(self.env_steps_total)
+        board_thread.join(timeout=self.options.heartbeat_interval + 5)  # one writer of the board's params at a time
+        self.publisher.request_final(self.learner.train_count)
+        self._flush_final()
+        self.checkpoints.keep(self.env_steps_total)
 
     def _limit_reached(self) -> str | None:
         task = self.task
@@ -387,6 +394,7 @@ class TrainerRun:
         self._train_base = self.learner.train_count
         board_thread = threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True)
         self.ingest.start()
+        self.lease_guard.start()  # renews while the board thread is busy publishing
         board_thread.start()
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.learner.train_count)
@@ -425,6 +433,7 @@ class TrainerRun:
             self.stop.set(self.stop.reason or "trainer stopping")
             self.publisher.wake.set()
             board_thread.join(timeout=opts.heartbeat_interval + 5)
+            self.lease_guard.stop()
             self.ingest.join(timeout=10)
             self._flush_final()  # a publication the board thread had not written yet
             try:
