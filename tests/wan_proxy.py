@@ -54,6 +54,8 @@ class WanProxy:
         self.delay_s = delay_s
         self.rate = rate
         self.stats = WanStats()
+        self.partitioned_at = 0.0
+        """when the last :meth:`partition` began (monotonic)"""
         self._listen = (listen_host, listen_port)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="wan-proxy", daemon=True)
@@ -89,6 +91,7 @@ class WanProxy:
     def partition(self) -> None:
         """Stop all traffic (open and new connections alike) until :meth:`heal`; nothing is closed."""
         self._call(self._set_flowing, False)
+        self.partitioned_at = time.monotonic()
 
     def heal(self) -> None:
         """Deliver what the partition held, in order, and let traffic flow again."""

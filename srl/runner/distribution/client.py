@@ -279,6 +279,7 @@ def train_distribution(
                             evaluator, hints, checkpoints)
             if evaluator is not None:
                 evaluator.stop()
+            _await_trainer_end(board, announce_after=1.0)
             _load_final_params(board, runner, codec)
             if resume is not None:  # the board's counters went on from the checkpoint's
                 runner.env_steps = runner.episodes = 0
@@ -574,18 +575,24 @@ FINAL_PARAMS_WAIT_S = 15.0
 """seconds a cancelling client waits for the trainer to publish its last weights and let go of its lease"""
 
 
-def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S) -> None:
-    """After the client ended the task: wait (bounded; Ctrl-C again skips) until the trainer has seen the end
-    at its next heartbeat, written its checkpoint, published the weights it trained up to and released its
-    lease, so the runner gets those weights instead of the last periodic ones."""
+def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S, announce_after: float = 0.0) -> None:
+    """After the task ended: wait (bounded; Ctrl-C again skips) until the trainer has seen the end at its next
+    heartbeat, written its checkpoint, published the weights it trained up to and released its lease, so the
+    runner gets those weights instead of the last periodic ones (a task ended by a cancel, by another client
+    or by ``srl cancel``; a trainer that ended it published first and lets go at once). The wait is said
+    once it has lasted ``announce_after``."""
     holder, _ = board.lease_holder("trainer")
     if holder is None:
         return
-    logger.info("waiting up to %.0fs for trainer %s to publish its final params (Ctrl-C again to skip)",
-                max_wait, holder)
-    deadline = time.monotonic() + max_wait
+    started = time.monotonic()
+    deadline = started + max_wait
+    announced = False
     try:
         while board.lease_holder("trainer")[0] is not None:
+            if not announced and time.monotonic() - started >= announce_after:
+                announced = True
+                logger.info("waiting up to %.0fs for trainer %s to publish its final params (Ctrl-C again to skip)",
+                            max_wait, holder)
             if time.monotonic() >= deadline:
                 logger.warning("trainer %s did not let go within %.0fs: loading the last params it published",
                                holder, max_wait)
