@@ -240,5 +240,10 @@ def test_image_runs_srl_as_an_unprivileged_user_with_cpu_torch() -> None:
     users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert users and users[-1].split(":")[0] not in ("root", "0"), (
         f"the image's last USER is {users[-1] if users else 'unset (root)'}; srl nodes must not run as root")
-    assert re.search(r"pip install[^\n]*--index-url https://download\.pytorch\.org/whl/cpu[^\n]*torch==", dockerfile), (
-        "the Dockerfile must install torch from the CPU index first (a bare torch pulls GB of CUDA packages)")
+    index = re.search(r"^ARG TORCH_INDEX=(\S+)$", dockerfile, flags=re.MULTILINE)
+    assert index and index.group(1) == "https://download.pytorch.org/whl/cpu", (
+        "the Dockerfile's torch index must default to the CPU one (a bare torch pulls GB of CUDA packages)")
+    install = re.search(r"^RUN pip install[^\n]*--index-url \"\$TORCH_INDEX\"[^\n]*torch==", dockerfile,
+                        flags=re.MULTILINE)
+    assert install and install.start() < dockerfile.index('".[all]"'), (
+        "the Dockerfile must install torch from TORCH_INDEX before the project")
