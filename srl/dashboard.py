@@ -122,10 +122,10 @@ def _clean_stats(stats: NodeStats | None) -> dict[str, float | int | str | bool 
     return {str(k)[:64]: _scalar(v) for k, v in list(record.items())[:STATS_KEYS_LIMIT]}
 
 
-def _central(board: Board) -> bool:
-    """Whether the task acts with central inference (an inference server to show); a damaged config: no."""
+def _config_says(board: Board, key: str, value: object) -> bool:
+    """Whether the task config's ``key`` is ``value`` (unverified: for display); a damaged config: no."""
     try:
-        return board.get_task_config().get("inference") == "central"
+        return board.get_task_config().get(key) == value
     except BoardError:
         return False
 
@@ -213,7 +213,7 @@ class Dashboard:
             status.train_count
 
         detail["inference"] = None
-        if _central(board):
+        if _config_says(board, "inference", "central"):  # an inference server to show
             holder, ttl = board.lease_holder("inference")
             detail["inference"] = {"holder": _scalar(holder), "lease_ttl_ms": ttl,
                                    "heartbeat_age_s": _heartbeat_age(reports.inference, now),
@@ -229,6 +229,7 @@ class Dashboard:
             actors.append({"slot": slot, "holder": _scalar(holder), "lease_ttl_ms": ttl,
                            "heartbeat_age_s": _heartbeat_age(s, now), "stats": _clean_stats(s)})
         detail["actors"] = actors
+        detail["elastic_actors"] = _config_says(board, "elastic_actors", True)  # a free slot is not missing
         detail["actors_not_shown"] = max(0, status.actor_num - SHOWN_ACTORS)
 
         detail["counters"] = {k: _scalar(v) for k, v in sorted(counters.items())[:STATS_KEYS_LIMIT]}

@@ -40,12 +40,12 @@ def test_the_version_gate_takes_what_each_data_path_accepts_and_knows_who_delive
         assert gate.keep(versions).tolist() == kept  # type: ignore[union-attr]
         assert gate.keep(versions[:1] * 0 + 7) is None  # all of them
     sync = VersionGate(DataPath("segments", sync=True, sync_wait_s=3600.0, min_segments=1))
-    assert not sync.sync_ready(0, 4, actor_num=2) and sync.waiting_for == []
+    assert not sync.sync_ready(0, 4, slots=[0, 1]) and sync.waiting_for == []
     sync.arrived([(1, 8), (0, 0)])  # slot 0 sent no row of this version
-    assert not sync.sync_ready(2, 4, actor_num=2) and sync.waiting_for == [0]
-    assert sync.sync_ready(4, 4, actor_num=2) and sync.waiting_for == []
+    assert not sync.sync_ready(2, 4, slots=[0, 1]) and sync.waiting_for == [0]
+    assert sync.sync_ready(4, 4, slots=[0, 1]) and sync.waiting_for == []
     sync.published(8, 100)  # a new version: who delivered counts anew
-    assert not sync.sync_ready(1, 4, actor_num=2) and sync.waiting_for == [0, 1]
+    assert not sync.sync_ready(1, 4, slots=[0, 1]) and sync.waiting_for == [0, 1]
 
 
 def test_replays_are_refused_within_and_beyond_the_window() -> None:

@@ -6,8 +6,9 @@ order, any machines that reach Redis), then:
     python examples/distribution/client.py
 
 SRL_REDIS_URL or SRL_REDIS_HOST (default localhost) with SRL_REDIS_PASSWORD, SRL_QUEUE_URL (default:
-the board's Redis; e.g. amqp://srl:PASSWORD@rabbitmq:5672/), SRL_SECRET, SRL_ACTOR_NUM (default 1) and
-SRL_MAX_TRAIN_COUNT (default 20000) change the setup; docker-compose.yaml sets them.
+the board's Redis; e.g. amqp://srl:PASSWORD@rabbitmq:5672/), SRL_SECRET, SRL_ACTOR_NUM (default 1),
+SRL_ELASTIC_ACTORS (1: SRL_ACTOR_NUM is a maximum, actors come and go) and SRL_MAX_TRAIN_COUNT (default
+20000) change the setup; docker-compose.yaml and deploy/k8s set them.
 """
 
 import os
@@ -28,6 +29,7 @@ runner.train_distribution(
     RedisParameters.from_env(),
     os.environ.get("SRL_QUEUE_URL") or None,
     actor_num=int(os.environ.get("SRL_ACTOR_NUM", "1")),
+    elastic_actors=os.environ.get("SRL_ELASTIC_ACTORS", "0") == "1",
     max_train_count=int(os.environ.get("SRL_MAX_TRAIN_COUNT", "20000")),
 )
 rewards = runner.evaluate()

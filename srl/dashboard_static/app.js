@@ -179,10 +179,11 @@ function heartbeatCell(age) {
   return cell;
 }
 
-function slotRow(label, slot, rate, stalls, lag, more) {
+function slotRow(label, slot, rate, stalls, lag, more, elastic) {
   const row = el("tr");
   row.append(el("td", label));
-  row.append(el("td", slot.holder || "MISSING", slot.holder ? "holder" : "missing"));
+  const empty = elastic ? ["free", "muted"] : ["MISSING", "missing"];
+  row.append(el("td", slot.holder || empty[0], slot.holder ? "holder" : empty[1]));
   row.append(heartbeatCell(slot.heartbeat_age_s));
   row.append(el("td", rate));
   row.append(el("td", stalls));
@@ -222,6 +223,7 @@ function renderSlots(task) {
       "backpressure " + num(s.backpressure_wait_s, 1) + " s" + stalledNow,
       num(s.params_lag) + " version(s) behind",
       num(s.episodes) + " episodes, reward " + num(s.reward) + ", params v" + num(s.params_version),
+      task.elastic_actors,
     ));
   }
   if (task.actors_not_shown > 0) {

@@ -151,6 +151,7 @@ def train_distribution(
     resume_from: str | os.PathLike[str] | None = None,
     inference: str = "local",
     inference_options: dict[str, Any] | None = None,
+    elastic_actors: bool = False,
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
 
@@ -158,6 +159,10 @@ def train_distribution(
         queue_params: where experience flows (None: the board's Redis; or RabbitMQParameters,
             MQTTParameters, GCPParameters, or a URL). Actors and trainer must be given the same.
         actor_num: actor slots; actor i of N explores with the algorithm's per-actor schedule.
+        elastic_actors: ``actor_num`` is a maximum, not a count to wait for: actors that come take the next
+            free slot (and its exploration), ones that leave are not waited for (sync PPO updates on the
+            segments of the actors there), and free slots are not reported missing. Scaling actors is then
+            starting or stopping them (``kubectl scale``).
         max_train_count, max_steps, timeout: the end rule (at least one); the trainer applies it:
             gradient steps, env steps (all actors together), seconds.
         progress_interval: seconds between progress lines (None: quiet).
@@ -204,7 +209,7 @@ def train_distribution(
                      keep_checkpoints=keep_checkpoints, overwrite=overwrite, attach=attach,
                      local_processes=local_processes, delete_task=delete_task, checkpoint_memory=checkpoint_memory,
                      log_dir=log_dir, resume_from=resume_from, inference=inference,
-                     inference_options=inference_options)
+                     inference_options=inference_options, elastic_actors=elastic_actors)
     runner.rl_config.validate()  # it may have changed since the Runner was made (config.lr = "0.001")
     if inference == "central":
         try:
@@ -238,6 +243,7 @@ def train_distribution(
                 "queue": {**_describe_queue(queue_params), "capacity": queue_capacity},
                 "checkpoints": {"interval": checkpoint_interval, "memory": checkpoint_memory} if run_log else None,
                 **({"inference": inference} if inference != "local" else {}),
+                **({"elastic_actors": True} if elastic_actors else {}),
             }
             with_retry(unbound.ping, f"connecting to {resolved.describe()}", max_wait=10)
             config_json = json.dumps(task, separators=(",", ":"))
@@ -427,7 +433,7 @@ def _check_arguments(redis_params: Any, queue_params: Any, **arguments: Any) -> 
         _check_count("eval_every", a["eval_every"], 1, 2**62)
     if a["secret"] is not None and not isinstance(a["secret"], str):
         raise TypeError(f"secret must be text or None, got {type(a['secret']).__name__}")
-    for name in ("overwrite", "delete_task", "checkpoint_memory"):
+    for name in ("overwrite", "delete_task", "checkpoint_memory", "elastic_actors"):
         if not isinstance(a[name], bool):
             raise TypeError(f"{name} must be True or False, got {shown(a[name])}")
     for name in ("attach", "local_processes"):
@@ -939,11 +945,16 @@ def progress_lines(
         )
     if config.get("inference") == "central":
         lines.append(_inference_line(board, reports.inference, ended, missing))
+    elastic = config.get("elastic_actors") is True
+    free: list[int] = []
     for i in range(actor_num):
         holder, _ = board.lease_holder(f"actor:{i}")
         s = reports.actor(i)
         if holder is None and (not ended or s is None):
-            lines.append(missing("actor", s, f"actor {i}"))
+            if elastic:
+                free.append(i)
+            else:
+                lines.append(missing("actor", s, f"actor {i}"))
             continue
         s = s or ActorStats()  # a holder that has not reported yet
         versions_behind = max(0, latest_version - s.params_version)
@@ -956,7 +967,24 @@ def progress_lines(
             f"({versions_behind} behind), stalled {s.backpressure_wait_s}s, rate-limited {s.rate_limited_s}s"
             f"{sync}{waiting}"
         )
+    if free and not ended:
+        there = actor_num - len(free)
+        if there == 0:
+            lines.append(missing("actor", None, f"actors (elastic, up to {actor_num})"))
+        else:
+            lines.append(f"  actor slot(s) {_ranges(free)}: free (elastic: {there} of up to {actor_num} actors)")
     return lines
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2, 5, 7-8``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _inference_line(board: Board, stats: InferenceStats | None, ended: bool,

@@ -56,6 +56,8 @@ class TaskSpec:
     """seconds between the checkpoints the trainer keeps on the board for the client (None: none)"""
     checkpoint_memory: bool = False
     """those checkpoints carry the replay memory too (when it fits)"""
+    elastic_actors: bool = False
+    """``actor_num`` is a maximum: the trainer waits for the actors there, not for every slot"""
     inference: str = "local"
     """where actions are chosen: "local" (each actor runs the network) or "central" (an inference node acts
     for every actor, which then only steps its envs; see ``srl.runner.distribution.inference``)"""
@@ -136,6 +138,10 @@ def build_task(
         checkpoints = data.get("checkpoints") or {}
         if not isinstance(checkpoints, dict) or not isinstance(checkpoints.get("memory", False), bool):
             raise TaskConfigError("task field 'checkpoints' must be an object {interval: seconds, memory: bool}")
+        elastic_actors = data.get("elastic_actors", False)
+        if not isinstance(elastic_actors, bool):
+            raise TaskConfigError(f"task field 'elastic_actors' must be true or false, found "
+                                  f"{short(repr(elastic_actors), 60)}")
         inference = data.get("inference", "local")
         if inference not in INFERENCE_MODES:
             raise TaskConfigError(f"task field 'inference' must be one of {list(INFERENCE_MODES)}, found "
@@ -147,6 +153,7 @@ def build_task(
             rl_config=rl_config,
             env_config=env_config,
             actor_num=actor_num,
+            elastic_actors=elastic_actors,
             max_train_count=_bounded(data, "max_train_count", int, 2**62),
             max_steps=_bounded(data, "max_steps", int, 2**62),
             timeout=_bounded(data, "timeout", float, 1e9),

@@ -46,7 +46,7 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, DataPath, seed_everything
 from srl.base.schema import Schema
-from srl.runner.distribution.board import BOARD_AWAY, Board
+from srl.runner.distribution.board import BOARD_AWAY, Board, actor_slot
 from srl.runner.distribution.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.distribution.credentials import CredentialsError
@@ -137,6 +137,8 @@ class TrainerRun:
                                               self.buffer, self.gate, self.publisher, params_bytes)
         self._train_base = 0  # train_count when this run began
         self.env_steps_total = 0
+        self.live_slots: list[int] | None = [] if task.elastic_actors and self.data_path.sync else None
+        """elastic actors, sync: the actor slots held at the last heartbeat (None: every slot is waited for)"""
         self.last_stats: dict[str, float] = {}
         self._last_rates = (0.0, 0.0)  # train steps/s, rows received/s at the last heartbeat
         self.task_started_at: float | None = None
@@ -267,6 +269,9 @@ class TrainerRun:
             self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
             return
         self.env_steps_total = int(board.get_counters().get("env_steps", 0))
+        if self.live_slots is not None:
+            self.live_slots = [slot for name in board.held_leases(self.task.actor_num)
+                               if (slot := actor_slot(name)) is not None]
 
     def _task_lost(self, reason: str, *, gone: bool = False) -> None:
         """The task this run serves is no longer on the board: stop (a vanished task's final checkpoint is
@@ -333,6 +338,13 @@ class TrainerRun:
         self._flush_final()
         self.checkpoints.keep(self.env_steps_total)
 
+    def _awaited_slots(self) -> list[int]:
+        """Sync: the actor slots whose segments an update waits for: every slot, or with elastic actors the
+        slots held at the last heartbeat (an actor that left is not waited for, one that came is)."""
+        if self.live_slots is None:
+            return list(range(self.task.actor_num))
+        return self.live_slots
+
     def _limit_reached(self) -> str | None:
         task = self.task
         if task.max_train_count is not None and self.learner.train_count >= task.max_train_count:
@@ -349,8 +361,9 @@ class TrainerRun:
         """One update on the main thread (False: not enough data yet); publishes as the data path says."""
         path, gate, learner = self.data_path, self.gate, self.learner
         if path.sync:
-            needed = path.update_segments(self.task.actor_num, self.task.rl_config.envs_per_actor)
-            if not gate.sync_ready(len(self.buffer), needed, self.task.actor_num):
+            slots = self._awaited_slots()
+            needed = path.update_segments(max(1, len(slots)), self.task.rl_config.envs_per_actor)
+            if not gate.sync_ready(len(self.buffer), needed, slots):
                 return False
             with gate.lock:  # no row of the old version slips in between training and publishing
                 stats = learner.train()

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -130,9 +130,10 @@ class VersionGate:
         self.lag.published(version, train_count)
         self._arrivals = {}
 
-    def sync_ready(self, have: int, needed: int, actor_num: int) -> bool:
-        """Sync: every actor's segments of this version are in (``have`` of ``needed``), or ``sync_wait_s``
-        passed with at least ``min_segments`` (then the log says which actors it goes on without)."""
+    def sync_ready(self, have: int, needed: int, slots: Sequence[int]) -> bool:
+        """Sync: the segments of this version of every actor in ``slots`` are in (``have`` of ``needed``), or
+        ``sync_wait_s`` passed with at least ``min_segments`` (then the log says which actors it goes on
+        without)."""
         path = self.data_path
         if have >= needed:
             self.waiting_for = []
@@ -143,7 +144,7 @@ class VersionGate:
         now = time.monotonic()
         if self._waiting_since is None:
             self._waiting_since = now
-        self.waiting_for = [i for i in range(actor_num) if i not in self._arrivals]
+        self.waiting_for = [i for i in slots if i not in self._arrivals]
         if have >= path.min_segments and now - self._waiting_since >= path.sync_wait_s:
             logger.warning("version %d: going on with %d of %d segments after %.0fs; no segments from actor slot(s) "
                            "%s", self.version, have, needed, now - self._waiting_since, self.waiting_for)
