@@ -16,6 +16,7 @@ cancel does, and reads what the client's end of run says:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,10 @@ def check(result: PartitionResult) -> None:
     assert result.client_train_count == result.train_count > 0, (result.client_train_count, result.train_count)
     assert result.accounted, result.accounts
     if result.case == "actor":
-        assert any("lapsed slot" in t for t in result.lease_events), result.lease_events
+        away = [int(m.group(1)) for t in result.lease_events
+                if (m := re.search(r"lapsed slot \d+ back \((\d+)s without the board\)", t))]
+        assert away and away[0] >= result.cut_s - 2, result.lease_events  # it says how long it was cut off
     if result.case == "trainer":
         assert result.params_epoch == 2, result.params_epoch  # every params write after the takeover: the standby's
-        assert any("fenced off" in t for t in result.lease_events), result.lease_events
+        fenced = [t for t in result.lease_events if "fenced off by" in t]
+        assert len(fenced) == 1, result.lease_events  # said once

@@ -201,7 +201,7 @@ class ActorRun:
                     if hb.replaced:
                         self.stop.set(TASK_REPLACED)
                         break
-                    if not hb.lease_held and not self._take_slot_back(away_since):
+                    if not hb.lease_held and not self._take_slot_back():
                         break
                     self.lease_guard.renewed()
                     away_since = None
@@ -236,13 +236,13 @@ class ActorRun:
             self._poll_now.wait(opts.params_wait_poll_interval if waiting else opts.params_poll_interval)
             self._poll_now.clear()
 
-    def _take_slot_back(self, away_since: float | None) -> bool:
+    def _take_slot_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
         opts = self.options
         slot = self.board.claim_actor_slot(opts.uid, self.task.actor_num, int(opts.lease_ttl * 1000),
                                            prefer=self.slot)
         if slot == self.slot:
-            away = 0.0 if away_since is None else time.monotonic() - away_since
+            away = self.lease_guard.since_renewed()  # a cut link raises nothing: its commands just hang
             text = f"actor {opts.uid} took its lapsed slot {slot} back ({away:.0f}s without the board)"
             logger.warning("%s", text)
             self.board.log_event(text, level="WARNING", source=opts.uid)

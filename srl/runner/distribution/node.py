@@ -172,6 +172,10 @@ class LeaseGuard:
         self._last = time.monotonic()
         self.armed = True
 
+    def since_renewed(self) -> float:
+        """Seconds since the lease was last renewed (by a heartbeat or by the guard)."""
+        return time.monotonic() - self._last
+
     def start(self) -> LeaseGuard:
         self._last = time.monotonic()
         self._thread.start()

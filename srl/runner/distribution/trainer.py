@@ -285,6 +285,8 @@ class TrainerRun:
     def _take_lease_back(self) -> bool:
         """The lease lapsed: take it back if no other trainer took over (else stop, fenced)."""
         opts = self.options
+        if self.fenced:  # the heartbeat and the publisher may both find out: say it once
+            return False
         answer = self.board.reclaim_trainer(opts.uid, self.epoch, int(opts.lease_ttl * 1000))
         if answer == "gone":
             self._task_lost(TASK_GONE, gone=True)
@@ -293,7 +295,7 @@ class TrainerRun:
             self._task_lost(TASK_REPLACED)
             return False
         if answer == "taken":
-            away = 0.0 if self._lease_lost_at is None else time.monotonic() - self._lease_lost_at
+            away = self.lease_guard.since_renewed()  # a cut link raises nothing: its commands just hang
             text = (f"trainer {opts.uid} took its lapsed lease back (epoch {self.epoch}, {away:.0f}s without the "
                     f"board); buffer ({len(self.buffer)} rows) and train_count {self.learner.train_count} kept")
             logger.warning("%s", text)
