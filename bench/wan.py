@@ -5,6 +5,7 @@ proxy that delays each direction by half the round trip, against loopback measur
     python bench/wan.py --algos dqn --rtt 0,100 --seconds 30
     python bench/wan.py --queue amqp                     # the queue on RabbitMQ, behind its own proxy
     python bench/wan.py --algos impala --queue-capacity 32 --set buffer_segments=256 --actor send_ahead=0
+    python bench/wan.py --algos dqn --rtt 100 --seconds 600 --reset-rate 0.01   # 1% of connections reset a second
 
 Each cell is one distributed run (a trainer and ``--actors`` actor processes on an embedded Redis) of
 ``--seconds``; its rates are taken from the run's history between ``--warmup`` seconds and the end
@@ -22,6 +23,7 @@ import json
 import logging
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import srl
 from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
 from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import Board
 from srl.runner.distribution.embedded import start_embedded_redis
 from tests.wan_proxy import WanProxy
 
@@ -56,6 +59,35 @@ class Cell:
     train_per_s: float
     env_steps_per_s: float
     window_s: float
+    resets: int = 0
+    """connections the proxies reset (``--reset-rate``)"""
+    leases_lost: int = 0
+    """leases live nodes lost and took back, or lost to another node (the event log's lapsed/fenced lines)"""
+    status: str = ""
+
+
+class Resetter:
+    """Resets each proxied connection with probability ``rate`` every second, in a thread."""
+
+    def __init__(self, proxies: list[WanProxy], rate: float) -> None:
+        self.proxies, self.rate = proxies, rate
+        self.resets = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Resetter:
+        if self.rate > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.wait(1.0):
+            self.resets += sum(p.reset(self.rate) for p in self.proxies)
 
 
 def rates(history: Path, warmup: float) -> tuple[float, float, float]:
@@ -72,7 +104,8 @@ def rates(history: Path, warmup: float) -> tuple[float, float, float]:
 
 
 def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: int, queue: str,
-             changes: dict[str, Any], actor_options: dict[str, Any], queue_capacity: int) -> Cell:
+             changes: dict[str, Any], actor_options: dict[str, Any], queue_capacity: int,
+             reset_rate: float = 0.0) -> Cell:
     env, make = ALGOS[algo]
     config: RLConfig = make()
     config.seed = 0
@@ -89,17 +122,25 @@ def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: in
             host, port, template = QUEUES[queue]  # type: ignore[misc]
             queue_proxy = WanProxy(host, port, delay_s=rtt_ms / 2000).start()
             queue_params = template.format(f"127.0.0.1:{queue_proxy.port}")
+        proxies = [board_proxy] + ([queue_proxy] if queue_proxy is not None else [])
         try:
             runner = srl.Runner(env, config)
-            runner.train_distribution(RedisParameters(url=board_proxy.url("redis", "/0")), queue_params,
-                                      actor_num=actors, timeout=seconds, progress_interval=None, log_dir=log_dir,
-                                      local_processes=True, queue_capacity=queue_capacity,
-                                      actor_options=actor_options)
+            redis_params = RedisParameters(url=board_proxy.url("redis", "/0"))
+            with Resetter(proxies, reset_rate) as resetter:
+                runner.train_distribution(redis_params, queue_params, actor_num=actors, timeout=seconds,
+                                          progress_interval=None, log_dir=log_dir, local_processes=True,
+                                          queue_capacity=queue_capacity, actor_options=actor_options)
             train, steps, span = rates(Path(log_dir) / "history.csv", warmup)
+            board = Board(RedisParameters(url=f"redis://127.0.0.1:{server.port}/0").connect(), redis_params.task_name)
+            lost = [e.text for e in board.get_events(1000) if "lapsed" in e.text or "fenced off by" in e.text]
+            status = board.get_status()
         finally:
             if queue_proxy is not None:
                 queue_proxy.stop()
-    return Cell(algo, rtt_ms, train, steps, span)
+    for text in lost:
+        print(f"  lease event: {text}", flush=True)
+    return Cell(algo, rtt_ms, train, steps, span, resetter.resets, len(lost),
+                "" if status is None else f"{status.status.value}: {status.end_reason}")
 
 
 def assignments(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
@@ -137,6 +178,9 @@ def main() -> None:
                         help="an algorithm config field for every run (repeatable)")
     parser.add_argument("--actor", action="append", default=[], metavar="OPTION=JSON",
                         help="an ActorOptions field for every actor (repeatable): send_ahead=0")
+    parser.add_argument("--reset-rate", type=float, default=0.0,
+                        help="every second, reset each proxied connection with this probability (0.01: 1%%); the "
+                             "table then counts resets and the leases live nodes lost")
     args = parser.parse_args()
     changes, actor_options = assignments(parser, args.set), assignments(parser, args.actor)
     logging.getLogger("srl").setLevel(logging.WARNING)
@@ -148,15 +192,16 @@ def main() -> None:
     for algo in algos:
         for rtt in rtts:
             cell = run_cell(algo, rtt, args.seconds, args.warmup, args.actors, args.queue, changes, actor_options,
-                            args.queue_capacity)
+                            args.queue_capacity, args.reset_rate)
             cells.append(cell)
             print(f"{algo} at {rtt:g} ms RTT: {cell.train_per_s:.1f} train steps/s, {cell.env_steps_per_s:.0f} "
-                  f"env steps/s over {cell.window_s:.0f}s", flush=True)
+                  f"env steps/s over {cell.window_s:.0f}s; {cell.resets} connection resets, {cell.leases_lost} "
+                  f"leases lost; task {cell.status}", flush=True)
     print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue} of capacity {args.queue_capacity}; each node "
           f"behind a proxy delaying each direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; "
           f"ratios ÷ loopback){' ' + ' '.join(args.set + args.actor) if args.set or args.actor else ''}")
-    columns = ("algo", "RTT ms", "train/s", "÷ loop", "target", "env/s", "÷ loop", "target")
-    widths = (7, 6, 8, 7, 7, 8, 7, 7)
+    columns = ("algo", "RTT ms", "train/s", "÷ loop", "target", "env/s", "÷ loop", "target", "resets", "leases lost")
+    widths = (7, 6, 8, 7, 7, 8, 7, 7, 7, 11)
     line = row(columns, widths)
     print(line)
     print("-" * len(line))
@@ -165,7 +210,8 @@ def main() -> None:
         train_target, env_target = TARGETS.get((cell.algo, int(cell.rtt_ms)), (None, None))
         values = (cell.algo, f"{cell.rtt_ms:g}", f"{cell.train_per_s:.1f}", ratio(cell.train_per_s, base.train_per_s),
                   f"≥ {train_target}" if train_target else "", f"{cell.env_steps_per_s:.0f}",
-                  ratio(cell.env_steps_per_s, base.env_steps_per_s), f"≥ {env_target}" if env_target else "")
+                  ratio(cell.env_steps_per_s, base.env_steps_per_s), f"≥ {env_target}" if env_target else "",
+                  str(cell.resets), str(cell.leases_lost))
         print(row(values, widths))
 
 

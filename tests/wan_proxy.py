@@ -20,6 +20,7 @@ any outside ``reset()``.
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import struct
 import threading
@@ -97,9 +98,10 @@ class WanProxy:
         """Deliver what the partition held, in order, and let traffic flow again."""
         self._call(self._set_flowing, True)
 
-    def reset(self) -> int:
-        """Abort every open connection with a TCP RST on both sides; returns how many."""
-        return self._call(self._reset)
+    def reset(self, fraction: float = 1.0) -> int:
+        """Abort open connections with a TCP RST on both sides, each with probability ``fraction`` (1: all);
+        returns how many."""
+        return self._call(self._reset, fraction)
 
     @property
     def open_connections(self) -> int:
@@ -135,8 +137,8 @@ class WanProxy:
         else:
             self._flowing.clear()
 
-    def _reset(self) -> int:
-        links = list(self._links)
+    def _reset(self, fraction: float) -> int:
+        links = [link for link in self._links if fraction >= 1.0 or random.random() < fraction]
         for link in links:
             link.close(abort=True)
         self.stats.resets += len(links)
