@@ -195,14 +195,15 @@ class LeaseGuard:
     def _keep(self) -> None:
         give_up_at = time.monotonic() + self.max_s
         failed = False
-        while not self._done.wait(max(0.0, self._last + self.interval_s - time.monotonic()) if self.armed
-                                  else self.interval_s):
+        retry_at = 0.0  # after a failed renewal: the next try, an interval later (not at once, again and again)
+        while not self._done.wait(max(0.0, self._last + self.interval_s - time.monotonic(),
+                                      retry_at - time.monotonic()) if self.armed else self.interval_s):
             now = time.monotonic()
             if now >= give_up_at:
                 logger.warning("%s has not started its run within %.0f s of taking lease %s; no longer renewing "
                                "it, so a standby can take over (max_start_s)", self.uid, self.max_s, self.name)
                 return
-            if not self.armed or now - self._last < self.interval_s:
+            if not self.armed or now - self._last < self.interval_s or now < retry_at:
                 continue
             try:
                 held = self.board.renew_lease(self.name, self.uid, self._ttl_ms)
@@ -210,6 +211,7 @@ class LeaseGuard:
                 if not failed:
                     logger.warning("renewing lease %s failed (%s); retrying", self.name, short(e))
                 failed = True
+                retry_at = time.monotonic() + self.interval_s
                 continue
             failed = False
             if not held:  # lost all the same: the run finds out at its next heartbeat
