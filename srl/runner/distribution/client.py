@@ -585,7 +585,7 @@ def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S, anno
     """After the task ended: wait (bounded; Ctrl-C again skips) until the trainer has seen the end at its next
     heartbeat, written its checkpoint, published the weights it trained up to and released its lease, so the
     runner gets those weights instead of the last periodic ones (a task ended by a cancel, by another client
-    or by ``srl cancel``; a trainer that ended it published first and lets go at once). The wait is said
+    or by ``srl stop``; a trainer that ended it published first and lets go at once). The wait is said
     once it has lasted ``announce_after``."""
     holder, _ = board.lease_holder("trainer")
     if holder is None:
