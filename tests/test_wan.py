@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
@@ -17,7 +18,7 @@ import redis
 import srl
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
-from tests.nodes import board_for, tiny_config
+from tests.nodes import ClientThread, Node, board_for, start, tiny_config
 from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 from tests.wan_proxy import WanProxy
 
@@ -273,3 +274,37 @@ def test_leases_hold_while_params_crawl_over_a_slow_link(redis_url: str, namespa
     lapsed = [e.text for e in board.get_events(1000) if "lapsed" in e.text]
     assert lapsed == []
     board.delete_task()
+
+
+@pytest.mark.slow
+def test_a_client_whose_connections_are_reset_again_and_again_watches_the_run_to_its_end(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """Every connection of the client, 20 ms of round trip from Redis, is reset (TCP RST) twice a second
+    while it watches, reports progress and loads the final params: a read cut in flight is retried on a new
+    connection, none ends the client (a reset while a connection sits idle in the pool is repaired by
+    redis-py before its next use; one in flight was not)."""
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    with WanProxy(target["host"], target["port"], delay_s=0.01) as proxy:
+        done = threading.Event()
+
+        def resets() -> None:
+            while not done.wait(0.5):
+                proxy.reset()
+
+        resetter = threading.Thread(target=resets, daemon=True)
+        client = ClientThread(srl.Runner("Pendulum-v1", tiny_config()),
+                              RedisParameters(url=proxy.url("redis", "/0"), task_name=namespace),
+                              max_train_count=1500, progress_interval=0.3)
+        client.start()
+        resetter.start()
+        client.join(180)
+        done.set()
+        resetter.join()
+        assert not client.is_alive() and client.error is None, client.error
+        assert proxy.stats.resets > 5
+    status = board_for(redis_url, namespace).get_status()
+    assert status is not None and status.status == TaskState.END
+    assert client.runner.train_count == status.train_count >= 1500

@@ -31,6 +31,7 @@ from srl.base.env import EnvConfig, EnvSpec
 from srl.base.rl import Parameter, RLConfig
 from srl.runner.distribution import local_nodes
 from srl.runner.distribution.board import (
+    BOARD_AWAY,
     MAX_ACTORS,
     Board,
     BoardError,
@@ -291,13 +292,15 @@ def train_distribution(
                 runner.env_steps = runner.episodes = 0
             _note_totals(board, runner, procs, actor_num)
             if checkpoints is not None:
-                checkpoints.fetch(now=True)  # the trainer's final one
-                if checkpoints.kept == board.get_checkpoint_train_count():  # in log_dir: Redis need not hold it
-                    board.clear_checkpoint()
+                with_retry(lambda: checkpoints.fetch(now=True), "fetching the last checkpoint")  # the trainer's final
+                kept_on_board = with_retry(board.get_checkpoint_train_count, "reading the last checkpoint")
+                if checkpoints.kept == kept_on_board:  # in log_dir: Redis need not hold it
+                    with_retry(board.clear_checkpoint, "clearing the last checkpoint")
             _record_history(board, run_log, evaluator)  # where it ended
             if progress_interval is not None:
-                for line in summary_lines(board, status, task_elapsed(board, status),
-                                          _queue_depth(queue_params, resolved)):
+                depth = _queue_depth(queue_params, resolved)
+                for line in with_retry(lambda: summary_lines(board, status, task_elapsed(board, status), depth),
+                                       "reading the run's summary"):
                     logger.info("%s", line)
             if run_log is not None:
                 if evaluator is not None:
@@ -587,14 +590,14 @@ def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S, anno
     runner gets those weights instead of the last periodic ones (a task ended by a cancel, by another client
     or by ``srl stop``; a trainer that ended it published first and lets go at once). The wait is said
     once it has lasted ``announce_after``."""
-    holder, _ = board.lease_holder("trainer")
+    holder, _ = with_retry(lambda: board.lease_holder("trainer"), "reading the trainer lease")
     if holder is None:
         return
     started = time.monotonic()
     deadline = started + max_wait
     announced = False
     try:
-        while board.lease_holder("trainer")[0] is not None:
+        while with_retry(lambda: board.lease_holder("trainer"), "reading the trainer lease")[0] is not None:
             if not announced and time.monotonic() - started >= announce_after:
                 announced = True
                 logger.info("waiting up to %.0fs for trainer %s to publish its final params (Ctrl-C again to skip)",
@@ -609,7 +612,8 @@ def _await_trainer_end(board: Board, max_wait: float = FINAL_PARAMS_WAIT_S, anno
 
 
 def _load_final_params(board: Board, runner: Runner, codec: Codec) -> None:
-    record = board.get_params(params_message_bytes(runner.parameter.to_arrays()))
+    max_bytes = params_message_bytes(runner.parameter.to_arrays())
+    record = with_retry(lambda: board.get_params(max_bytes), "reading the final params")
     if record is None:
         logger.warning("no params on the board: the runner keeps its current weights")
         return
@@ -799,30 +803,35 @@ def _watch(
     next_line = start + (progress_interval or 0)
     log_every = progress_interval or 5.0
     next_row = start + log_every
+    away_note = Throttle()
     while True:
         status = with_retry(board.get_status, "watching the task")
         if status is None or status.task_id != board.task_id:
             raise TaskFailedError(TASK_GONE if status is None else TASK_REPLACED)
         if status.status in ("END", "FAILED"):
             return status
-        if procs and procs[0].poll() not in (None, 0):
-            board.end_task("FAILED", f"the local trainer process exited with code {procs[0].returncode}")
-            continue
-        now = time.monotonic()
-        if timeout is not None and task_elapsed(board, status) > timeout + TIMEOUT_GRACE_S:
-            # the trainer applies the timeout; with no trainer alive to do it, the client does
-            board.end_task("END", f"timeout {timeout:g}s reached (ended by the client: no trainer ended it)")
-            continue
-        if progress_interval is not None and now >= next_line:
-            next_line = now + progress_interval
-            for line in progress_lines(board, status, task_elapsed(board, status), max_train_count, max_steps,
-                                       timeout, hints):
-                logger.info("%s", line)
-        if now >= next_row:  # the history: on the board for dashboards, in log_dir when there is one
-            next_row = now + log_every
-            _record_history(board, run_log, evaluator)
-        if checkpoints is not None:
-            checkpoints.fetch()
+        try:
+            if procs and procs[0].poll() not in (None, 0):
+                board.end_task("FAILED", f"the local trainer process exited with code {procs[0].returncode}")
+                continue
+            now = time.monotonic()
+            if timeout is not None and task_elapsed(board, status) > timeout + TIMEOUT_GRACE_S:
+                # the trainer applies the timeout; with no trainer alive to do it, the client does
+                board.end_task("END", f"timeout {timeout:g}s reached (ended by the client: no trainer ended it)")
+                continue
+            if progress_interval is not None and now >= next_line:
+                next_line = now + progress_interval
+                for line in progress_lines(board, status, task_elapsed(board, status), max_train_count, max_steps,
+                                           timeout, hints):
+                    logger.info("%s", line)
+            if now >= next_row:  # the history: on the board for dashboards, in log_dir when there is one
+                next_row = now + log_every
+                _record_history(board, run_log, evaluator)
+            if checkpoints is not None:
+                checkpoints.fetch()
+        except BOARD_AWAY as e:  # a reset connection, a blip: the next look at the task waits for the board
+            if away_note.ready():
+                logger.warning("the board did not answer while watching (%s); watching goes on", short(e))
         time.sleep(0.2)
 
 
@@ -869,7 +878,7 @@ def _record_history(board: Board, run_log: RunLog | None, evaluator: Evaluator |
     row = with_retry(lambda: history_row(board, evaluator), "reading the run's stats")
     row = run_log.add_history(row) if run_log is not None else {"time": round(time.time(), 3), **row}
     try:
-        board.push_history(row)
+        with_retry(lambda: board.push_history(row), "keeping the run's history on the board")
     except ValueError as e:  # a row too large for the board (thousands of actors): the file has it all
         logger.debug("history row not put on the board: %s", e)
 
