@@ -181,13 +181,15 @@ def main() -> None:
     parser.add_argument("--reset-rate", type=float, default=0.0,
                         help="every second, reset each proxied connection with this probability (0.01: 1%%); the "
                              "table then counts resets and the leases live nodes lost")
+    parser.add_argument("--no-loopback", action="store_true",
+                        help="skip the loopback baseline (no ratios: for --reset-rate runs, where leases count)")
     args = parser.parse_args()
     changes, actor_options = assignments(parser, args.set), assignments(parser, args.actor)
     logging.getLogger("srl").setLevel(logging.WARNING)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     if unknown := [a for a in algos if a not in ALGOS]:
         parser.error(f"unknown algorithm(s) {unknown}; known: {', '.join(ALGOS)}")
-    rtts = sorted({0.0, *(float(r) for r in args.rtt.split(",") if r.strip())})
+    rtts = sorted({*([] if args.no_loopback else [0.0]), *(float(r) for r in args.rtt.split(",") if r.strip())})
     cells: list[Cell] = []
     for algo in algos:
         for rtt in rtts:
@@ -206,7 +208,7 @@ def main() -> None:
     print(line)
     print("-" * len(line))
     for cell in cells:
-        base = next(c for c in cells if c.algo == cell.algo and c.rtt_ms == 0.0)
+        base = next((c for c in cells if c.algo == cell.algo and c.rtt_ms == 0.0), Cell(cell.algo, 0.0, 0.0, 0.0, 0.0))
         train_target, env_target = TARGETS.get((cell.algo, int(cell.rtt_ms)), (None, None))
         values = (cell.algo, f"{cell.rtt_ms:g}", f"{cell.train_per_s:.1f}", ratio(cell.train_per_s, base.train_per_s),
                   f"≥ {train_target}" if train_target else "", f"{cell.env_steps_per_s:.0f}",
