@@ -535,6 +535,23 @@ def test_a_params_blob_larger_than_the_network_is_not_fetched(task: Board) -> No
         task.get_params(max_bytes=4999)
 
 
+def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(task: Board,
+                                                                           client: redis.Redis) -> None:
+    assert task.get_params_unless(None) == (None, None)  # nothing published yet
+    epoch = task.claim_trainer("t", 10_000)
+    assert epoch is not None and task.publish_params("t", epoch, 3, b"v3", 30)
+    calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert task.get_params_unless(2, max_bytes=100) == ((epoch, 3, 30), ParamsRecord(epoch, 3, 30, b"v3"))
+    assert client.info("commandstats")["cmdstat_evalsha"]["calls"] == calls + 1  # one command: one round trip
+    assert task.get_params_unless(3, max_bytes=100) == ((epoch, 3, 30), None)  # the version it holds: no blob
+    assert task.publish_params("t", epoch, 4, b"x" * 5000, 40)
+    with pytest.raises(BoardDataError, match="5000 bytes"):
+        task.get_params_unless(3, max_bytes=4999)
+    assert task.get_params_unless(4, max_bytes=4999) == ((epoch, 4, 40), None)  # held: its size does not matter
+    other = task.bound("another-task-id")
+    assert other.get_params_unless(3) == (None, None)  # another task's params: never acted with
+
+
 def test_event_texts_and_dead_letters_are_capped(task: Board, client: redis.Redis) -> None:
     task.log_event("x" * 100_000, source="s" * 1000)
     event = task.get_events(1)[0]

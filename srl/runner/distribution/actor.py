@@ -75,6 +75,9 @@ logger = logging.getLogger("srl.actor")
 _RUNS = itertools.count()
 """runs of actors in this process"""
 
+ONE_TRIP_PARAMS_BYTES = 1 << 20
+"""params up to this size are fetched with their version, in one round trip, by an actor waiting for the next
+version (sync's lockstep); larger ones go through the machine's params cache (fetched once per machine)"""
 
 
 class ActorRun:
@@ -211,6 +214,9 @@ class ActorRun:
                         self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
                         break
                     head: tuple[int, int, int] | None = (hb.params_epoch, hb.params_version, hb.train_count)
+                elif self._awaiting_params.is_set() and self.inference is None \
+                        and self.max_params_bytes <= ONE_TRIP_PARAMS_BYTES:
+                    head = self._fetch_if_new()  # lockstep: the version and its params in one round trip
                 else:
                     head = self.board.get_params_head()
                 if head is not None:
@@ -296,6 +302,21 @@ class ActorRun:
             self.latest_train_count = max(self.latest_train_count, train_count)
         self._trainer_epoch = max(self._trainer_epoch, epoch)
 
+    def _fetch_if_new(self) -> tuple[int, int, int] | None:
+        """The params head, with the params staged when their version is not the one held: one round trip,
+        for an actor that waits for the next version (the machine's params cache is skipped: small params
+        only, where a round trip costs more than the bytes)."""
+        try:
+            head, record = self.board.get_params_unless(self.latest_version, self.max_params_bytes)
+            if record is not None:
+                self.params_fetched_bytes += len(record.blob)
+                self._stage(record, self.codec.decode_params(record.blob, epoch=record.epoch,
+                                                             version=record.version)[1])
+        except (DecodeError, BoardDataError) as e:
+            self._unusable(e)
+            return None
+        return head
+
     def _fetch_params(self, head: tuple[int, int]) -> None:
         """Fetch and decode the latest params (at least ``head``'s (epoch, version); from the machine's
         params cache when another actor here fetched them); the main loop applies them when the worker may
@@ -323,14 +344,22 @@ class ActorRun:
                     return
                 _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
         except (DecodeError, BoardDataError) as e:
-            logger.error("params on the board cannot be used (%s); keeping version %d", short(e), self.params_version)
-            self.counters.add(bad_messages=1)
-            latest = self.board.get_params_version()
-            self.latest_version = latest[1] if latest is not None else self.latest_version  # not this blob again
+            self._unusable(e)
             return
+        self._stage(record, arrays)
+
+    def _stage(self, record: ParamsRecord, arrays: dict[str, np.ndarray]) -> None:
+        """Hand decoded params to the main loop (it applies them when the worker may load them)."""
         self._staged.put(record.epoch, record.version, arrays)
         self.latest_version = record.version
         self._note_head(record.epoch, record.train_count)
+
+    def _unusable(self, error: Exception) -> None:
+        """The params on the board do not decode or are out of bounds: counted, and not fetched again."""
+        logger.error("params on the board cannot be used (%s); keeping version %d", short(error), self.params_version)
+        self.counters.add(bad_messages=1)
+        latest = self.board.get_params_version()
+        self.latest_version = latest[1] if latest is not None else self.latest_version  # not this blob again
 
     def _begin_wait(self) -> None:
         self._wait_started = time.monotonic()

@@ -417,6 +417,19 @@ redis.call('HSET', KEYS[4], 'params_epoch', ARGV[2], 'params_version', ARGV[3], 
 return 1
 """
 
+# KEYS: params. ARGV: a version the caller holds ('' : none), max blob bytes (-1: any).
+# The latest params in one round trip: the head always, the blob only when its version is not the one the
+# caller holds and it is within the caller's bound (its size is returned, so a huge forged blob never travels).
+_GET_PARAMS_LUA = """
+local h = redis.call('HMGET', KEYS[1], 'epoch', 'version', 'train_count', 'task')
+if not h[1] or not h[2] or not h[3] then return false end
+local size = redis.call('HSTRLEN', KEYS[1], 'blob')
+local blob = false
+local limit = tonumber(ARGV[2])
+if h[2] ~= ARGV[1] and (limit < 0 or size <= limit) then blob = redis.call('HGET', KEYS[1], 'blob') end
+return {h[1], h[2], h[3], h[4] or '', size, blob}
+"""
+
 # KEYS: trainer lease, epoch, checkpoint, task. ARGV: uid, epoch, train_count, blob, task id.
 # The trainer's latest checkpoint, fenced like its params: a client far from the trainer keeps it.
 _PUT_CHECKPOINT_LUA = _TASK_IS_LUA + """
@@ -707,6 +720,7 @@ class Board:
         self._note_refusal = client.register_script(_NOTE_REFUSAL_LUA)
         self._delete_orphans = client.register_script(_DELETE_ORPHANS_LUA)
         self._put_checkpoint = client.register_script(_PUT_CHECKPOINT_LUA)
+        self._get_params = client.register_script(_GET_PARAMS_LUA)
 
     def __repr__(self) -> str:
         return f"Board(task_name={self.task_name!r}" + (f", task_id={self.task_id!r})" if self.task_id else ")")
@@ -1109,22 +1123,31 @@ class Board:
         return None if head[0] == 0 else head
 
     def get_params(self, max_bytes: int | None = None) -> ParamsRecord | None:
-        """The latest params; None before the first publish. ``max_bytes``: a larger blob is a
-        BoardDataError (read its length first, so a huge forged blob is never fetched)."""
-        if max_bytes is not None:
-            size = int(self.client.hstrlen(self._params_key, "blob"))
-            if size > max_bytes:
-                raise BoardDataError(f"params blob is {size} bytes, over the {max_bytes} this network needs")
-        epoch, version, train_count, blob, task = self.client.hmget(
-            self._params_key, "epoch", "version", "train_count", "blob", "task"
-        )
-        if epoch is None or version is None or train_count is None or not isinstance(blob, bytes):
-            return None
+        """The latest params (one round trip); None before the first publish. ``max_bytes``: a larger blob is a
+        BoardDataError (its length is read first, in the same script, so a huge forged blob is never sent)."""
+        return self.get_params_unless(None, max_bytes)[1]
+
+    def get_params_unless(self, held_version: int | None, max_bytes: int | None = None
+                          ) -> tuple[tuple[int, int, int] | None, ParamsRecord | None]:
+        """``(head, record)`` in one round trip: the latest params' ``(epoch, version, train_count)`` and, unless
+        their version is ``held_version`` (the caller's), the params themselves (None: not new, none yet, or
+        another task's). For a node waiting for the next version: it polls and fetches at once."""
+        answer = self._get_params(keys=[self._params_key],
+                                  args=["" if held_version is None else str(held_version),
+                                        -1 if max_bytes is None else int(max_bytes)])
+        if not answer:
+            return None, None
+        epoch, version, train_count, task, size, blob = answer
+        head = _int(epoch, "epoch"), _int(version, "version"), _int(train_count, "train_count")
         if self.task_id and task and _str(task) != self.task_id:
-            return None  # the params of the task that replaced this one: an old node never acts with them
-        if max_bytes is not None and len(blob) > max_bytes:  # replaced between the two reads
-            raise BoardDataError(f"params blob is {len(blob)} bytes, over the {max_bytes} this network needs")
-        return ParamsRecord(_int(epoch, "epoch"), _int(version, "version"), _int(train_count, "train_count"), blob)
+            return None, None  # the params of the task that replaced this one: an old node never acts with them
+        if held_version is not None and head[1] == held_version:
+            return head, None
+        if max_bytes is not None and int(size) > max_bytes:
+            raise BoardDataError(f"params blob is {int(size)} bytes, over the {max_bytes} this network needs")
+        if not isinstance(blob, bytes):
+            return head, None
+        return head, ParamsRecord(head[0], head[1], head[2], blob)
 
     def put_checkpoint(self, owner_uid: str, epoch: int, train_count: int, blob: bytes) -> bool:
         """Keep the trainer's latest checkpoint on the board (for a client far from the trainer); False
