@@ -45,7 +45,7 @@ ALGOS: dict[str, tuple[str, Any]] = {
 }
 QUEUES = {"redis": None, "amqp": ("127.0.0.1", 5672, "amqp://guest:guest@{}/"),
           "mqtt": ("127.0.0.1", 1883, "mqtt://{}")}
-TARGETS = {  # (algo, rtt ms): (train/s ratio, env steps/s ratio), the floors
+TARGETS = {  # (algo, rtt ms): (train/s ratio, env steps/s ratio), the targets srl aims at
     ("dqn", 20): (0.95, 0.95), ("dqn", 100): (0.8, 0.8),
     ("impala", 20): (None, 0.95), ("impala", 100): (None, 0.8),
     ("ppo", 20): (0.8, None), ("ppo", 100): (0.5, None),

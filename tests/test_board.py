@@ -535,8 +535,9 @@ def test_a_params_blob_larger_than_the_network_is_not_fetched(task: Board) -> No
         task.get_params(max_bytes=4999)
 
 
-def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(task: Board,
+def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(board: Board,
                                                                            client: redis.Redis) -> None:
+    task = board.bound(board.create_task(CONFIG, actor_num=1).task_id)  # nodes read as their task's
     assert task.get_params_unless(None) == (None, None)  # nothing published yet
     epoch = task.claim_trainer("t", 10_000)
     assert epoch is not None and task.publish_params("t", epoch, 3, b"v3", 30)
