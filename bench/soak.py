@@ -38,9 +38,10 @@ from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.embedded import start_embedded_redis
 from tests.nodes import ClientThread, Node
 
-DEFAULT_NODE = ("--lease-ttl", "5", "--heartbeat-interval", "1", "--task-poll-interval", "1",
-                "--batch-size", "128", "--batch-max-age", "1", "--params-poll-interval", "1")
+DEFAULT_NODE = ("--lease-ttl", "5", "--heartbeat-interval", "1", "--task-poll-interval", "1")
 """srl's default lease settings (tests/nodes.py starts nodes with faster ones)"""
+DEFAULT_ACTOR = ("--batch-size", "128", "--batch-max-age", "1", "--params-poll-interval", "0.1")
+"""srl's default actor settings"""
 
 
 @dataclass
@@ -75,7 +76,8 @@ class Soak:
         self._lock = threading.Lock()
 
     def start(self, role: str) -> Process:
-        process = Process(role, Node(role, self.url, self.task, self.log_dir, *DEFAULT_NODE), time.monotonic())
+        extra = DEFAULT_NODE + (DEFAULT_ACTOR if role == "actor" else ())
+        process = Process(role, Node(role, self.url, self.task, self.log_dir, *extra), time.monotonic())
         with self._lock:
             self.processes.append(process)
         return process
