@@ -6,6 +6,7 @@ cluster, nothing runs as root, and no credential is ever on a command line."""
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+try:
+    import kubernetes_validate
+except ImportError:  # a laptop without the dev extra skips; CI (which installs it) must validate
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("kubernetes-validate is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
