@@ -122,14 +122,6 @@ def _clean_stats(stats: NodeStats | None) -> dict[str, float | int | str | bool 
     return {str(k)[:64]: _scalar(v) for k, v in list(record.items())[:STATS_KEYS_LIMIT]}
 
 
-def _config_says(board: Board, key: str, value: object) -> bool:
-    """Whether the task config's ``key`` is ``value`` (unverified: for display); a damaged config: no."""
-    try:
-        return board.get_task_config().get(key) == value
-    except BoardError:
-        return False
-
-
 def _heartbeat_age(stats: NodeStats | None, now: float) -> float | None:
     """Seconds since the role last wrote its stats (its heartbeat), or None when it never did."""
     if stats is None or not stats.updated_at:
@@ -199,7 +191,11 @@ class Dashboard:
         reports = Reports.read(board)
         counters = board.get_counters()
         detail: dict[str, Any] = {"name": board.task_name, **_status_fields(status), "error": None, "now": now}
-        detail.update(self._config_fields(board))
+        try:  # one read of the task config (unverified: for display); a damaged one is named, and reads as {}
+            config, config_error = board.get_task_config(), None
+        except BoardError as e:
+            config, config_error = {}, e
+        detail.update(self._config_fields(config, config_error))
         start = status.started_at or status.created_at
         detail["elapsed_s"] = round(max(0.0, (status.ended_at or now) - start), 1) if start else None
 
@@ -213,7 +209,7 @@ class Dashboard:
             status.train_count
 
         detail["inference"] = None
-        if _config_says(board, "inference", "central"):  # an inference server to show
+        if config.get("inference") == "central":  # an inference server to show
             holder, ttl = board.lease_holder("inference")
             detail["inference"] = {"holder": _scalar(holder), "lease_ttl_ms": ttl,
                                    "heartbeat_age_s": _heartbeat_age(reports.inference, now),
@@ -229,7 +225,7 @@ class Dashboard:
             actors.append({"slot": slot, "holder": _scalar(holder), "lease_ttl_ms": ttl,
                            "heartbeat_age_s": _heartbeat_age(s, now), "stats": _clean_stats(s)})
         detail["actors"] = actors
-        detail["elastic_actors"] = _config_says(board, "elastic_actors", True)  # a free slot is not missing
+        detail["elastic_actors"] = config.get("elastic_actors") is True  # a free slot is not missing
         detail["actors_not_shown"] = max(0, status.actor_num - SHOWN_ACTORS)
 
         detail["counters"] = {k: _scalar(v) for k, v in sorted(counters.items())[:STATS_KEYS_LIMIT]}
@@ -246,12 +242,11 @@ class Dashboard:
         ]
         return detail
 
-    def _config_fields(self, board: Board) -> dict[str, Any]:
-        """Algorithm and env from the task config (unverified: for display); a damaged config is named."""
-        try:
-            config = board.get_task_config()
-        except BoardError as e:
-            return {"algorithm": None, "env": None, "config_error": _error_text(e)}
+    @staticmethod
+    def _config_fields(config: dict[str, Any], error: BoardError | None) -> dict[str, Any]:
+        """Algorithm and env from the task config; a damaged config is named."""
+        if error is not None:
+            return {"algorithm": None, "env": None, "config_error": _error_text(error)}
         env = config.get("env")
         env_id = env.get("id") if isinstance(env, dict) else None
         algorithm = config.get("algorithm")
