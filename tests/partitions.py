@@ -65,7 +65,7 @@ def _training(board: Board, at_least: int, timeout: float = 180) -> None:
     wait_for(lambda: (s := board.get_status()) is not None and s.train_count >= at_least, timeout, "training")
 
 
-def _train_count(board: Board) -> int:
+def train_count(board: Board) -> int:
     status = board.get_status()
     return 0 if status is None else status.train_count
 
@@ -129,13 +129,13 @@ def run_case(case: str, redis_url: str, namespace: str, log_dir: Path, nodes: li
                 wait_for(lambda: any("fenced off" in t for t in _events(board)), 60 + cut_s,
                          "the first trainer to find itself fenced")
             else:
-                before = _train_count(board)
+                before = train_count(board)
                 proxy.partition()
-                wait_for(lambda: _train_count(board) >= before + more_training, 60 + cut_s,
+                wait_for(lambda: train_count(board) >= before + more_training, 60 + cut_s,
                          "training to go on without the client")
                 _sleep_until(proxy, cut_s)
                 proxy.heal()
-            _training(board, _train_count(board) + more_training)
+            _training(board, train_count(board) + more_training)
             board.end_task("END", f"the {case} partition case is over")
             client.join(120 + cut_s)
             result.client_error = ("the client did not finish" if client.is_alive()

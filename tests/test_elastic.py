@@ -15,16 +15,12 @@ from srl.algorithms import ppo
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import Board, TaskState
 from tests.nodes import ClientThread, Node, board_for, start, wait_for
+from tests.partitions import train_count
 
 pytestmark = pytest.mark.slow
 
 NEVER_S = 600.0
 """sync_wait_s: an update that waited for a missing actor would wait this long (the test ends long before)"""
-
-
-def _train_count(board: Board) -> int:
-    status = board.get_status()
-    return 0 if status is None else status.train_count
 
 
 def _slot_of(board: Board, node: Node, actor_num: int) -> int | None:
@@ -44,17 +40,17 @@ def test_sync_ppo_with_elastic_actors_trains_with_those_there_and_never_waits_fo
                           actor_num=3, max_train_count=10**9, elastic_actors=True, progress_interval=0.5)
     client.start()
     # one actor of up to three: updates go on with its segments alone
-    wait_for(lambda: _train_count(board) >= 3, 120, "updates with one actor of three")
+    wait_for(lambda: train_count(board) >= 3, 120, "updates with one actor of three")
     assert _slot_of(board, first, 3) == 0
     second = start(nodes, "actor", redis_url, namespace, tmp_path)
     wait_for(lambda: _slot_of(board, second, 3) == 1, 60, "the actor that came to take the next free slot")
-    joined_at = _train_count(board)
+    joined_at = train_count(board)
     wait_for(lambda: (s := board.get_all_stats().get("actor:1")) is not None and s.get("sent_batches", 0) > 0
-             and _train_count(board) >= joined_at + 3, 120, "updates with the segments of both actors")
+             and train_count(board) >= joined_at + 3, 120, "updates with the segments of both actors")
     second.stop()  # it leaves (and lets its slot go): the next updates do not wait for it
     wait_for(lambda: board.lease_holder("actor:1")[0] is None, 30, "the slot to be free")
-    left_at = _train_count(board)
-    wait_for(lambda: _train_count(board) >= left_at + 3, 120, "updates after an actor left")
+    left_at = train_count(board)
+    wait_for(lambda: train_count(board) >= left_at + 3, 120, "updates after an actor left")
     assert board.end_task("END", "the elastic test is over")
     client.join(120)
     assert not client.is_alive() and client.error is None, client.error
