@@ -118,6 +118,18 @@ def test_presets_follow_the_action_family() -> None:
     assert ppo.Config(gamma=0.99).resolved(env_spec(EnvConfig("Pendulum-v1"))).gamma == 0.99  # a set field wins
 
 
+def test_presets_tell_atari_images_from_small_grids() -> None:
+    pytest.importorskip("ale_py")
+    pytest.importorskip("minatar")
+    config = ppo.Config()
+    atari, grid = env_spec(EnvConfig("ALE/Pong-v5")), env_spec(EnvConfig("MinAtar/Breakout-v1"))
+    assert (config.family(atari), config.family(grid)) == ("images", "grids")
+    images, grids = config.resolved(atari), config.resolved(grid)
+    assert images.lr == 2.5e-4 and grids.lr == 10 * images.lr  # CleanRL's ppo_atari; ten times that for grids
+    assert (grids.segment_length, grids.epochs, grids.gamma) == (images.segment_length, images.epochs, images.gamma)
+    assert ppo.Config(lr=1e-4).resolved(grid).lr == 1e-4
+
+
 class TwoDials(gym.Env):
     """MultiDiscrete([3, 3]): reward 1 when both dials match the observed targets."""
 

@@ -18,9 +18,10 @@ ratio taken against the behaviour policy's log-probabilities, advantages from
 the current critic, and segments more than ``max_policy_lag`` versions old
 refused (at arrival and again before training).
 
-Defaults depend on the action space the way RL zoos ship per-family presets:
-fields left at ``None`` take the Discrete or the continuous-control value
-(``Config.resolved``), so ``ppo.Config()`` works on CartPole and Pendulum alike.
+Defaults depend on the workload the way RL zoos ship per-family presets:
+fields left at ``None`` take the value of the env's family (``Config.resolved``):
+Discrete or continuous-control vectors, Atari-sized images, or small grids
+(MinAtar), so ``ppo.Config()`` works on CartPole, Pendulum and Breakout alike.
 """
 
 from __future__ import annotations
@@ -63,19 +64,24 @@ from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
 from srl.rl.recurrent import check_recurrent
 
-# Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box, images). The
-# images column is CleanRL's ppo_atari.py (Atari's rewards are clipped by its preprocessing instead).
-PRESETS: dict[str, tuple[Any, Any, Any]] = {
-    "segment_length": (32, 256, 128),
-    "epochs": (20, 10, 4),
-    "minibatches": (1, 32, 4),
-    "lr": (1e-3, 1e-3, 2.5e-4),
-    "gamma": (0.98, 0.9, 0.99),
-    "gae_lambda": (0.8, 0.95, 0.95),
-    "ent_coef": (0.0, 0.0, 0.01),
-    "normalize_obs": (False, True, False),
-    "normalize_reward": (False, True, False),
+# Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box, images, grids).
+# The images column is CleanRL's ppo_atari.py (Atari's rewards are clipped by its preprocessing instead).
+# Grids are images under the Nature CNN's smallest side (MinAtar's 10x10, the small CNN): the same, but
+# with a learning rate ten times Atari's, within the range MinAtar's PPO baselines use (gymnax-blines
+# 5e-4 constant, PQN's 5e-3 annealed); docs/pixels.md gives the measurements.
+PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
+    "segment_length": (32, 256, 128, 128),
+    "epochs": (20, 10, 4, 4),
+    "minibatches": (1, 32, 4, 4),
+    "lr": (1e-3, 1e-3, 2.5e-4, 2.5e-3),
+    "gamma": (0.98, 0.9, 0.99, 0.99),
+    "gae_lambda": (0.8, 0.95, 0.95, 0.95),
+    "ent_coef": (0.0, 0.0, 0.01, 0.01),
+    "normalize_obs": (False, True, False, False),
+    "normalize_reward": (False, True, False, False),
 }
+FAMILIES = ("discrete", "box", "images", "grids")
+"""the columns of ``PRESETS``, as ``Config.family`` names them"""
 
 
 @dataclass
@@ -100,7 +106,7 @@ class Config(RLConfig):
     minibatches: int | None = None
     """minibatches per epoch (preset: 1 Discrete, 32 Box: minibatches of 64 steps, as CleanRL and SB3)"""
     lr: float | None = None
-    """Adam learning rate (preset: 1e-3)"""
+    """Adam learning rate (preset: 1e-3 vectors, 2.5e-4 images, 2.5e-3 grids)"""
     anneal_lr: bool = True
     """decay the learning rate (and the clip range with it) linearly to 0 over the run's max_steps"""
     gamma: float | None = None
@@ -144,10 +150,16 @@ class Config(RLConfig):
     min_segments: int = 1
     """sync: the fewest segments the trainer goes on with after sync_wait_s"""
 
+    def family(self, spec: EnvSpec) -> str:
+        """The preset family of ``spec`` (``FAMILIES``): its images, small or not, else its action space."""
+        if spec.image:
+            return "grids" if self.encoder.small_image(spec) else "images"
+        return "box" if isinstance(spec.actions, BoxActions) else "discrete"
+
     def resolved(self, spec: EnvSpec) -> Config:
-        """A copy with every ``None`` field set to the preset of ``spec``'s action family."""
-        family = 2 if spec.image else 1 if isinstance(spec.actions, BoxActions) else 0
-        changes = {name: preset[family] for name, preset in PRESETS.items() if getattr(self, name) is None}
+        """A copy with every ``None`` field set to the preset of ``spec``'s family (``family``)."""
+        column = FAMILIES.index(self.family(spec))
+        changes = {name: preset[column] for name, preset in PRESETS.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:

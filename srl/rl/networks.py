@@ -77,8 +77,11 @@ class EncoderConfig(Settings):
             return self.kind
         if not spec.image:
             return "mlp"
-        height, width = image_size(spec, self._channels_last(spec))
-        return "nature_cnn" if min(height, width) >= NATURE_MIN_SIZE else "minatar_cnn"
+        return "minatar_cnn" if self.small_image(spec) else "nature_cnn"
+
+    def small_image(self, spec: EnvSpec) -> bool:
+        """Whether ``spec`` observes images with a side under the Nature CNN's smallest (MinAtar's 10x10 grids)."""
+        return spec.image and min(image_size(spec, self._channels_last(spec))) < NATURE_MIN_SIZE
 
     def _channels_last(self, spec: EnvSpec) -> bool:
         shape = spec.obs_shape
