@@ -115,6 +115,8 @@ PENDULUM_NOVEL = "srl/PendulumNoVel-v1"
 MINATAR_BREAKOUT = "MinAtar/Breakout-v1"
 RANDOM_MINATAR_BREAKOUT = 0.41
 """the mean return of uniform random actions on MinAtar Breakout-v1 (300 episodes, seeds 0..299)"""
+RANDOM_MINATAR = {"SpaceInvaders": 4.25, "Asterix": 0.50}
+"""the same for the MinAtar games PPO's grids preset was checked on, not chosen on (docs/pixels.md)"""
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,12 @@ CASES = {case.name: case for case in [
     Case("dqn-lunarlander-box", "LunarLanderContinuous-v3", dqn.Config, "train:50000",
          (), 0.0, "train:3000", needs="Box2D"),
     Case("ppo-minatar", MINATAR_BREAKOUT, ppo.Config, "steps:5000000",
-         (Reference("MinAtar paper AC(λ) and DQN learning curves (Young & Tian 2019, fig. 2)", "5M"),), 20.0,
+         (Reference("MinAtar paper AC(λ) and DQN learning curves (Young & Tian 2019, fig. 2)", "5M"),
+          Reference("gymnax-blines PPO 28 on gymnax's Breakout-MinAtar", "10M")), 20.0,
          "steps:50000", needs="minatar"),
+    *(Case(f"ppo-minatar-{game.lower()}", f"MinAtar/{game}-v1", ppo.Config, "steps:2000000",
+           (Reference(f"5x the random policy's {random} (measured: 300 episodes)", "-"),), 5 * random,
+           "steps:50000", needs="minatar") for game, random in RANDOM_MINATAR.items()),
     Case("dqn-minatar", MINATAR_BREAKOUT, dqn_minatar, "steps:2000000",
          (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0,
          "steps:20000", needs="minatar"),
