@@ -68,7 +68,7 @@ from srl.rl.recurrent import check_recurrent
 # The images column is CleanRL's ppo_atari.py (Atari's rewards are clipped by its preprocessing instead).
 # Grids are images under the Nature CNN's smallest side (MinAtar's 10x10, the small CNN): the same, but
 # with a learning rate ten times Atari's, within the range MinAtar's PPO baselines use (gymnax-blines
-# 5e-4 constant, PQN's 5e-3 annealed); docs/pixels.md gives the measurements.
+# 5e-4 constant, PQN's 5e-3 annealed); docs/benchmarks.md, "PPO on small grids", gives the measurements.
 PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "segment_length": (32, 256, 128, 128),
     "epochs": (20, 10, 4, 4),
