@@ -289,8 +289,11 @@ def test_a_client_whose_connections_are_reset_again_and_again_watches_the_run_to
     target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
     with WanProxy(target["host"], target["port"], delay_s=0.01) as proxy:
         done = threading.Event()
+        board = board_for(redis_url, namespace)
 
-        def resets() -> None:
+        def resets() -> None:  # from the moment the task runs: what is reset is the watching, not the submitting
+            while not done.is_set() and not ((status := board.get_status()) and status.status == TaskState.ACTIVE):
+                done.wait(0.05)
             while not done.wait(0.5):
                 proxy.reset()
 
@@ -305,6 +308,6 @@ def test_a_client_whose_connections_are_reset_again_and_again_watches_the_run_to
         resetter.join()
         assert not client.is_alive() and client.error is None, client.error
         assert proxy.stats.resets > 5
-    status = board_for(redis_url, namespace).get_status()
+    status = board.get_status()
     assert status is not None and status.status == TaskState.END
     assert client.runner.train_count == status.train_count >= 1500
