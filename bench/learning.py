@@ -116,7 +116,7 @@ MINATAR_BREAKOUT = "MinAtar/Breakout-v1"
 RANDOM_MINATAR_BREAKOUT = 0.41
 """the mean return of uniform random actions on MinAtar Breakout-v1 (300 episodes, seeds 0..299)"""
 RANDOM_MINATAR = {"SpaceInvaders": 4.25, "Asterix": 0.50}
-"""the same for the MinAtar games PPO's grids preset was checked on, not chosen on (docs/pixels.md)"""
+"""the same for the MinAtar games PPO's grids preset was checked on, not chosen on (docs/benchmarks.md)"""
 
 
 @dataclass(frozen=True)
