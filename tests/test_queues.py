@@ -398,6 +398,42 @@ def test_redis_gives_up_after_reconnect_timeout(private_redis: PrivateRedis, nam
         assert time.monotonic() - started < 5
 
 
+def test_the_redis_backlog_leaves_out_what_the_trainer_read_and_a_put_learns_it_in_its_round_trip(
+        private_redis: PrivateRedis, namespace: str) -> None:
+    """Backpressure counts what waits for the trainer: entries read and not yet acked sit in its buffer (it
+    read them only as far as it had room), so ``backlog()`` is XLEN less the group's pending entries, while
+    ``depth()`` (the run's accounts) still counts them; a put's pipeline carries the backlog back."""
+    import redis
+
+    raw = redis.Redis.from_url(private_redis.url)
+    with open_queue(private_redis.url, namespace=namespace, role="producer") as producer:
+        assert producer.backlog() == 0  # no stream, no group yet
+        producer.put_many([b"1", b"2", b"3", b"4", b"5"])
+        assert producer.backlog() == 5
+        consumer = open_queue(private_redis.url, namespace=namespace, role="consumer", consumer_name="c")
+        first = drain(consumer, 3, max_messages=3)
+        assert (producer.depth(), producer.backlog()) == (5, 2)
+        raw.config_resetstat()
+        assert producer.put_many_then_backlog([b"6"]) == 3
+        stats = raw.info("commandstats")
+        assert stats["cmdstat_xadd"]["calls"] == 1 and "cmdstat_xlen" in stats and "cmdstat_xpending" in stats
+        consumer.ack_many(first)
+        consumer.send_acks()
+        assert (producer.depth(), producer.backlog()) == (3, 3)
+        consumer.close()  # its unacked entries (none) go back; the three left were never read
+    # a Redis user that may not run scripts: the backlog is XLEN (never less than the real one), no error
+    raw.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                    commands=["+@all", "-eval"])
+    url = private_redis.url.replace("redis://", "redis://noscript:pw@")
+    with open_queue(url, namespace=namespace, role="producer") as limited:
+        consumer = open_queue(private_redis.url, namespace=namespace, role="consumer", consumer_name="c2")
+        drain(consumer, 1, max_messages=1)
+        assert limited.put_many_then_backlog([b"7"]) is None  # the entry went; only the count did not
+        assert limited.backlog() == limited.depth() == 4  # one of them read
+        consumer.close()
+    raw.close()
+
+
 def test_a_redis_ack_goes_with_the_next_command_and_survives_a_lost_connection(private_redis: PrivateRedis,
                                                                               namespace: str) -> None:
     """An ack is sent in the round trip of the consumer's next read (one XACK, no command of its own),

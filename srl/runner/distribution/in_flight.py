@@ -1,8 +1,8 @@
 """How many batches an actor's experience queue holds, and where an actor counts what it sent.
 
 Owns: :class:`InFlight`, the one place that knows some queues cannot tell their depth. A queue that can
-(Redis Streams: ``XLEN``; RabbitMQ: the queue's message count) is asked, and the sends are counted with
-the actor's heartbeat. One that cannot (MQTT, Pub/Sub) is measured on the board: batches sent minus
+(Redis Streams: its entries not yet read; RabbitMQ: the queue's ready messages) is asked, and the sends
+are counted with the actor's heartbeat. One that cannot (MQTT, Pub/Sub) is measured on the board: batches sent minus
 batches received, so each actor counts its sends there at once, and the trainer counts each read before
 it acks it. Must never: be below the queue's real depth (actors would overfill it), or see a batch's
 bytes.
@@ -39,8 +39,10 @@ class InFlight:
         """the depth is read from the board's counts (MQTT, Pub/Sub)"""
 
     def depth(self) -> int:
-        """Batches put and not yet acked; never below the real number (callers retry a board that is away)."""
-        depth = None if self.on_board else self.queue.depth()
+        """Batches waiting for the trainer: put and not yet read where the queue tells (a read batch waits in
+        the trainer's buffer, which has room for it), else put and not yet counted received; never below
+        the real number (callers retry a board that is away)."""
+        depth = None if self.on_board else self.queue.backlog()
         if depth is not None:
             return depth
         counters = self.board.get_counters()

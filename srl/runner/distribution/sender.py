@@ -6,7 +6,9 @@ resending what a broker refused or could not take, and counting what went. With 
 sending thread does the broker's part (the depth read, the put): the caller hands it encoded batches and
 waits only when ``ahead`` of them are still unsent, and the thread puts every batch waiting, as far as
 the queue has room, in one call, so a long round trip to the broker costs a pipeline, not two round
-trips per batch in the acting loop. Must never: drop rows while the run goes on; ack or read anything.
+trips per batch in the acting loop; where the broker tells the backlog in the puts' reply (Redis), the
+next put goes without a read while that reply left room. Must never: drop rows while the run goes on;
+ack or read anything.
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ class RowSender:
 
     def _send_loop(self) -> None:
         """Put what waits in the outbox, as much at a time as the queue has room for, until closed or stopped."""
+        known_room = 0
         try:
             while True:
                 with self._changed:
@@ -204,14 +207,17 @@ class RowSender:
                         self._changed.wait(0.1)
                     if self.stop.is_set() or not self._outbox:
                         break
-                room = self.wait_for_room(clock=False)
+                # the room the last put's reply told, else a read of the backlog (waiting while there is none)
+                room, known_room = (known_room, 0) if known_room > 0 else (self.wait_for_room(clock=False), 0)
                 if room <= 0:  # stopping
                     break
                 with self._changed:
                     taken = [self._outbox.popleft() for _ in range(min(room, len(self._outbox)))]
                     self._changed.notify_all()
                 self.sent_batches += len(taken)
-                self.put([blob for blob, _ in taken])
+                backlog = self.put([blob for blob, _ in taken], then_backlog=not self.in_flight.on_board)
+                if backlog is not None:
+                    known_room = self.capacity - backlog
                 self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
         except BaseException as e:  # the caller raises it at its next send, or at close
             logger.exception("the sending thread failed")
@@ -226,18 +232,22 @@ class RowSender:
             if left:
                 logger.info("not sending %d rows: %s", left, self.stop.reason or "the sender closed")
 
-    def put(self, payloads: list[bytes]) -> None:
+    def put(self, payloads: list[bytes], then_backlog: bool = False) -> int | None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
         sent again after a wait, and a broker that is away is waited for: never dropped while the
-        task runs (a resend after a failure may deliver a batch twice: the trainer recognises it)."""
+        task runs (a resend after a failure may deliver a batch twice: the trainer recognises it).
+        ``then_backlog``: return the queue's backlog after the puts where the broker tells it in their
+        round trip (else None)."""
         delay = 0.05
         away_since: float | None = None
         while payloads:
             try:
-                self.queue.put_many(payloads)
+                backlog = self.queue.put_many_then_backlog(payloads) if then_backlog else None
+                if not then_backlog:
+                    self.queue.put_many(payloads)
                 if away_since is not None:
                     logger.warning("experience queue reachable again after %.0fs", time.monotonic() - away_since)
-                return
+                return backlog
             except QueueFullError as e:
                 payloads = list(e.rejected)
                 logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
@@ -256,7 +266,8 @@ class RowSender:
             self.counters.add(backpressure_wait_s=waited)
             if self.stop.is_set():
                 logger.warning("%d message(s) not sent: %s", len(payloads), self.stop.reason)
-                return
+                return None
+        return None
 
     def finish(self) -> None:
         """Send what the thread still holds (unless the run stopped) and wait for it: its last put is counted

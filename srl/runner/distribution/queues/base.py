@@ -128,6 +128,12 @@ class ExperienceQueue(ABC):
         for data in items:
             self.put(data)
 
+    def put_many_then_backlog(self, items: Sequence[bytes]) -> int | None:
+        """``put_many``, then the backlog those puts left, where the backend learns it in the same round trip
+        (Redis: one pipeline); None where it does not (the caller asks ``backlog()`` when it needs it)."""
+        self.put_many(items)
+        return None
+
     def get(self, timeout: float) -> Message | None:
         """The next payload, waiting at most ``timeout`` seconds; None if nothing came."""
         messages = self.get_many(1, timeout)
@@ -155,6 +161,12 @@ class ExperienceQueue(ABC):
     def depth(self) -> int | None:
         """Messages put but not yet acked, if the broker can tell cheaply; else None."""
         return None
+
+    def backlog(self) -> int | None:
+        """Messages put and not yet delivered to a consumer: what actors' backpressure counts (a batch the
+        trainer has read sits in its buffer, bounded by the buffer's room, until it is acked). Where the
+        broker cannot tell the delivered from the waiting, ``depth()`` (never less)."""
+        return self.depth()
 
     @property
     def reports_depth(self) -> bool:

@@ -3,7 +3,9 @@
 Features:
     * at-least-once: XADD; XREADGROUP (consumer group ``trainer``); the caller's
       ack is XACK + XDEL, so XLEN is exactly the messages not yet acked and
-      ``depth()`` is one cheap command. An ack is held back and sent in the same
+      ``depth()`` is one cheap command; ``backlog()`` (what actors' backpressure
+      counts) is XLEN less the group's pending entries, in one script, and
+      ``put_many_then_backlog`` learns it in the puts' round trip. An ack is held back and sent in the same
       round trip as the consumer's next command (a read, ``depth()``, ``close()``,
       or ``send_acks()``): a read and its ack cost one round trip, not two. Until
       then another client sees those entries as pending; should the consumer die
@@ -101,6 +103,16 @@ _MAX_ARRAY = 4096
 
 _COMPACT_AT = 1 << 20
 _RECREATE_TRIES = 5
+# the entries not yet delivered to the group: every entry (acked ones are deleted) less the pending ones; one
+# script, so a read or an ack between the two counts cannot make it too small
+_BACKLOG_LUA = """
+local length = redis.call('XLEN', KEYS[1])
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
+if ok and type(pending) == 'table' and tonumber(pending[1]) then
+  return length - tonumber(pending[1])
+end
+return length
+"""
 
 
 class Unread:
@@ -280,6 +292,7 @@ class RedisStreamQueue(ExperienceQueue):
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
         self._closed = False
+        self._backlog_by_script = True  # False once the Redis user was refused EVAL or XPENDING
         self._client = self._connect()
         self._reconnector = Reconnector(
             broker=f"Redis at {params.describe()}",
@@ -331,7 +344,8 @@ class RedisStreamQueue(ExperienceQueue):
         if isinstance(error, redis.exceptions.NoPermissionError):
             return permission_denied(f"Redis at {self.params.describe()}", error,
                                      "the Redis user of the experience queue needs the stream commands (XADD, "
-                                     "XREADGROUP, XACK, XDEL, XAUTOCLAIM, XCLAIM, XGROUP, XINFO, XLEN, DEL)")
+                                     "XREADGROUP, XACK, XDEL, XAUTOCLAIM, XCLAIM, XGROUP, XINFO, XLEN, XPENDING, "
+                                     "DEL; EVAL for the backlog)")
         return None
 
     def _reconnect(self) -> None:
@@ -400,17 +414,38 @@ class RedisStreamQueue(ExperienceQueue):
                                                     approximate=True))
 
     def put_many(self, items: Sequence[bytes]) -> None:
-        items = self._payloads(items)
-        if not items:
-            return
+        self._put_many(items, then_backlog=False)
 
-        def send() -> None:
+    def put_many_then_backlog(self, items: Sequence[bytes]) -> int | None:
+        return self._put_many(items, then_backlog=self._backlog_by_script)
+
+    def _put_many(self, items: Sequence[bytes], then_backlog: bool) -> int | None:
+        items = self._payloads(items)
+        if not items and not then_backlog:
+            return None
+
+        def send() -> int | None:
             pipe = self._client.pipeline(transaction=False)
             for data in items:
                 pipe.xadd(self.key, {_FIELD: data}, maxlen=self.max_len, approximate=True)
-            pipe.execute()
+            if then_backlog:
+                pipe.execute_command("EVAL", _BACKLOG_LUA, 1, self.key, self.group)
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies[:len(items)]:
+                if isinstance(reply, Exception):
+                    raise reply
+            if not then_backlog:
+                return None
+            backlog = replies[-1]
+            if isinstance(backlog, redis.exceptions.NoPermissionError):  # the entries went: only the count did not
+                self._no_scripts(backlog)
+                return None
+            if isinstance(backlog, Exception):
+                raise backlog
+            return int(backlog)
 
-        self._call("put_many", send)
+        result: int | None = self._call("put_many", send)
+        return result
 
     # ------------------------------------------------------------ consumer
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:
@@ -559,6 +594,25 @@ class RedisStreamQueue(ExperienceQueue):
     def depth(self) -> int | None:
         length: int = self._call("depth", lambda: self._with_acks("XLEN", self.key))
         return int(length)
+
+    def backlog(self) -> int | None:
+        """XLEN less the group's pending entries (read, not yet acked), in one script; a Redis user that may
+        not run scripts gets ``depth()`` (XLEN: the read entries count too, so actors wait a little more)."""
+        def count() -> int:
+            if self._backlog_by_script:
+                try:
+                    return int(self._with_acks("EVAL", _BACKLOG_LUA, 1, self.key, self.group))
+                except redis.exceptions.NoPermissionError as e:
+                    self._no_scripts(e)
+            return int(self._with_acks("XLEN", self.key))
+
+        backlog: int = self._call("backlog", count)
+        return backlog
+
+    def _no_scripts(self, error: BaseException) -> None:
+        self._backlog_by_script = False
+        logger.info("%s: the Redis user may not run EVAL or XPENDING (%s): backpressure counts the entries the "
+                    "trainer read and has not acked yet as waiting too", self.source_name, error)
 
     def close(self) -> None:
         if self._closed:
