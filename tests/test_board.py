@@ -389,6 +389,15 @@ def test_heartbeat_is_one_round_trip_and_reports_task(board: Board, client: redi
     # a lost lease is reported, counters still land (the work was done)
     assert not board.heartbeat("actor:0", "someone-else", 5_000, "actor:9", None, {"env_steps": 1})
     assert board.get_counters()["env_steps"] == 513
+    assert beat.total is None  # none asked
+    # the trainer's heartbeat brings the run's env steps, every role's together, in the same round trip
+    board.incr_counters("actor:1", env_steps=1000)
+    client.hset(board.prefix + "counters", "forged", b"not json")  # skipped, as get_counters skips it
+    before = int(client.info("stats")["total_commands_processed"])
+    beat = board.heartbeat("trainer", "t", 10_000, "trainer", None, {"env_steps": 0}, total_of="env_steps")
+    spent = int(client.info("stats")["total_commands_processed"]) - before - 1
+    assert beat.total == 1513 == board.get_counters()["env_steps"]
+    assert spent <= 9, f"a heartbeat with a total cost {spent} Redis commands"
 
 
 def test_counters_sum_over_roles_and_stats_expire(client: redis.Redis, namespace: str) -> None:

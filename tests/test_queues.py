@@ -35,6 +35,7 @@ from srl.runner.distribution.queues import (
     open_queue,
     queue_scheme,
 )
+from srl.runner.distribution.queues.redis_stream import stream_key_for
 from srl.runner.distribution.redis_parameters import RedisParameters
 from tests.conftest import broker_unavailable, port_open, require_tool, running
 from tests.nodes import wait_for
@@ -431,6 +432,39 @@ def test_the_redis_backlog_leaves_out_what_the_trainer_read_and_a_put_learns_it_
         assert limited.put_many_then_backlog([b"7"]) is None  # the entry went; only the count did not
         assert limited.backlog() == limited.depth() == 4  # one of them read
         consumer.close()
+    raw.close()
+
+
+def test_a_redis_read_expecting_more_waits_for_them_in_the_same_round_trip(private_redis: PrivateRedis,
+                                                                         namespace: str) -> None:
+    """Sync PPO's actors send a version's segments about together; a read returns at the first. Expecting
+    two, the read is followed in its pipeline by one that waits in Redis: the second message, put once the
+    first was delivered, comes back in the same call. Expecting one, it does not."""
+    import redis
+
+    raw = redis.Redis.from_url(private_redis.url)
+
+    def put_second_once_first_is_delivered(producer: ExperienceQueue, consumer_name: str) -> None:
+        producer.put(b"first")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            pending = raw.xpending(stream_key_for(namespace), "trainer")
+            if pending["pending"] and any(c["name"] == consumer_name.encode() for c in pending["consumers"]):
+                break
+            time.sleep(0.0005)
+        producer.put(b"second")
+
+    with open_queue(private_redis.url, namespace=namespace, role="producer") as producer:
+        for expect, name, wanted in ((2, "c2", [b"first", b"second"]), (1, "c1", [b"first"])):
+            with open_queue(private_redis.url, namespace=namespace, role="consumer", consumer_name=name) as consumer:
+                assert consumer.get_many(4, timeout=0.0) == []  # the group exists, nothing waits
+                second = threading.Thread(target=put_second_once_first_is_delivered, args=(producer, name))
+                second.start()
+                got = consumer.get_expecting(4, 5.0, expect)
+                second.join()
+                assert [m.data for m in got] == wanted
+                got += drain(consumer, 1) if len(got) < 2 else []
+                consumer.ack_many(got)
     raw.close()
 
 

@@ -240,6 +240,8 @@ class Heartbeat:
     """Redis TIME when the heartbeat ran"""
     replaced: bool = False
     """the task of this name is another one now (a client replaced it): nothing was renewed or written"""
+    total: float | None = None
+    """the counter asked for (``total_of``) summed over every role; None: none asked, or the task is gone"""
 
     def __bool__(self) -> bool:
         return self.lease_held
@@ -514,15 +516,16 @@ return 1
 """
 
 # KEYS: lease, stats:<role>, roles, counters, task.
-# ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none), task id.
-# Returns {held, status, params epoch, params version, train_count, time s, time us, the task's id};
-# nothing is renewed or written unless the task is the one this node serves.
+# ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none), task id,
+# a counter to total over every role ('' = none).
+# Returns {held, status, params epoch, params version, train_count, time s, time us, the task's id, that
+# total (false: none asked)}; nothing is renewed or written unless the task is the one this node serves.
 _HEARTBEAT_LUA = _ADD_COUNTERS_LUA + """
 local t = redis.call('TIME')
 local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version', 'train_count', 'task_id')
-if not head[1] then return {0, false, false, false, false, t[1], t[2], false} end
+if not head[1] then return {0, false, false, false, false, t[1], t[2], false, false} end
 if ARGV[7] ~= '' and head[5] ~= ARGV[7] then
-  return {0, head[1], false, false, false, t[1], t[2], head[5]}
+  return {0, head[1], false, false, false, t[1], t[2], head[5], false}
 end
 local held = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -535,7 +538,18 @@ if ARGV[4] ~= '' then
   end
 end
 if ARGV[6] ~= '' then add_counters(KEYS[4], ARGV[3], ARGV[6]) end
-return {held, head[1], head[2], head[3], head[4], t[1], t[2], head[5]}
+local total = false
+if ARGV[8] ~= '' then
+  total = 0
+  for _, value in ipairs(redis.call('HVALS', KEYS[4])) do
+    local ok, decoded = pcall(cjson.decode, value)
+    if ok and type(decoded) == 'table' and type(decoded[ARGV[8]]) == 'number' then
+      total = total + decoded[ARGV[8]]
+    end
+  end
+  total = tostring(total)
+end
+return {held, head[1], head[2], head[3], head[4], t[1], t[2], head[5], total}
 """
 
 # KEYS: task. ARGV: overwrite ('1'/'0'), then field, value, ...
@@ -1073,16 +1087,18 @@ class Board:
         role_id: str,
         stats: Mapping[str, Any] | None = None,
         counter_deltas: Mapping[str, int | float] | None = None,
+        total_of: str = "",
     ) -> Heartbeat:
         """Renew the lease, write stats, add counters, read task status, params head and the server's
-        clock: one round trip. A falsy answer (``lease_held`` False) means the lease is lost."""
+        clock: one round trip. A falsy answer (``lease_held`` False) means the lease is lost. ``total_of``:
+        a counter to total over every role, in the same round trip (``Heartbeat.total``)."""
         stats_json = "" if stats is None else _stats_json(stats)
         deltas_json = _deltas_json(counter_deltas)
         keys = [self.lease_key(lease_name), self.stats_key(role_id), self._roles_key, self._counters_key,
                 self._task_key]
-        held, status, epoch, version, train_count, sec, usec, task_id = self._heartbeat(
+        held, status, epoch, version, train_count, sec, usec, task_id, total = self._heartbeat(
             keys=keys, args=[owner_uid, _ttl(ttl_ms), role_id, stats_json, self.stats_ttl_ms, deltas_json,
-                             self.task_id]
+                             self.task_id, total_of]
         )
         state = _text(status, 16)
         try:
@@ -1097,6 +1113,7 @@ class Board:
             train_count=_int(train_count or 0, "train_count"),
             server_time=_server_time(sec, usec),
             replaced=bool(self.task_id and state is not None and _text(task_id, 64) != self.task_id),
+            total=None if not total else _float(total, total_of, -1e18, 1e18),
         )
 
     # ---------------------------------------------------------------- params

@@ -121,6 +121,7 @@ class Ingest:
         max_message_rows: int,
         task_tag: int,
         open_consumer: Callable[[], ExperienceQueue],
+        expected: Callable[[], int] = lambda: 1,
     ) -> None:
         self.board = board
         self.codec = codec
@@ -132,6 +133,9 @@ class Ingest:
         self.max_message_rows = max_message_rows
         self.task_tag = task_tag
         self.open_consumer = open_consumer
+        self.expected = expected
+        """messages the next update waits for (sync: one from each actor still to send): a read waits a moment
+        for them together (``ExperienceQueue.get_expecting``)"""
         self.seen = SeenBatches()
         self.data_arrived = threading.Event()
         """set after each read: the main thread, waiting for rows to train on, looks again"""
@@ -210,7 +214,7 @@ class Ingest:
                 self.stop.wait(0.005)
                 return 0
         # with a read still to ack, only look: a dry queue gets it acked before the long wait
-        messages = queue.get_many(count, timeout=0.0 if self._counting else 0.2)
+        messages = queue.get_expecting(count, 0.0 if self._counting else 0.2, self.expected())
         if not messages:
             self.settle_count()
             return 0

@@ -132,7 +132,7 @@ class TrainerRun:
         self.publisher = Publisher(board, self.codec, options.uid, epoch, self.parameter, config.algorithm, self.gate,
                                    options.min_publish_interval, self._take_lease_back, options.params_float16)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
-                             task_tag(board.task_id), self.open_consumer)
+                             task_tag(board.task_id), self.open_consumer, self._messages_expected)
         self.checkpoints = TrainerCheckpoints(board, self.codec, task, options, epoch, self.parameter, self.learner,
                                               self.buffer, self.gate, self.publisher, params_bytes)
         self._train_base = 0  # train_count when this run began
@@ -250,7 +250,8 @@ class TrainerRun:
             board.log_event(bad[0], level="WARNING", source=opts.uid)
             self.ingest.bad_reported(bad[1])
         self.ingest.flush_dead_letters()
-        hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats)
+        hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats,
+                             total_of="env_steps")
         self._server_time = (hb.server_time, time.monotonic())
         if hb.task_status is None:
             self._task_lost(TASK_GONE, gone=True)
@@ -268,8 +269,9 @@ class TrainerRun:
             reason = status.end_reason if status is not None else ""
             self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
             return
-        self.env_steps_total = int(board.get_counters().get("env_steps", 0))
+        self.env_steps_total = int(hb.total or 0)
         if self.live_slots is not None:
+            self.publisher.flush()  # a publication that came during the heartbeat goes before this read
             self.live_slots = [slot for name in board.held_leases(self.task.actor_num)
                                if (slot := actor_slot(name)) is not None]
 
@@ -339,6 +341,13 @@ class TrainerRun:
         self.publisher.request_final(self.learner.train_count)
         self._flush_final()
         self.checkpoints.keep(self.env_steps_total)
+
+    def _messages_expected(self) -> int:
+        """Messages the next update waits for: sync, one from each awaited actor not yet heard from this
+        version (they come about together); else 1."""
+        if not self.data_path.sync:
+            return 1
+        return max(1, self.gate.missing(self._awaited_slots()))
 
     def _awaited_slots(self) -> list[int]:
         """Sync: the actor slots whose segments an update waits for: every slot, or with elastic actors the

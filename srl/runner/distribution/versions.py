@@ -151,6 +151,11 @@ class VersionGate:
             return True
         return False
 
+    def missing(self, slots: Sequence[int]) -> int:
+        """Sync: how many of ``slots`` have sent nothing of this version yet (each sends a message)."""
+        arrived = self._arrivals
+        return sum(1 for i in slots if i not in arrived)
+
     def updated(self) -> None:
         """Sync: an update was made; the wait for the next version's segments starts when they come."""
         self._waiting_since = None

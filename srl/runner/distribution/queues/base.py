@@ -143,6 +143,12 @@ class ExperienceQueue(ABC):
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:
         """Up to ``max_messages`` payloads, waiting at most ``timeout`` for the first one."""
 
+    def get_expecting(self, max_messages: int, timeout: float, expect: int) -> list[Message]:
+        """``get_many`` for a caller that expects ``expect`` messages to come about together (a sync
+        version's segments, one from each actor): a backend whose read returns at the first (Redis) also
+        waits a moment for the rest in the same round trip. Others read as ``get_many``."""
+        return self.get_many(max_messages, timeout)
+
     def _require_consumer(self) -> None:
         if self.role != "consumer":
             raise RuntimeError(f"{self.source_name}: get on a queue opened as {self.role!r}")

@@ -103,6 +103,7 @@ _MAX_ARRAY = 4096
 
 _COMPACT_AT = 1 << 20
 _RECREATE_TRIES = 5
+_GATHER_S = 0.05  # how long each follow-up read of ``get_expecting`` waits in Redis for one more entry
 # the entries not yet delivered to the group: every entry (acked ones are deleted) less the pending ones; one
 # script, so a read or an ack between the two counts cannot make it too small
 _BACKLOG_LUA = """
@@ -449,8 +450,15 @@ class RedisStreamQueue(ExperienceQueue):
 
     # ------------------------------------------------------------ consumer
     def get_many(self, max_messages: int, timeout: float) -> list[Message]:
+        return self.get_expecting(max_messages, timeout, 1)
+
+    def get_expecting(self, max_messages: int, timeout: float, expect: int) -> list[Message]:
+        """``get_many``; with ``expect`` > 1 the read is followed, in the same round trip, by ``expect`` - 1
+        reads of one entry that each wait up to ``_GATHER_S`` in Redis: messages put a moment after the first
+        (each actor's segments of one sync version) come back with it, not a round trip later."""
         self._require_consumer()
         max_messages = min(max(1, int(max_messages)), _MAX_ARRAY)
+        expect = min(max(1, int(expect)), max_messages)
         deadline = time.monotonic() + max(0.0, timeout)
         paging = False  # a takeover look that has more pages to go: one page per call
         while True:
@@ -459,7 +467,7 @@ class RedisStreamQueue(ExperienceQueue):
                 if claimed:
                     return claimed
                 paging = not self._claim_scan_done
-            fresh = self._call("get", lambda: self._read_new(max_messages, self._block_ms(deadline)))
+            fresh = self._call("get", lambda: self._read_new(max_messages, self._block_ms(deadline), expect))
             if fresh or time.monotonic() >= deadline:
                 return fresh
 
@@ -478,15 +486,21 @@ class RedisStreamQueue(ExperienceQueue):
     def _read_limit(self) -> int:
         return self.max_read_bytes if self.max_read_bytes is not None else 2**62
 
-    def _read_new(self, count: int, block_ms: int | None) -> list[Message]:
+    def _read_new(self, count: int, block_ms: int | None, expect: int = 1) -> list[Message]:
+        def read(n: int, block: tuple[Any, ...]) -> tuple[Any, ...]:
+            return ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", n, *block, "STREAMS", self.key, ">")
+
         block = () if block_ms is None else ("BLOCK", block_ms)
-        reply = self._with_acks(
-            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, *block, "STREAMS", self.key, ">")
-        if not isinstance(reply, list) or not reply:
-            return []
-        stream = reply[0]
-        return self._messages(stream[1] if isinstance(stream, list) and len(stream) == 2 else [],
-                              redelivered=False)
+        follow = () if block_ms is None else ("BLOCK", max(1, min(block_ms, math.ceil(_GATHER_S * 1000))))
+        replies = self._pipelined(read(count - (expect - 1), block), *[read(1, follow)] * (expect - 1))
+        out: list[Message] = []
+        for reply in replies:
+            if not isinstance(reply, list) or not reply:
+                continue
+            stream = reply[0]
+            out += self._messages(stream[1] if isinstance(stream, list) and len(stream) == 2 else [],
+                                  redelivered=False)
+        return out
 
     @property
     def _claim_scan_done(self) -> bool:
@@ -571,14 +585,21 @@ class RedisStreamQueue(ExperienceQueue):
     def _with_acks(self, *command: Any) -> Any:
         """``command``'s reply, the acks held back sent before it in the same round trip. Should the
         connection fail, they stay held, and go again with the retry (acking twice is harmless)."""
-        if not self._acks:
-            return self._client.execute_command(*command)
+        return self._pipelined(command)[0]
+
+    def _pipelined(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """The replies of ``commands``, sent in one round trip after the acks held back (see ``_with_acks``)."""
+        if not self._acks and len(commands) == 1:
+            return [self._client.execute_command(*commands[0])]
         ids = self._acks
         pipe = self._client.pipeline(transaction=False)
-        pipe.execute_command("XACK", self.key, self.group, *ids)
-        pipe.execute_command("XDEL", self.key, *ids)
-        pipe.execute_command(*command)
-        *ack_replies, reply = pipe.execute(raise_on_error=False)
+        if ids:
+            pipe.execute_command("XACK", self.key, self.group, *ids)
+            pipe.execute_command("XDEL", self.key, *ids)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies = pipe.execute(raise_on_error=False)
+        ack_replies, replies = replies[:2 if ids else 0], replies[2 if ids else 0:]
         self._acks = []  # sent
         for error in ack_replies:
             # NOGROUP (the stream and group were deleted, or Redis restarted empty): nothing is left to
@@ -586,9 +607,10 @@ class RedisStreamQueue(ExperienceQueue):
             # (NOPERM: a user without XACK or XDEL) is raised: entries never acked would fill the queue.
             if isinstance(error, Exception) and "NOGROUP" not in str(error):
                 raise error
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     # ------------------------------------------------------------ both
     def depth(self) -> int | None:
