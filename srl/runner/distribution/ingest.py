@@ -209,8 +209,9 @@ class Ingest:
         if room is not None:  # a full buffer is not read into: the queue fills, actors wait
             count = min(count, room // self.max_message_rows)
             if count < 1:
+                # the acks wait for the next read: actors' backpressure counts what was not read yet, so
+                # sending them now would only cost a round trip in which no read could go
                 self.settle_count()
-                queue.send_acks()  # the next read may be a while: actors see the room they made
                 self.stop.wait(0.005)
                 return 0
         # with a read still to ack, only look: a dry queue gets it acked before the long wait
