@@ -208,14 +208,15 @@ class RowSender:
                     if self.stop.is_set() or not self._outbox:
                         break
                 # the room the last put's reply told, else a read of the backlog (waiting while there is none)
-                room, known_room = (known_room, 0) if known_room > 0 else (self.wait_for_room(clock=False), 0)
+                room = known_room if known_room > 0 else self.wait_for_room(clock=False)
+                known_room = 0
                 if room <= 0:  # stopping
                     break
                 with self._changed:
                     taken = [self._outbox.popleft() for _ in range(min(room, len(self._outbox)))]
                     self._changed.notify_all()
                 self.sent_batches += len(taken)
-                backlog = self.put([blob for blob, _ in taken], then_backlog=not self.in_flight.on_board)
+                backlog = self.put([blob for blob, _ in taken], then_backlog=True)
                 if backlog is not None:
                     known_room = self.capacity - backlog
                 self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
@@ -242,9 +243,8 @@ class RowSender:
         away_since: float | None = None
         while payloads:
             try:
-                backlog = self.queue.put_many_then_backlog(payloads) if then_backlog else None
-                if not then_backlog:
-                    self.queue.put_many(payloads)
+                put = self.queue.put_many_then_backlog if then_backlog else self.queue.put_many
+                backlog = put(payloads)
                 if away_since is not None:
                     logger.warning("experience queue reachable again after %.0fs", time.monotonic() - away_since)
                 return backlog

@@ -422,7 +422,7 @@ class RedisStreamQueue(ExperienceQueue):
 
     def _put_many(self, items: Sequence[bytes], then_backlog: bool) -> int | None:
         items = self._payloads(items)
-        if not items and not then_backlog:
+        if not items:
             return None
 
         def send() -> int | None:
