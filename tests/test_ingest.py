@@ -325,3 +325,41 @@ def test_batches_of_the_task_this_one_replaced_are_dropped_not_counted(redis_url
         producer.close()
         queue.destroy()
         board.delete_task()
+
+
+def test_the_read_window_grows_the_buffer_to_what_the_round_trip_needs_and_not_on_loopback() -> None:
+    """Over a round trip of r seconds at ``rate`` rows a second the learner's FIFO needs about 2 × rate × r
+    rows beyond the algorithm's size; it grows to that (whole messages, up to its limit), once a second, by a
+    quarter at least, and not on loopback, where the algorithm's size is kept. The round trip is the second's
+    fastest read (one that found messages waiting)."""
+    from srl.base.schema import Column, Schema
+    from srl.runner.distribution.ingest import ReadWindow
+
+    now = [0.0]
+
+    def window(limit: int) -> tuple[ReadWindow, SegmentBuffer]:
+        buffer = SegmentBuffer(64, Schema({"x": Column("float32")}))
+        return ReadWindow(buffer, 64, limit, 8, clock=lambda: now[0]), buffer
+
+    def second_at(w: ReadWindow, rows_per_s: int, round_trip: float) -> None:
+        w.read(10 * round_trip)  # a read that waited in Redis for data: not the round trip
+        w.read(round_trip)
+        now[0] += 0.5
+        w.added(rows_per_s // 2)  # not a second yet: nothing is looked at
+        now[0] += 0.5
+        w.added(rows_per_s // 2)
+
+    loopback, buffer = window(1024)
+    for _ in range(5):
+        second_at(loopback, 2000, 0.0005)
+    assert buffer.capacity == 64  # 2 × 2000 × 0.0005 = 2 rows: within a quarter
+    wan, buffer = window(1024)
+    second_at(wan, 2000, 0.02)
+    assert buffer.capacity == 144 == wan.capacity  # 64 + 2 × 2000 × 0.02 = 144, a whole number of 8-row messages
+    second_at(wan, 2100, 0.02)
+    assert buffer.capacity == 144  # 148: within a quarter of 144
+    second_at(wan, 20_000, 0.1)
+    assert buffer.capacity == 1024  # 4064 wanted: held to the limit
+    capped, buffer = window(0)
+    second_at(capped, 2000, 0.1)
+    assert buffer.capacity == 64  # limit 0: never

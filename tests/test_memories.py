@@ -428,3 +428,27 @@ def test_beta_anneals_linearly_to_one() -> None:
     assert memory.beta == 1.0
     memory.sample(2)
     assert memory.beta == 1.0
+
+
+def test_a_segment_buffer_grown_keeps_its_rows_oldest_first_and_takes_more() -> None:
+    """The learner's FIFO grows over a long round trip (the trainer's read window): rows held across the
+    ring's wrap keep their order, and the new room is there at once."""
+    from srl.base.schema import Column, Schema
+    from srl.rl.memories.segments import SegmentBuffer
+
+    buffer = SegmentBuffer(4, Schema({"x": Column("int64", (2,))}))
+
+    def rows(*values: int) -> dict[str, np.ndarray]:
+        return {"x": np.array([[v, -v] for v in values], dtype=np.int64)}
+
+    buffer.add(rows(0, 1, 2))
+    assert buffer.take(2) is not None  # the head moves: the next rows wrap around the ring
+    buffer.add(rows(3, 4, 5))
+    assert buffer.room() == 0
+    assert not buffer.grow(4)  # not larger: nothing to do
+    assert buffer.grow(10)
+    assert (buffer.capacity, len(buffer), buffer.room()) == (10, 4, 6)
+    buffer.add(rows(6, 7, 8, 9, 10, 11))
+    taken = buffer.take()
+    assert taken is not None and taken["x"][:, 0].tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert (taken["x"][:, 1] == -taken["x"][:, 0]).all()

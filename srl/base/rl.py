@@ -425,6 +425,11 @@ class Buffer(ABC):
         """Rows it can take before the ingest must wait (None: it never fills, the oldest rows go)."""
         return None
 
+    def grow(self, rows: int) -> bool:
+        """Hold up to ``rows`` rows from now on, the ones held kept in order (a bounded FIFO whose trainer reads
+        over a long round trip); False where it cannot (its size is the algorithm's)."""
+        return False
+
     @property
     def nbytes(self) -> int:
         """Bytes its storage takes when full (checked against what a trainer may allocate)."""

@@ -49,6 +49,18 @@ class SegmentBuffer(Buffer):
             self._size += n
             self.total_added += n
 
+    def grow(self, rows: int) -> bool:
+        """A larger ring, the rows held copied over oldest first (the learner's ``take`` order is kept)."""
+        with self._lock:
+            if rows <= self.capacity:
+                return False
+            columns = self.schema.allocate(rows)
+            slots = (self._head + np.arange(self._size)) % self.capacity
+            for name, column in self._columns.items():
+                columns[name][:self._size] = column[slots]
+            self._columns, self.capacity, self._head = columns, rows, 0
+        return True
+
     def take(self, n: int | None = None) -> Columns | None:
         """The ``n`` oldest rows (all of them when None), removed from the buffer; None if it holds
         fewer than ``n`` (or none)."""

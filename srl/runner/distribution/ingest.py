@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -102,6 +103,62 @@ class SeenBatches:
         return len(self._actors)
 
 
+class ReadWindow:
+    """How much the learner's FIFO must hold when its trainer reads the queue over a long round trip, and
+    growing it to that.
+
+    A read brings at most the room the buffer has, and the next read goes only when this one is in. So
+    over a round trip of ``r`` seconds, a learner taking ``rate`` rows a second starves unless the buffer
+    holds about ``2 × rate × r`` rows more than the algorithm's own size (the rows it trains on while a read
+    is on its way, and the read being inserted). Every second, from the fastest read that brought messages
+    (one that found them waiting: the round trip and the transfer) and the rows added, the buffer grows to
+    that (by a quarter at least; never shrinks), up to ``limit`` rows. On loopback ``r`` is well under a millisecond and
+    nothing grows: the algorithm's size (and with it its policy lag) is what a LAN run gets."""
+
+    def __init__(self, buffer: Buffer, base: int, limit: int, step: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.buffer = buffer
+        self.clock = clock
+        self.base = base
+        """the algorithm's size, in rows"""
+        self.capacity = base
+        self.limit = limit
+        """rows it may grow to (0: never: a sync update's buffer, a replay memory)"""
+        self.step = max(1, step)
+        """sizes are whole messages of rows"""
+        self.round_trip: float | None = None
+        """seconds the fastest read of the last second took"""
+        self._since = clock()
+        self._rows = 0
+        self._fastest = math.inf
+
+    def read(self, seconds: float) -> None:
+        """A read that brought messages took ``seconds``."""
+        self._fastest = min(self._fastest, seconds)
+
+    def added(self, rows: int) -> None:
+        """``rows`` went into the buffer; once a second, the buffer grows where the round trip needs it."""
+        self._rows += rows
+        now = self.clock()
+        if now - self._since < 1.0:
+            return
+        rate = self._rows / (now - self._since)
+        self._since, self._rows = now, 0
+        if self._fastest < math.inf:
+            self.round_trip, self._fastest = self._fastest, math.inf
+        if self.round_trip is None or self.capacity >= self.limit:
+            return
+        want = self.base + math.ceil(2 * rate * self.round_trip)
+        if want <= self.capacity * 1.25:
+            return
+        rows = min(self.limit, math.ceil(want / self.step) * self.step)
+        if self.buffer.grow(rows):
+            logger.info("the learner's buffer grows from %d to %d rows: reads of the queue take %.0f ms at %.0f rows/s "
+                        "(it holds what arrives in two of them beyond the algorithm's %d)", self.capacity, rows,
+                        self.round_trip * 1000, rate, self.base)
+            self.capacity = rows
+
+
 class StoppedWhileWaiting(Exception):
     """The run stopped while a read's rows waited for room in the buffer: the read is not acked."""
 
@@ -122,6 +179,7 @@ class Ingest:
         task_tag: int,
         open_consumer: Callable[[], ExperienceQueue],
         expected: Callable[[], int] = lambda: 1,
+        window: ReadWindow | None = None,
     ) -> None:
         self.board = board
         self.codec = codec
@@ -136,6 +194,8 @@ class Ingest:
         self.expected = expected
         """messages the next update waits for (sync: one from each actor still to send): a read waits a moment
         for them together (``ExperienceQueue.get_expecting``)"""
+        self.window = window
+        """grows the buffer to what the read round trip needs (None: its size is fixed)"""
         self.seen = SeenBatches()
         self.data_arrived = threading.Event()
         """set after each read: the main thread, waiting for rows to train on, looks again"""
@@ -206,6 +266,8 @@ class Ingest:
         number of messages read (0 when none came within the read timeout or there is no room)."""
         room = self.buffer.room()
         count = self.options.ingest_max_messages
+        if self.window is not None:  # a grown buffer is read into as far as it has room (its size bounds the read)
+            count = max(count, self.window.capacity // self.max_message_rows)
         if room is not None:  # a full buffer is not read into: the queue fills, actors wait
             count = min(count, room // self.max_message_rows)
             if count < 1:
@@ -215,7 +277,10 @@ class Ingest:
                 self.stop.wait(0.005)
                 return 0
         # with a read still to ack, only look: a dry queue gets it acked before the long wait
+        started = time.monotonic()
         messages = queue.get_expecting(count, 0.0 if self._counting else 0.2, self.expected())
+        if messages and self.window is not None:
+            self.window.read(time.monotonic() - started)
         if not messages:
             self.settle_count()
             return 0
@@ -433,6 +498,8 @@ class Ingest:
                 raise StoppedWhileWaiting(f"the run stopped with {n} rows waiting for room in the buffer")
             self.stop.wait(0.005)  # the trainer is taking rows out; we hold the message meanwhile
         self.buffer.add(columns, priorities)
+        if self.window is not None:
+            self.window.added(n)
 
     def flush_dead_letters(self) -> None:
         """Put the notes of refused messages taken since the last flush on the board (kept on failure); the

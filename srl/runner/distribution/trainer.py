@@ -50,7 +50,7 @@ from srl.runner.distribution.board import BOARD_AWAY, Board, actor_slot
 from srl.runner.distribution.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.ingest import Ingest
+from srl.runner.distribution.ingest import Ingest, ReadWindow
 from srl.runner.distribution.node import (
     LeaseGuard,
     apply_overrides,
@@ -132,7 +132,8 @@ class TrainerRun:
         self.publisher = Publisher(board, self.codec, options.uid, epoch, self.parameter, config.algorithm, self.gate,
                                    options.min_publish_interval, self._take_lease_back, options.params_float16)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
-                             task_tag(board.task_id), self.open_consumer, self._messages_expected)
+                             task_tag(board.task_id), self.open_consumer, self._messages_expected,
+                             self._read_window(max_rows))
         self.checkpoints = TrainerCheckpoints(board, self.codec, task, options, epoch, self.parameter, self.learner,
                                               self.buffer, self.gate, self.publisher, params_bytes)
         self._train_base = 0  # train_count when this run began
@@ -154,8 +155,21 @@ class TrainerRun:
         self._board_log = Throttle()
         self.resumed = self.checkpoints.resume()
 
+    def _memory_limit(self) -> int:
+        return self.options.max_buffer_bytes or int(0.75 * machine_memory_bytes())
+
+    def _read_window(self, message_rows: int) -> ReadWindow | None:
+        """A bounded FIFO the learner trains from as rows come (IMPALA, APPO) grows with the queue's round trip,
+        up to 16 times its size and within this trainer's memory bound; a sync update's buffer and a replay
+        memory do not."""
+        rows = buffer_capacity(self.buffer)
+        if self.data_path.sync or self.buffer.room() is None or not rows:
+            return None
+        limit = min(16 * rows, self._memory_limit() // max(1, self.buffer.nbytes // rows))
+        return ReadWindow(self.buffer, rows, limit, message_rows) if limit > rows else None
+
     def _check_memory_fits(self, needed: int) -> None:
-        limit = self.options.max_buffer_bytes or int(0.75 * machine_memory_bytes())
+        limit = self._memory_limit()
         rows = buffer_capacity(self.buffer)
         per_row = f"{needed // rows:,} bytes per stored row" if rows else f"{self.schema.row_nbytes} bytes per row"
         logger.info("buffer: %s rows reserved in %.2f GiB (%s)", f"{rows:,}" if rows else "?", needed / 2**30, per_row)
