@@ -252,6 +252,40 @@ def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_c
             consumer.close()
 
 
+def test_a_sender_lets_through_what_a_round_trip_carries_at_its_rate_and_nothing_more_on_a_lan(
+        redis_url: str, namespace: str) -> None:
+    """Over a long link two of a put's round trips carry 2 × rate × RTT batches (on their way, and waiting for
+    the trainer's next read): that many more may wait in the queue and the outbox than ``capacity`` and
+    ``ahead`` say, measured each second; a LAN's fraction of a batch adds
+    none, and an outbox never grows past 8 times the capacity."""
+    from srl.runner.distribution.board import Board
+    from srl.runner.distribution.codec import Codec
+    from srl.runner.distribution.node import CounterDeltas
+    from srl.runner.distribution.queues import open_queue
+    from srl.runner.distribution.sender import RowSender
+    from srl.runner.distribution.task import StopFlag
+
+    config = tiny_config()
+    runner = srl.Runner("CartPole-v1", config)
+    params = RedisParameters(url=redis_url, task_name=namespace)
+    sender = RowSender(open_queue(None, namespace=namespace, role="producer", redis_params=params),
+                       Board(params.connect(), namespace), "actor:0", Codec(task=namespace),
+                       config.schema(runner.spec), max_rows=8, capacity=4, sender="a.1", task_tag=0, stop=StopFlag(),
+                       counters=CounterDeltas(), ahead=2)
+    try:
+        def second_of_puts(seconds: float, batches: int) -> int:
+            sender._rate_since = time.monotonic() - 1.0  # a second of puts ends with this one
+            sender._put_s = None
+            sender._note_put(seconds, batches)
+            return sender.in_transit
+
+        assert second_of_puts(0.0005, 300) == 0  # loopback: 2 × 300 batches/s × 0.5 ms
+        assert second_of_puts(0.1, 65) == 12  # 100 ms: 2 × 65 batches/s × 0.1 s, whole batches
+        assert second_of_puts(1.0, 10_000) == 32  # bounded: 8 × capacity
+    finally:
+        sender.close()
+
+
 @pytest.mark.slow
 def test_leases_hold_while_params_crawl_over_a_slow_link(redis_url: str, namespace: str) -> None:
     """Params of ~1 MB over a 200 kB/s link take five seconds each way, more than twice the lease's TTL: the

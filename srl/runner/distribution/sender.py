@@ -14,6 +14,7 @@ ack or read anything.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -93,6 +94,15 @@ class RowSender:
         self.backpressure_wait_s = 0.0
         self.stalled_since: float | None = None
         self.ahead = ahead
+        self.in_transit = 0
+        """batches two of a put's round trips carry at this sender's rate (the sending thread measures both:
+        the batches on their way, and those waiting in the queue for the trainer's next read, which comes a
+        round trip later): the queue and the outbox may hold that many more than ``capacity`` and ``ahead``,
+        so a long link to the broker does not throttle the actor (0 on a LAN, where a round trip is a
+        fraction of a batch)"""
+        self._put_s: float | None = None  # a put's round trip, smoothed
+        self._rate_since = time.monotonic()
+        self._rate_batches = 0
         self._outbox: deque[tuple[bytes, int]] = deque()
         """encoded batches and the rows each counts, not yet put (``ahead`` mode)"""
         self._changed = threading.Condition()
@@ -149,8 +159,8 @@ class RowSender:
                 self.stop.wait(delay)
                 delay = min(delay * 2, 0.25)
                 continue
-            if depth < self.capacity:
-                room = self.capacity - depth
+            if depth < self.capacity + self.in_transit:
+                room = self.capacity + self.in_transit - depth
                 break
             if waited_from is None:
                 waited_from = time.monotonic()
@@ -179,10 +189,11 @@ class RowSender:
         is the caller's backpressure). False: the run stopped first."""
         with self._changed:
             self._raise_thread_error()
-            if len(self._outbox) >= self.ahead:
+            if len(self._outbox) >= self.ahead + self.in_transit:
                 waited_from = time.monotonic()
                 self._stall_began(waited_from)
-                while len(self._outbox) >= self.ahead and not self.stop.is_set() and self._error is None:
+                while (len(self._outbox) >= self.ahead + self.in_transit and not self.stop.is_set()
+                       and self._error is None):
                     self._changed.wait(0.05)
                 self._stall_ended(waited_from)
                 self._raise_thread_error()
@@ -216,9 +227,11 @@ class RowSender:
                     taken = [self._outbox.popleft() for _ in range(min(room, len(self._outbox)))]
                     self._changed.notify_all()
                 self.sent_batches += len(taken)
+                started = time.monotonic()
                 backlog = self.put([blob for blob, _ in taken], then_backlog=True)
+                self._note_put(time.monotonic() - started, len(taken))
                 if backlog is not None:
-                    known_room = self.capacity - backlog
+                    known_room = self.capacity + self.in_transit - backlog
                 self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
         except BaseException as e:  # the caller raises it at its next send, or at close
             logger.exception("the sending thread failed")
@@ -232,6 +245,18 @@ class RowSender:
                 self._changed.notify_all()
             if left:
                 logger.info("not sending %d rows: %s", left, self.stop.reason or "the sender closed")
+
+    def _note_put(self, seconds: float, batches: int) -> None:
+        """A put of ``batches`` took ``seconds``; once a second, ``in_transit`` follows the rate and the round
+        trip (up to 8 times the capacity: the memory an outbox may take stays bounded)."""
+        self._put_s = seconds if self._put_s is None else 0.8 * self._put_s + 0.2 * seconds
+        self._rate_batches += batches
+        now = time.monotonic()
+        if now - self._rate_since < 1.0:
+            return
+        rate = self._rate_batches / (now - self._rate_since)
+        self._rate_since, self._rate_batches = now, 0
+        self.in_transit = min(8 * self.capacity, math.floor(2 * rate * self._put_s))
 
     def put(self, payloads: list[bytes], then_backlog: bool = False) -> int | None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
