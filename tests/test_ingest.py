@@ -334,16 +334,17 @@ def test_the_read_window_grows_the_buffer_to_what_the_round_trip_needs_and_not_o
     fastest read (one that found messages waiting)."""
     from srl.base.schema import Column, Schema
     from srl.runner.distribution.ingest import ReadWindow
+    from srl.runner.distribution.node import InTransit
 
     now = [0.0]
 
     def window(limit: int) -> tuple[ReadWindow, SegmentBuffer]:
         buffer = SegmentBuffer(64, Schema({"x": Column("float32")}))
-        return ReadWindow(buffer, 64, limit, 8, clock=lambda: now[0]), buffer
+        return ReadWindow(buffer, 64, limit, 8, InTransit(clock=lambda: now[0])), buffer
 
     def second_at(w: ReadWindow, rows_per_s: int, round_trip: float) -> None:
-        w.read(10 * round_trip)  # a read that waited in Redis for data: not the round trip
-        w.read(round_trip)
+        w.link.timed(10 * round_trip)  # a read that waited in Redis for data: not the round trip
+        w.link.timed(round_trip)
         now[0] += 0.5
         w.added(rows_per_s // 2)  # not a second yet: nothing is looked at
         now[0] += 0.5
@@ -360,6 +361,6 @@ def test_the_read_window_grows_the_buffer_to_what_the_round_trip_needs_and_not_o
     assert buffer.capacity == 144  # 148: within a quarter of 144
     second_at(wan, 20_000, 0.1)
     assert buffer.capacity == 1024  # 4064 wanted: held to the limit
-    capped, buffer = window(0)
+    capped, buffer = window(64)
     second_at(capped, 2000, 0.1)
-    assert buffer.capacity == 64  # limit 0: never
+    assert buffer.capacity == 64  # a limit of its own size: never

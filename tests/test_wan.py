@@ -256,11 +256,11 @@ def test_a_sender_lets_through_what_a_round_trip_carries_at_its_rate_and_nothing
         redis_url: str, namespace: str) -> None:
     """Over a long link two of a put's round trips carry 2 × rate × RTT batches (on their way, and waiting for
     the trainer's next read): that many more may wait in the queue and the outbox than ``capacity`` and
-    ``ahead`` say, measured each second; a LAN's fraction of a batch adds
-    none, and an outbox never grows past 8 times the capacity."""
+    ``ahead`` say, measured each second; a LAN's fraction of a batch adds none, and an outbox never grows
+    past 8 times the capacity."""
     from srl.runner.distribution.board import Board
     from srl.runner.distribution.codec import Codec
-    from srl.runner.distribution.node import CounterDeltas
+    from srl.runner.distribution.node import CounterDeltas, InTransit
     from srl.runner.distribution.queues import open_queue
     from srl.runner.distribution.sender import RowSender
     from srl.runner.distribution.task import StopFlag
@@ -272,16 +272,22 @@ def test_a_sender_lets_through_what_a_round_trip_carries_at_its_rate_and_nothing
                        Board(params.connect(), namespace), "actor:0", Codec(task=namespace),
                        config.schema(runner.spec), max_rows=8, capacity=4, sender="a.1", task_tag=0, stop=StopFlag(),
                        counters=CounterDeltas(), ahead=2)
-    try:
-        def second_of_puts(seconds: float, batches: int) -> int:
-            sender._rate_since = time.monotonic() - 1.0  # a second of puts ends with this one
-            sender._put_s = None
-            sender._note_put(seconds, batches)
-            return sender.in_transit
+    now = [0.0]
+    sender.link = InTransit(clock=lambda: now[0])
 
+    def second_of_puts(round_trip: float, batches: int) -> int:
+        """The sending thread's puts of one second: ``batches`` of them, each taking ``round_trip``."""
+        start = now[0]
+        for k in range(1, batches + 1):
+            now[0] = start + k / batches  # the last put ends the second
+            sender._note_put(round_trip, 1)
+        return sender.in_transit
+
+    try:
         assert second_of_puts(0.0005, 300) == 0  # loopback: 2 × 300 batches/s × 0.5 ms
-        assert second_of_puts(0.1, 65) == 12  # 100 ms: 2 × 65 batches/s × 0.1 s, whole batches
-        assert second_of_puts(1.0, 10_000) == 32  # bounded: 8 × capacity
+        assert second_of_puts(0.1, 65) == 13  # 100 ms: 2 × 65 batches/s × 0.1 s
+        assert second_of_puts(1.0, 300) == 32  # bounded: 8 × capacity
+        assert second_of_puts(0.0005, 300) == 0  # the link got short again: nothing more
     finally:
         sender.close()
 

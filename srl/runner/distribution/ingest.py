@@ -36,6 +36,7 @@ from srl.base.schema import Schema
 from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, DeadLetter
 from srl.runner.distribution.codec import BatchFrame, Codec, DecodeError, join_frames, short
 from srl.runner.distribution.credentials import CredentialsError
+from srl.runner.distribution.node import InTransit
 from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError
 from srl.runner.distribution.retry import BoardUnreachableError, Throttle, with_retry
@@ -107,55 +108,38 @@ class ReadWindow:
     """How much the learner's FIFO must hold when its trainer reads the queue over a long round trip, and
     growing it to that.
 
-    A read brings at most the room the buffer has, and the next read goes only when this one is in. So
-    over a round trip of ``r`` seconds, a learner taking ``rate`` rows a second starves unless the buffer
-    holds about ``2 × rate × r`` rows more than the algorithm's own size (the rows it trains on while a read
-    is on its way, and the read being inserted). Every second, from the fastest read that brought messages
-    (one that found them waiting: the round trip and the transfer) and the rows added, the buffer grows to
-    that (by a quarter at least; never shrinks), up to ``limit`` rows. On loopback ``r`` is well under a millisecond and
-    nothing grows: the algorithm's size (and with it its policy lag) is what a LAN run gets."""
+    A read brings at most the room the buffer has, and the next read goes only when this one is in. So a
+    learner starves unless the buffer holds what two reads' round trips carry at the rate rows come
+    (:class:`InTransit`: the rows it trains on while a read is on its way, and the read being inserted)
+    beyond the algorithm's own size. Once a second the buffer grows to that (by a quarter at least; never
+    shrinks), up to ``limit`` rows. On loopback nothing grows: the algorithm's size (and with it its
+    policy lag) is what a LAN run gets."""
 
-    def __init__(self, buffer: Buffer, base: int, limit: int, step: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, buffer: Buffer, base: int, limit: int, step: int, link: InTransit | None = None) -> None:
         self.buffer = buffer
-        self.clock = clock
         self.base = base
         """the algorithm's size, in rows"""
         self.capacity = base
         self.limit = limit
-        """rows it may grow to (0: never: a sync update's buffer, a replay memory)"""
+        """rows it may grow to"""
         self.step = max(1, step)
         """sizes are whole messages of rows"""
-        self.round_trip: float | None = None
-        """seconds the fastest read of the last second took"""
-        self._since = clock()
-        self._rows = 0
-        self._fastest = math.inf
-
-    def read(self, seconds: float) -> None:
-        """A read that brought messages took ``seconds``."""
-        self._fastest = min(self._fastest, seconds)
+        self.link = link or InTransit()
+        """timed by the reads that brought messages, fed the rows added"""
 
     def added(self, rows: int) -> None:
         """``rows`` went into the buffer; once a second, the buffer grows where the round trip needs it."""
-        self._rows += rows
-        now = self.clock()
-        if now - self._since < 1.0:
+        carried = self.link.moved(rows)
+        if carried is None or self.capacity >= self.limit:
             return
-        rate = self._rows / (now - self._since)
-        self._since, self._rows = now, 0
-        if self._fastest < math.inf:
-            self.round_trip, self._fastest = self._fastest, math.inf
-        if self.round_trip is None or self.capacity >= self.limit:
-            return
-        want = self.base + math.ceil(2 * rate * self.round_trip)
+        want = self.base + math.ceil(carried)
         if want <= self.capacity * 1.25:
             return
         rows = min(self.limit, math.ceil(want / self.step) * self.step)
         if self.buffer.grow(rows):
-            logger.info("the learner's buffer grows from %d to %d rows: reads of the queue take %.0f ms at %.0f rows/s "
-                        "(it holds what arrives in two of them beyond the algorithm's %d)", self.capacity, rows,
-                        self.round_trip * 1000, rate, self.base)
+            logger.info("the learner's buffer grows from %d to %d rows: reads of the queue take %.0f ms at %.0f "
+                        "rows/s (it holds what two of them carry beyond the algorithm's %d)", self.capacity, rows,
+                        (self.link.round_trip or 0.0) * 1000, self.link.rate, self.base)
             self.capacity = rows
 
 
@@ -280,7 +264,7 @@ class Ingest:
         started = time.monotonic()
         messages = queue.get_expecting(count, 0.0 if self._counting else 0.2, self.expected())
         if messages and self.window is not None:
-            self.window.read(time.monotonic() - started)
+            self.window.link.timed(time.monotonic() - started)
         if not messages:
             self.settle_count()
             return 0

@@ -1,7 +1,7 @@
 """What an actor and a trainer process share: options, counter deltas and the serve loop.
 
 Owns: ``NodeOptions`` (liveness, polling, signing, trust, run-once),
-``CounterDeltas`` and ``serve`` — wait for an ACTIVE task, check and build it,
+``CounterDeltas``, ``InTransit`` and ``serve`` — wait for an ACTIVE task, check and build it,
 claim a lease, run, repeat — with the rules both roles follow:
 
 * the board is untrusted: a malformed record is waited out, an unsigned or
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -73,6 +74,41 @@ def require_remote(redis_params: RedisParameters, caller: str) -> None:
             f"{caller} needs the address of the board's Redis (RedisParameters(host=...) or url=...); "
             "an embedded Redis exists only inside the client process that started it"
         )
+
+
+class InTransit:
+    """What a link carries while its commands are on their way, for the windows that must not throttle a
+    long link (an actor's queue and outbox, a learner's FIFO).
+
+    Fed each command's time (``timed``) and what it moved (``moved``), it tells once a second ``2 × rate ×
+    round trip``: what is on its way, and what waits a round trip for the other side to look again. The round
+    trip is the second's fastest command, one that did not wait for data; a second without one keeps the
+    last. On loopback that is a fraction of one item."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.round_trip: float | None = None
+        self.rate = 0.0
+        """items moved a second, over the last second"""
+        self._since = clock()
+        self._moved = 0
+        self._fastest = math.inf
+
+    def timed(self, seconds: float) -> None:
+        self._fastest = min(self._fastest, seconds)
+
+    def moved(self, items: int) -> float | None:
+        """Count ``items``; once a second, what two round trips carry at the rate (None between, and before
+        a command was timed)."""
+        self._moved += items
+        now = self.clock()
+        if now - self._since < 1.0:
+            return None
+        self.rate = self._moved / (now - self._since)
+        self._since, self._moved = now, 0
+        if self._fastest < math.inf:
+            self.round_trip, self._fastest = self._fastest, math.inf
+        return None if self.round_trip is None else 2 * self.rate * self.round_trip
 
 
 class CounterDeltas:

@@ -27,7 +27,7 @@ from srl.base.schema import Schema
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader, Codec, short, split_columns
 from srl.runner.distribution.in_flight import InFlight
-from srl.runner.distribution.node import CounterDeltas
+from srl.runner.distribution.node import CounterDeltas, InTransit
 from srl.runner.distribution.queues import ExperienceQueue, QueueError, QueueFullError
 from srl.runner.distribution.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.task import StopFlag
@@ -95,14 +95,11 @@ class RowSender:
         self.stalled_since: float | None = None
         self.ahead = ahead
         self.in_transit = 0
-        """batches two of a put's round trips carry at this sender's rate (the sending thread measures both:
-        the batches on their way, and those waiting in the queue for the trainer's next read, which comes a
-        round trip later): the queue and the outbox may hold that many more than ``capacity`` and ``ahead``,
-        so a long link to the broker does not throttle the actor (0 on a LAN, where a round trip is a
-        fraction of a batch)"""
-        self._put_s: float | None = None  # a put's round trip, smoothed
-        self._rate_since = time.monotonic()
-        self._rate_batches = 0
+        """batches two of a put's round trips carry at this sender's rate (:class:`InTransit`, measured by the
+        sending thread, up to 8 times the capacity): the queue and the outbox may hold that many more than
+        ``capacity`` and ``ahead``, so a long link to the broker does not throttle the actor (0 on a LAN)"""
+        self.link = InTransit()
+        """timed by the puts, fed the batches they carry"""
         self._outbox: deque[tuple[bytes, int]] = deque()
         """encoded batches and the rows each counts, not yet put (``ahead`` mode)"""
         self._changed = threading.Condition()
@@ -247,16 +244,10 @@ class RowSender:
                 logger.info("not sending %d rows: %s", left, self.stop.reason or "the sender closed")
 
     def _note_put(self, seconds: float, batches: int) -> None:
-        """A put of ``batches`` took ``seconds``; once a second, ``in_transit`` follows the rate and the round
-        trip (up to 8 times the capacity: the memory an outbox may take stays bounded)."""
-        self._put_s = seconds if self._put_s is None else 0.8 * self._put_s + 0.2 * seconds
-        self._rate_batches += batches
-        now = time.monotonic()
-        if now - self._rate_since < 1.0:
-            return
-        rate = self._rate_batches / (now - self._rate_since)
-        self._rate_since, self._rate_batches = now, 0
-        self.in_transit = min(8 * self.capacity, math.floor(2 * rate * self._put_s))
+        """A put of ``batches`` took ``seconds``; once a second, ``in_transit`` follows the link."""
+        self.link.timed(seconds)
+        if (carried := self.link.moved(batches)) is not None:
+            self.in_transit = min(8 * self.capacity, math.floor(carried))  # an outbox's memory stays bounded
 
     def put(self, payloads: list[bytes], then_backlog: bool = False) -> int | None:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
