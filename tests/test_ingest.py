@@ -41,9 +41,13 @@ def test_the_version_gate_takes_what_each_data_path_accepts_and_knows_who_delive
         assert gate.keep(versions[:1] * 0 + 7) is None  # all of them
     sync = VersionGate(DataPath("segments", sync=True, sync_wait_s=3600.0, min_segments=1))
     assert not sync.sync_ready(0, 4, slots=[0, 1]) and sync.waiting_for == []
+    assert sync.missing([0, 1]) == 2
     sync.arrived([(1, 8), (0, 0)])  # slot 0 sent no row of this version
     assert not sync.sync_ready(2, 4, slots=[0, 1]) and sync.waiting_for == [0]
+    assert sync.missing([0, 1]) == 1
+    sync.arrived([(0, 8)])
     assert sync.sync_ready(4, 4, slots=[0, 1]) and sync.waiting_for == []
+    assert sync.missing([0, 1]) == 2  # all in: a read now waits for the next version's, from both
     sync.published(8, 100)  # a new version: who delivered counts anew
     assert not sync.sync_ready(1, 4, slots=[0, 1]) and sync.waiting_for == [0, 1]
 

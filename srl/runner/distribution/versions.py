@@ -152,9 +152,12 @@ class VersionGate:
         return False
 
     def missing(self, slots: Sequence[int]) -> int:
-        """Sync: how many of ``slots`` have sent nothing of this version yet (each sends a message)."""
+        """Sync: how many messages of ``slots`` the next update waits for: those that have sent nothing of this
+        version yet (each sends a message), or, when every one has, all of them again (the next version's,
+        which come about together once it is published)."""
         arrived = self._arrivals
-        return sum(1 for i in slots if i not in arrived)
+        missing = sum(1 for i in slots if i not in arrived)
+        return missing or len(slots)
 
     def updated(self) -> None:
         """Sync: an update was made; the wait for the next version's segments starts when they come."""
