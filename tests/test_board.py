@@ -562,6 +562,48 @@ def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(bo
     assert other.get_params_unless(3) == (None, None)  # another task's params: never acted with
 
 
+def test_a_node_waiting_for_the_next_version_gets_it_as_it_is_published(board: Board, client: redis.Redis) -> None:
+    """``await_params`` waits in Redis (a blocked XREAD on the params feed) and reads the params in the same
+    round trip once a version is published; with nothing published it ends at its bound with the head."""
+    task = board.bound(board.create_task(CONFIG, actor_num=1).task_id)
+    epoch = task.claim_trainer("t", 10_000)
+    assert epoch is not None and task.publish_params("t", epoch, 3, b"v3", 30)
+    after, head, record = task.await_params(b"0-0", None, 10_000, max_bytes=100)  # the latest, at once
+    assert (head, record) == ((epoch, 3, 30), ParamsRecord(epoch, 3, 30, b"v3"))
+    answers: list[tuple[bytes, tuple[int, int, int] | None, ParamsRecord | None]] = []
+    waiter = threading.Thread(target=lambda: answers.append(task.await_params(after, 3, 10_000, max_bytes=100)))
+    waiter.start()
+    wait_for(lambda: client.info("clients")["blocked_clients"] >= 1, 5.0, "the wait to block in Redis")
+    assert not answers  # version 3 is held: nothing to return yet
+    assert task.publish_params("t", epoch, 4, b"v4", 40)
+    waiter.join(timeout=5.0)
+    assert not waiter.is_alive() and answers[0][1:] == ((epoch, 4, 40), ParamsRecord(epoch, 4, 40, b"v4"))
+    newest = answers[0][0]
+    assert newest != after
+    assert task.await_params(newest, 4, 20, max_bytes=100) == (newest, (epoch, 4, 40), None)  # its bound: the head
+    assert task.publish_params("t", epoch, 5, b"x" * 5000, 50)
+    with pytest.raises(BoardDataError, match="5000 bytes"):  # the size bound holds as for every params read
+        task.await_params(newest, 4, 1000, max_bytes=4999)
+    assert task.bound("another-task-id").await_params(b"0-0", 4, 1000)[1:] == (None, None)
+    assert client.xlen(task.prefix + "params:feed") == 1  # one entry, the latest version's
+    assert task.prefix + "params:feed" in task.task_keys()  # deleted with the task
+    # a Redis user that may not XREAD: the same answer, at once (the node polls)
+    client.acl_setuser("srl-noxread", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                       commands=["+@all", "-xread"])
+    try:
+        kwargs = client.connection_pool.connection_kwargs
+        limited = redis.Redis(host=kwargs.get("host", "127.0.0.1"), port=kwargs.get("port", 6379),
+                              db=kwargs.get("db", 0), username="srl-noxread", password="pw")
+        polling = Board(limited, task.task_name, task_id=task.task_id)
+        assert polling.awaits_in_redis
+        assert polling.await_params(b"0-0", 4, 10_000, max_bytes=10_000)[1:] == (
+            (epoch, 5, 50), ParamsRecord(epoch, 5, 50, b"x" * 5000))
+        assert not polling.awaits_in_redis
+        limited.close()
+    finally:
+        client.acl_deluser("srl-noxread")
+
+
 def test_event_texts_and_dead_letters_are_capped(task: Board, client: redis.Redis) -> None:
     task.log_event("x" * 100_000, source="s" * 1000)
     event = task.get_events(1)[0]

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -269,6 +270,7 @@ def test_a_new_trainer_gets_a_warmup_of_rows_from_a_rate_limited_actor() -> None
     actor._steps_base = 0
     actor._trainer_epoch = -1
     actor._rebase_allowance = False
+    actor._head_lock = threading.Lock()
 
     actor._note_head(1, 0)
     assert actor._allowed_steps() == 500 + 64  # its share of the warmup, and one batch of slack

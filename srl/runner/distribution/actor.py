@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -168,6 +170,7 @@ class ActorRun:
         self.throttled_s = 0.0
         self.sync_wait_s = 0.0
         self._awaiting_params = threading.Event()  # the main loop waits for a newer version
+        self._feed_after = b"0-0"  # the newest params feed entry seen (Board.await_params)
         self._poll_now = threading.Event()  # wakes the board thread for a params check (or to stop)
         self._loop_started: float | None = None  # when run() began acting
         self._waited_s = 0.0  # every wait of the loop (backpressure, sync, rate limit, first params)
@@ -175,72 +178,104 @@ class ActorRun:
         self._trained_base: int | None = None  # the trainer's train_count when the allowance began
         self._steps_base = 0  # this actor's env steps then
         self._trainer_epoch = -1  # the epoch of the params head last seen (a new one: a new trainer)
+        self._head_lock = threading.Lock()
+        self._away_since: float | None = None  # the board unreachable since (for the log)
         self._rebase_allowance = False  # set by the board thread when a new trainer took over
         self.recent_rewards: list[float] = []
 
     # ------------------------------------------------------------ background: lease, stats, params
     def _board_loop(self) -> None:
+        """Heartbeats: the lease, stats and counters, the task's state, the trainer's train_count."""
         opts = self.options
-        next_beat = 0.0
-        last_steps, last_time = 0, time.monotonic()
-        away_since: float | None = None
-        while not self.stop.is_set():
+        last = (0, time.monotonic())  # env steps, when
+
+        def beat() -> None:
+            nonlocal last
             now = time.monotonic()
-            try:
-                if now >= next_beat:
-                    next_beat = now + opts.heartbeat_interval
-                    dt = max(now - last_time, 1e-9)
-                    rate = self._last_rate = (self.env_steps - last_steps) / dt
-                    last_steps, last_time = self.env_steps, now
-                    with self.counters.taken() as deltas:
-                        hb = self.board.heartbeat(
-                            self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                            self._stats(rate), deltas,
-                        )
-                    if hb.task_status is None:
-                        self.stop.set(TASK_GONE)
-                        self.task_gone = True
-                        break
-                    if hb.replaced:
-                        self.stop.set(TASK_REPLACED)
-                        break
-                    if not hb.lease_held and not self._take_slot_back():
-                        break
-                    self.lease_guard.renewed()
-                    away_since = None
-                    if hb.task_status != "ACTIVE":
-                        status = self.board.get_status()
-                        reason = status.end_reason if status is not None else ""
-                        self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
-                        break
-                    head: tuple[int, int, int] | None = (hb.params_epoch, hb.params_version, hb.train_count)
-                elif self._awaiting_params.is_set() and self.inference is None \
-                        and self.max_params_bytes <= ONE_TRIP_PARAMS_BYTES:
-                    head = self._fetch_if_new()  # lockstep: the version and its params in one round trip
-                else:
-                    head = self.board.get_params_head()
-                if head is not None:
-                    self._note_head(head[0], head[2])
-                    if head[1] > 0 and head[1] != self.latest_version and self.inference is None:
-                        self._fetch_params((head[0], head[1]))
-            except BOARD_AWAY as e:  # Redis away or a damaged record: wait, keep acting
-                away_since = away_since or time.monotonic()
-                if self._board_log.ready():
-                    logger.warning("board unreachable or unreadable for %.0fs (%s); retrying",
-                                   time.monotonic() - away_since, short(e))
-            except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+            self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
+            last = (self.env_steps, now)
+            with self.counters.taken() as deltas:
+                hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
+                                          self._stats(self._last_rate), deltas)
+            if hb.task_status is None:
+                self.task_gone = True
+                self.stop.set(TASK_GONE)
+                return
+            if hb.replaced:
+                self.stop.set(TASK_REPLACED)
+                return
+            if not hb.lease_held and not self._take_slot_back():
+                return
+            self.lease_guard.renewed()
+            if hb.task_status != "ACTIVE":
+                status = self.board.get_status()
+                reason = status.end_reason if status is not None else ""
+                self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
+                return
+            self._note_head(hb.params_epoch, hb.train_count)
+            if hb.params_version > 0 and hb.params_version != self.latest_version:
+                self._poll_now.set()  # the params thread looks now
+
+        while not self.stop.is_set():
+            answer = self._on_board(beat, "board")
+            if answer == "stop":
+                break
+            self.stop.wait(min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval)
+
+    def _params_loop(self) -> None:
+        """Params: an actor waiting for the next version (lockstep, or its first) waits for it in Redis and
+        has it half a round trip after it is published; else the head is looked at every
+        ``params_poll_interval`` and newer params fetched. Its own thread: a heartbeat never waits behind
+        params (megabytes over a slow link), nor params behind a heartbeat."""
+        opts = self.options
+
+        def look() -> None:
+            if self._awaiting_params.is_set() and self.max_params_bytes <= ONE_TRIP_PARAMS_BYTES:
+                head = self._fetch_if_new(wait_s=min(opts.heartbeat_interval, 1.0))
+            else:
+                head = self.board.get_params_head()
+            if head is not None:
+                self._note_head(head[0], head[2])
+                if head[1] > 0 and head[1] != self.latest_version:
+                    self._fetch_params((head[0], head[1]))
+
+        while not self.stop.is_set():
+            answer = self._on_board(look, "params")
+            if answer == "stop":
+                break
+            if answer == "away":
+                self._poll_now.wait(min(opts.heartbeat_interval, 1.0))
+            elif not self._awaiting_params.is_set():
+                self._poll_now.wait(opts.params_poll_interval)
+            elif not self.board.awaits_in_redis:  # else the wait was in Redis
+                self._poll_now.wait(opts.params_wait_poll_interval)
+            self._poll_now.clear()
+
+    def _on_board(self, work: Callable[[], None], thread: str) -> Literal["ok", "away", "stop"]:
+        """Run a background thread's ``work``: a board that is away (or a damaged record) is logged and tried
+        again ("away"), acting goes on; refused credentials or a crash stop this actor ("stop")."""
+        try:
+            work()
+        except BOARD_AWAY as e:
+            if self._away_since is None:
+                self._away_since = time.monotonic()
+            if self._board_log.ready():
+                logger.warning("board unreachable or unreadable for %.0fs (%s); retrying",
+                               time.monotonic() - self._away_since, short(e))
+            return "away"
+        except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+            if self.refused_by is None:
                 logger.error("%s", e)
                 self.refused_by = e
-                self.stop.set(f"refused: {e}")
-                break
-            except Exception as e:
-                logger.exception("actor board thread crashed")
-                self.fatal = f"board thread crashed: {type(e).__name__}: {short(e)}"
-                self.stop.set(self.fatal)
-                break
-            waiting = self._awaiting_params.is_set()
-            self._poll_now.wait(opts.params_wait_poll_interval if waiting else opts.params_poll_interval)
-            self._poll_now.clear()
+            self.stop.set(f"refused: {e}")
+            return "stop"
+        except Exception as e:
+            logger.exception("actor %s thread crashed", thread)
+            self.fatal = self.fatal or f"{thread} thread crashed: {type(e).__name__}: {short(e)}"
+            self.stop.set(self.fatal)
+            return "stop"
+        self._away_since = None
+        return "stop" if self.stop.is_set() else "ok"
 
     def _take_slot_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
@@ -293,6 +328,10 @@ class ActorRun:
         """Follow the trainer's train_count. A new epoch is a new trainer (the last one died): it goes on
         from its checkpoint's train_count with an empty replay memory, so the rate limit starts over from
         here, with a warmup's share, or it would wait for rows this actor waits to be allowed to send."""
+        with self._head_lock:  # the heartbeat and the params thread both follow it
+            self._follow_head(epoch, train_count)
+
+    def _follow_head(self, epoch: int, train_count: int) -> None:
         if epoch > self._trainer_epoch >= 1:
             logger.info("a new trainer (epoch %d) goes on from train_count %d: the rate limit starts over with "
                         "a warmup's share", epoch, train_count)
@@ -302,12 +341,14 @@ class ActorRun:
             self.latest_train_count = max(self.latest_train_count, train_count)
         self._trainer_epoch = max(self._trainer_epoch, epoch)
 
-    def _fetch_if_new(self) -> tuple[int, int, int] | None:
+    def _fetch_if_new(self, wait_s: float) -> tuple[int, int, int] | None:
         """The params head, with the params staged when their version is not the one held: one round trip,
-        for an actor that waits for the next version (the machine's params cache is skipped: small params
-        only, where a round trip costs more than the bytes)."""
+        for an actor that waits for the next version. The wait is in Redis, up to ``wait_s``, until a version
+        is published (``Board.await_params``). The machine's params cache is skipped: small params only,
+        where a round trip costs more than the bytes."""
         try:
-            head, record = self.board.get_params_unless(self.latest_version, self.max_params_bytes)
+            self._feed_after, head, record = self.board.await_params(
+                self._feed_after, self.latest_version, math.ceil(wait_s * 1000), self.max_params_bytes)
             if record is not None:
                 self.params_fetched_bytes += len(record.blob)
                 self._stage(record, self.codec.decode_params(record.blob, epoch=record.epoch,
@@ -445,9 +486,12 @@ class ActorRun:
         """Act until the task ends or the slot is lost; returns why it stopped."""
         opts = self.options
         path = self.data_path
-        board_thread = threading.Thread(target=self._board_loop, name="srl-actor-board", daemon=True)
-        self.lease_guard.start()  # renews while the board thread is busy moving params
-        board_thread.start()
+        threads = [threading.Thread(target=self._board_loop, name="srl-actor-board", daemon=True)]
+        if self.inference is None:  # with central inference the server holds the params
+            threads.append(threading.Thread(target=self._params_loop, name="srl-actor-params", daemon=True))
+        self.lease_guard.start()  # renews while a heartbeat is late (a slow board)
+        for thread in threads:
+            thread.start()
         stats = ", ".join(f"{k}={v:.4g}" for k, v in self.worker.stats().items())
         logger.info("actor %s holds slot %d of %d (%d env(s)%s); env %s", opts.uid, self.slot, self.task.actor_num,
                     self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
@@ -497,7 +541,8 @@ class ActorRun:
             self.counters.add(env_steps=steps_since_count)
             self.stop.set("actor stopping")
             self._poll_now.set()
-            board_thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
+            for thread in threads:
+                thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
             self.lease_guard.stop()
             if self.rows is not None:
                 self.rows.finish()  # the sending thread's last put counted before the final report takes the counts

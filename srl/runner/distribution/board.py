@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import random
 import re
@@ -71,6 +72,8 @@ from typing import Any, Literal
 import redis
 
 from srl.runner.distribution.retry import TRANSIENT_ERRORS
+
+logger = logging.getLogger("srl.board")
 
 BOARD_FORMAT_VERSION = 3
 """version of the key layout and field encoding above; bumped on any incompatible change (3: task ids)"""
@@ -403,7 +406,8 @@ end
 return -1
 """
 
-# KEYS: trainer lease, epoch, params, task. ARGV: uid, epoch, version, train_count, blob, task id.
+# KEYS: trainer lease, epoch, params, task, params feed. ARGV: uid, epoch, version, train_count, blob, task id.
+# The feed is a stream of one entry, the latest version: a node waiting for the next one blocks on it.
 _PUBLISH_PARAMS_LUA = _TASK_IS_LUA + """
 if task_is(KEYS[4], ARGV[6]) ~= 1 then return 0 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -416,6 +420,7 @@ local now = t[1] .. '.' .. string.format('%06d', t[2])
 redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'version', ARGV[3], 'train_count', ARGV[4],
            'blob', ARGV[5], 'published_at', now, 'task', ARGV[6])
 redis.call('HSET', KEYS[4], 'params_epoch', ARGV[2], 'params_version', ARGV[3], 'train_count', ARGV[4])
+redis.call('XADD', KEYS[5], 'MAXLEN', '1', '*', 'epoch', ARGV[2], 'version', ARGV[3])
 return 1
 """
 
@@ -705,6 +710,8 @@ class Board:
         self._task_key = self.prefix + "task"
         self._epoch_key = self.prefix + "epoch"
         self._params_key = self.prefix + "params"
+        self._feed_key = self.prefix + "params:feed"
+        self._feed_usable = True  # False: this Redis user may not XREAD it, await_params polls
         self._counters_key = self.prefix + "counters"
         self._roles_key = self.prefix + "roles"
         self._events_key = self.prefix + "events"
@@ -764,7 +771,7 @@ class Board:
 
     def task_keys(self) -> list[str]:
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
-        keys = {self._task_key, self._epoch_key, self._params_key, self._counters_key, self._roles_key,
+        keys = {self._task_key, self._epoch_key, self._params_key, self._feed_key, self._counters_key, self._roles_key,
                 self._events_key, self._deadletters_key, self._history_key, self._resume_key,
                 self._refusals_key, self._ledger_key, self._checkpoint_key, self._inference_key,
                 self.lease_key("trainer"), self.lease_key("inference")}
@@ -1121,7 +1128,7 @@ class Board:
     def publish_params(self, owner_uid: str, epoch: int, version: int, blob: bytes, train_count: int) -> bool:
         """Store params atomically; False (nothing written) unless ``owner_uid`` holds the trainer
         lease and ``epoch`` is the current trainer epoch, not older than the stored params' epoch."""
-        keys = [self.lease_key("trainer"), self._epoch_key, self._params_key, self._task_key]
+        keys = [self.lease_key("trainer"), self._epoch_key, self._params_key, self._task_key, self._feed_key]
         args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob, self.task_id]
         return bool(self._publish(keys=keys, args=args))
 
@@ -1149,9 +1156,51 @@ class Board:
         """``(head, record)`` in one round trip: the latest params' ``(epoch, version, train_count)`` and, unless
         their version is ``held_version`` (the caller's), the params themselves (None: not new, none yet, or
         another task's). For a node waiting for the next version: it polls and fetches at once."""
-        answer = self._get_params(keys=[self._params_key],
-                                  args=["" if held_version is None else str(held_version),
-                                        -1 if max_bytes is None else int(max_bytes)])
+        answer = self._get_params(keys=[self._params_key], args=self._get_params_args(held_version, max_bytes))
+        return self._params_answer(answer, held_version, max_bytes)
+
+    def await_params(self, after: bytes, held_version: int | None, block_ms: int, max_bytes: int | None = None
+                     ) -> tuple[bytes, tuple[int, int, int] | None, ParamsRecord | None]:
+        """``get_params_unless`` once a version is published after the feed entry ``after`` (``b"0-0"``: any),
+        or once ``block_ms`` passed: one round trip, the wait in Redis. A node waiting for the next version gets
+        it half a round trip after it is published, not at its next poll. Returns the newest feed entry seen
+        (the next call's ``after``) with the head and the record."""
+        if not self._feed_usable:
+            return after, *self.get_params_unless(held_version, max_bytes)
+        socket_timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if socket_timeout:  # well inside it: a wait is not a dead connection
+            block_ms = min(block_ms, int(socket_timeout * 500))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.execute_command("XREAD", "COUNT", 1, "BLOCK", max(1, int(block_ms)), "STREAMS", self._feed_key, after)
+        pipe.execute_command("EVALSHA", self._get_params.sha, 1, self._params_key,
+                             *self._get_params_args(held_version, max_bytes))
+        feed, answer = pipe.execute(raise_on_error=False)
+        if isinstance(feed, redis.exceptions.NoPermissionError):  # a user without XREAD: it polls
+            logger.warning("this Redis user may not XREAD %s (%s): waiting for params by polling", self._feed_key, feed)
+            self._feed_usable = False
+        elif isinstance(feed, Exception):
+            raise feed
+        elif isinstance(feed, list) and feed:  # [[key, [[id, fields]]]]
+            entries = feed[0][1] if isinstance(feed[0], list) and len(feed[0]) == 2 else []
+            if entries and isinstance(entries[-1][0], bytes):
+                after = entries[-1][0]
+        if isinstance(answer, redis.exceptions.NoScriptError):  # a restarted Redis: the script is loaded again
+            return after, *self.get_params_unless(held_version, max_bytes)
+        if isinstance(answer, Exception):
+            raise answer
+        return after, *self._params_answer(answer, held_version, max_bytes)
+
+    @property
+    def awaits_in_redis(self) -> bool:
+        """``await_params`` waits in Redis (False: this Redis user may not read the feed; it returns at once)."""
+        return self._feed_usable
+
+    @staticmethod
+    def _get_params_args(held_version: int | None, max_bytes: int | None) -> list[str | int]:
+        return ["" if held_version is None else str(held_version), -1 if max_bytes is None else int(max_bytes)]
+
+    def _params_answer(self, answer: Any, held_version: int | None, max_bytes: int | None
+                       ) -> tuple[tuple[int, int, int] | None, ParamsRecord | None]:
         if not answer:
             return None, None
         epoch, version, train_count, task, size, blob = answer
