@@ -11,7 +11,7 @@ The calls::
 
     main thread:   publisher.request(train_count)          # after an update the data path publishes
                    publisher.due()                          # a version the board lacks, and time for it
-    board thread:  publisher.flush()                        # writes the pending blob, if any
+    publish thread: publisher.flush()                       # writes the pending blob, if any
     at the end:    publisher.request_final(train_count)     # weights trained since get a version of their own
                    publisher.wait(stop) / publisher.flush() # written before the run lets go of its lease
 """
@@ -72,8 +72,9 @@ class Publisher:
         """publish float32 weights as float16 but the last version (``request_final``)"""
         """called when the board refuses a write for a lapsed lease; True: held again, write once more"""
         self.wake = threading.Event()
-        """set when a blob is pending: the board thread writes it without waiting for its next heartbeat"""
+        """set when a blob is pending: the publish thread writes it at once"""
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # one write at a time, so the board's versions only go up
         self._pending: tuple[int, int, bytes] | None = None
         self.published_version = 0
         """the newest version on the board (written by this run, or found there when it started)"""
@@ -110,24 +111,26 @@ class Publisher:
             return self._pending is not None
 
     def flush(self) -> None:
-        """Write the pending blob (the board thread's, or the run's at its end); kept for the next try when
-        the board is away, unless a newer one came meanwhile."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        version, train_count, blob = pending
-        try:
-            ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
-            if not ok and self.take_lease_back():
-                ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
-        except BaseException:
+        """Write the pending blob (the publish thread's, or the run's at its end); kept for the next try when
+        the board is away, unless a newer one came meanwhile. Writes from two threads go one after the other,
+        each taking the newest blob when its turn comes."""
+        with self._writing:
             with self._lock:
-                if self._pending is None:  # keep it for the next try, unless a newer one came
-                    self._pending = pending
-            raise
-        if ok:
-            self.published_version = version
+                pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            version, train_count, blob = pending
+            try:
+                ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
+                if not ok and self.take_lease_back():
+                    ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
+            except BaseException:
+                with self._lock:
+                    if self._pending is None:  # keep it for the next try, unless a newer one came
+                        self._pending = pending
+                raise
+            if ok:
+                self.published_version = version
 
     def due(self) -> bool:
         """A version the board does not have yet, and ``min_interval`` since the last publication

@@ -4,7 +4,8 @@ Owns: the trainer process — taking the lease (which increments the epoch that 
 write) and wiring one run's parts (:class:`TrainerRun`): the ingest thread (``ingest.py``), the version
 gate (``versions.py``), publication (``publisher.py``), what the run starts from and leaves
 (``checkpoints.py``); its own are the board thread (heartbeat, the task's state, the lease taken back
-after an outage) and the main thread's loop, which ends the task at its limits with the final params
+after an outage), the publish thread (each version written as soon as it is handed over) and the main
+thread's loop, which ends the task at its limits with the final params
 written first. It follows the algorithm's ``DataPath`` and never branches on the algorithm. Must never:
 ack a batch before it is in the buffer, let one message stop it, or give up on a board that is away for a
 while.
@@ -15,7 +16,8 @@ The loop::
     checkpoints.resume() or checkpoints.restore()  # a client's checkpoint, or the board's params: train_count goes on
     ingest thread: get_many → decode(schema) → dedupe → gate (version policy) → buffer.add → count → ack
                    (a full buffer is not read into: the queue fills and actors wait)
-    board thread:  heartbeat (renew lease, stats) · publisher.flush() (the latest params blob)
+    board thread:  heartbeat (renew lease, stats, the task's state)
+    publish thread: publisher.flush() (the latest params blob, as soon as it is handed over)
     main thread:   while not done:
                        sync: once every actor's segments of this version are in → train → publish
                        else: train; publish as the data path says (every ``publish_every`` train steps)
@@ -39,7 +41,8 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
@@ -153,6 +156,7 @@ class TrainerRun:
         self._server_time = (time.time(), time.monotonic())
         self._lease_lost_at: float | None = None
         self._board_log = Throttle()
+        self._taking_back = threading.Lock()
         self.resumed = self.checkpoints.resume()
 
     def _memory_limit(self) -> int:
@@ -193,41 +197,62 @@ class TrainerRun:
         return server + (time.monotonic() - mono)
 
     def _board_loop(self) -> None:
+        """Heartbeats: the lease, stats, the task's state."""
         opts = self.options
         last_train, last_recv, last_time = self.learner.train_count, 0, time.monotonic()
-        next_beat = 0.0
         while not self.stop.is_set():
-            try:
-                self.publisher.flush()
+            def beat() -> None:
+                nonlocal last_train, last_recv, last_time
                 now = time.monotonic()
-                if now >= next_beat:
-                    dt = max(now - last_time, 1e-9)
-                    train_count, received = self.learner.train_count, self.ingest.received_transitions
-                    self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
-                    stats = self._stats(*self._last_rates)
-                    last_train, last_recv, last_time = train_count, received, now
-                    self._heartbeat(stats)
-                    next_beat = time.monotonic() + opts.heartbeat_interval
-            except BOARD_AWAY as e:
-                if self._lease_lost_at is None:
-                    self._lease_lost_at = time.monotonic()
-                if self._board_log.ready():
-                    logger.warning("board unreachable or unreadable for %.0fs (%s); training goes on, retrying",
-                                   time.monotonic() - self._lease_lost_at, short(e))
-                next_beat = time.monotonic() + min(opts.heartbeat_interval, 1.0)
-            except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+                dt = max(now - last_time, 1e-9)
+                train_count, received = self.learner.train_count, self.ingest.received_transitions
+                self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
+                stats = self._stats(*self._last_rates)
+                last_train, last_recv, last_time = train_count, received, now
+                self._heartbeat(stats)
+
+            answer = self._on_board(beat, "board")
+            if answer == "stop":
+                break
+            self.stop.wait(min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval)
+
+    def _publish_loop(self) -> None:
+        """Writes each version as soon as the main thread hands it over. Its own thread: a publication never
+        waits behind a heartbeat (over a long link, one or two round trips of a sync version's handoff)."""
+        wake = self.publisher.wake
+        while not self.stop.is_set():
+            wake.wait(self.options.heartbeat_interval)
+            wake.clear()
+            answer = self._on_board(self.publisher.flush, "publish")
+            if answer == "stop":
+                break
+            if answer == "away":  # the blob is kept: try again in a while
+                self.stop.wait(min(self.options.heartbeat_interval, 1.0))
+                wake.set()
+
+    def _on_board(self, work: Callable[[], None], thread: str) -> Literal["ok", "away", "stop"]:
+        """Run a board thread's ``work``: a board that is away is logged and tried again ("away"); refused
+        credentials or a crash stop the run ("stop")."""
+        try:
+            work()
+            return "ok"
+        except BOARD_AWAY as e:
+            if self._lease_lost_at is None:
+                self._lease_lost_at = time.monotonic()
+            if self._board_log.ready():
+                logger.warning("board unreachable or unreadable for %.0fs (%s); training goes on, retrying",
+                               time.monotonic() - self._lease_lost_at, short(e))
+            return "away"
+        except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+            if self.refused_by is None:
                 logger.error("%s", e)
                 self.refused_by = e
-                self.stop.set(f"refused: {e}")
-                break
-            except Exception as e:
-                logger.exception("trainer board thread crashed")
-                self.fatal = f"board thread crashed: {type(e).__name__}: {short(e)}"
-                self.stop.set(self.fatal)
-                break
-            wake = self.publisher.wake
-            wake.wait(max(0.0, min(next_beat - time.monotonic(), opts.heartbeat_interval)))
-            wake.clear()
+            self.stop.set(f"refused: {e}")
+        except Exception as e:
+            logger.exception("trainer %s thread crashed", thread)
+            self.fatal = self.fatal or f"{thread} thread crashed: {type(e).__name__}: {short(e)}"
+            self.stop.set(self.fatal)
+        return "stop"
 
     def _stats(self, train_per_s: float, received_per_s: float) -> dict[str, Any]:
         learner = {k: round(v, 6) for k, v in self.last_stats.items()}
@@ -285,7 +310,6 @@ class TrainerRun:
             return
         self.env_steps_total = int(hb.total or 0)
         if self.live_slots is not None:
-            self.publisher.flush()  # a publication that came during the heartbeat goes before this read
             self.live_slots = [slot for name in board.held_leases(self.task.actor_num)
                                if (slot := actor_slot(name)) is not None]
 
@@ -299,7 +323,12 @@ class TrainerRun:
         self.stop.set(reason)
 
     def _take_lease_back(self) -> bool:
-        """The lease lapsed: take it back if no other trainer took over (else stop, fenced)."""
+        """The lease lapsed: take it back if no other trainer took over (else stop, fenced). The heartbeat
+        and a publication may both find out: one at a time."""
+        with self._taking_back:
+            return self._take_lease_back_locked()
+
+    def _take_lease_back_locked(self) -> bool:
         opts = self.options
         if self.fenced:  # the heartbeat and the publisher may both find out: say it once
             return False
@@ -346,12 +375,12 @@ class TrainerRun:
             logger.info("final params published: version %d, train_count %d", self.publisher.published_version,
                         self.learner.train_count)
 
-    def _finish_ended_task(self, board_thread: threading.Thread) -> None:
+    def _finish_ended_task(self, board_threads: list[threading.Thread]) -> None:
         """The task was ended on the board (a client's cancel): the board thread has stopped its heartbeats,
         so the lease guard renews the lease while the last weights go (first: the client waits for them) and
         then the last checkpoint; the client loads both once this trainer lets go."""
-        self.publisher.wake.set()
-        board_thread.join(timeout=self.options.heartbeat_interval + 5)  # one writer of the board's params at a time
+        for thread in board_threads:  # its heartbeats have stopped; the publish thread's last write is done
+            thread.join(timeout=self.options.heartbeat_interval + 5)
         self.publisher.request_final(self.learner.train_count)
         self._flush_final()
         self.checkpoints.keep(self.env_steps_total)
@@ -430,10 +459,12 @@ class TrainerRun:
             self.checkpoints.restore(self.resumed)
             self.ingest.skip_counted_redeliveries()
         self._train_base = self.learner.train_count
-        board_thread = threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True)
+        board_threads = [threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True),
+                         threading.Thread(target=self._publish_loop, name="srl-trainer-publish", daemon=True)]
         self.ingest.start()
-        self.lease_guard.start()  # renews while the board thread is busy publishing
-        board_thread.start()
+        self.lease_guard.start()  # renews while a heartbeat is late (a slow board)
+        for thread in board_threads:
+            thread.start()
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.learner.train_count)
         self.learner.plan(self.task.max_steps, self.task.max_train_count)
@@ -460,7 +491,7 @@ class TrainerRun:
                     if board_every is not None and now >= next_on_board:
                         next_on_board = time.monotonic() + board_every
             if self.task_ended and not (self.fenced or self.task_gone or self.task_replaced):
-                self._finish_ended_task(board_thread)
+                self._finish_ended_task(board_threads)
             elif not self.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
                 self.checkpoints.keep(self.env_steps_total)
             # final params first, then END: a client that sees END finds them
@@ -470,10 +501,11 @@ class TrainerRun:
         finally:
             self.stop.set(self.stop.reason or "trainer stopping")
             self.publisher.wake.set()
-            board_thread.join(timeout=opts.heartbeat_interval + 5)
+            for thread in board_threads:
+                thread.join(timeout=opts.heartbeat_interval + 5)
             self.lease_guard.stop()
             self.ingest.join(timeout=10)
-            self._flush_final()  # a publication the board thread had not written yet
+            self._flush_final()  # a publication the publish thread had not written yet
             try:
                 # a fenced trainer's stats would overwrite its successor's: it only lets go
                 stats = None if self.fenced else self._stats(*self._last_rates)
