@@ -18,7 +18,7 @@ import redis
 import srl
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
-from tests.nodes import ClientThread, Node, board_for, start, tiny_config
+from tests.nodes import ClientThread, Node, board_for, start, tiny_config, wait_for
 from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 from tests.wan_proxy import WanProxy
 
@@ -149,6 +149,37 @@ def test_redis_answers_through_the_proxy_at_its_delay(redis_url: str) -> None:
         assert all(pipe.execute())
         assert time.monotonic() - started < 25 * 0.05  # a pipeline pays one round trip, not fifty
         client.close()
+
+
+def test_entries_whose_read_reply_a_reset_took_come_at_once_not_at_takeover(redis_url: str, namespace: str) -> None:
+    """A read executed in Redis whose reply is lost with its connection leaves the entries pending for this
+    consumer, delivered to no one: the read after the reconnect brings them (a sync learner would otherwise
+    wait ``claim_min_idle_s`` for its actors' segments)."""
+    from srl.runner.distribution.queues import open_queue
+
+    raw = redis.Redis.from_url(redis_url)
+    target = raw.connection_pool.connection_kwargs
+    with WanProxy(target["host"], target["port"]) as proxy:
+        url = f"redis://127.0.0.1:{proxy.port}/{target.get('db', 0)}"
+        with open_queue(redis_url, namespace=namespace, role="producer") as producer, \
+                open_queue(url, namespace=namespace, role="consumer") as consumer:
+            assert consumer.get_many(4, 0.0) == []  # its first takeover look done
+            producer.put_many([b"segment"])
+            key = consumer.key  # type: ignore[attr-defined]
+            proxy.set_delay(1.0)  # a reply takes a second: time to lose it
+            got: list[list] = []
+            reader = threading.Thread(target=lambda: got.append(consumer.get_many(4, 30.0)))
+            reader.start()
+            wait_for(lambda: raw.xpending(key, "trainer")["pending"] == 1, 10.0, "the read to run in Redis")
+            assert proxy.reset() >= 1  # its reply is still on its way: lost
+            proxy.set_delay(0.0)  # what follows need not crawl
+            reader.join(timeout=25.0)  # within the read's timeout, not at takeover (30 s)
+            assert not reader.is_alive() and [m.data for m in got[0]] == [b"segment"]
+            assert "redelivered" in got[0][0].source
+            consumer.ack_many(got[0])
+            assert consumer.get_many(4, 0.0) == []  # and once only
+            assert raw.xpending(key, "trainer")["pending"] == 0
+    raw.close()
 
 
 @contextlib.contextmanager

@@ -30,7 +30,9 @@ Features:
       ``capacity`` batches): only a flood that ignores backpressure is trimmed;
     * reconnect: a dropped connection (Redis restarted) is retried with backoff
       for ``reconnect_timeout_s``; a stream or group that vanished with it is
-      created again;
+      created again; a read whose reply the connection took with it (the entries are this consumer's
+      pending ones, delivered to no one) is followed by a read of those entries (``XREADGROUP ... 0``),
+      so they come at once, not ``claim_min_idle_s`` later by takeover;
     * works with Redis >= 6.2 (XAUTOCLAIM's 6.2 two-element reply and 7.x
       three-element reply both handled).
 
@@ -290,6 +292,7 @@ class RedisStreamQueue(ExperienceQueue):
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
         self._acks: list[bytes] = []  # ids acked by the caller, sent with the next command
         self._away = False  # the last command gave up: Redis did not come back
+        self._read_unanswered = False  # a read was sent and its reply never came (a lost connection)
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
         self._closed = False
@@ -490,9 +493,15 @@ class RedisStreamQueue(ExperienceQueue):
         def read(n: int, block: tuple[Any, ...]) -> tuple[Any, ...]:
             return ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", n, *block, "STREAMS", self.key, ">")
 
+        if self._read_unanswered:
+            lost = self._read_lost(count)
+            if lost:
+                return lost
         block = () if block_ms is None else ("BLOCK", block_ms)
         follow = () if block_ms is None else ("BLOCK", max(1, min(block_ms, math.ceil(_GATHER_S * 1000))))
+        self._read_unanswered = True  # until its reply is in
         replies = self._pipelined(read(count - (expect - 1), block), *[read(1, follow)] * (expect - 1))
+        self._read_unanswered = False
         out: list[Message] = []
         for reply in replies:
             if not isinstance(reply, list) or not reply:
@@ -502,6 +511,22 @@ class RedisStreamQueue(ExperienceQueue):
                                   redelivered=False)
         return out
 
+    def _read_lost(self, count: int) -> list[Message]:
+        """The entries a read delivered to this consumer whose reply was lost with its connection: this
+        consumer's pending entries not handed out (nor acked) already, read again by id (up to ``count``)."""
+        known = set(self._held) | set(self._acks)
+        reply = self._with_acks("XREADGROUP", "GROUP", self.group, self.consumer,
+                                "COUNT", min(count + len(known), _MAX_ARRAY), "STREAMS", self.key, "0")
+        self._read_unanswered = False
+        stream = reply[0] if isinstance(reply, list) and reply else None
+        entries = stream[1] if isinstance(stream, list) and len(stream) == 2 else []
+        lost = [e for e in entries if isinstance(e, list) and e and e[0] not in known][:count]
+        messages = self._messages(lost, redelivered=True)
+        if messages:
+            logger.warning("%s: %d entries read before a connection was lost are read again", self.source_name,
+                           len(messages))
+        return messages
+
     @property
     def _claim_scan_done(self) -> bool:
         """Whether the last takeover look went through every pending entry (else more pages wait)."""
@@ -509,9 +534,11 @@ class RedisStreamQueue(ExperienceQueue):
 
     def _claim(self, count: int) -> list[Message]:
         """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
+        unanswered, self._read_unanswered = self._read_unanswered, True  # its entries become ours: as a read's
         reply = self._with_acks(
             "XAUTOCLAIM", self.key, self.group, self.consumer, self.claim_min_idle_ms, self._claim_cursor,
             "COUNT", count)
+        self._read_unanswered = unanswered
         cursor = reply[0] if isinstance(reply, list) and reply else b"0-0"
         self._claim_cursor = cursor if isinstance(cursor, bytes) else b"0-0"
         if self._claim_scan_done:
