@@ -239,12 +239,14 @@ class ActorRun:
                 if head[1] > 0 and head[1] != self.latest_version:
                     self._fetch_params((head[0], head[1]))
 
+        failures = 0
         while not self.stop.is_set():
             answer = self._on_board(look, "params")
             if answer == "stop":
                 break
-            if answer == "away":
-                self._poll_now.wait(min(opts.heartbeat_interval, 1.0))
+            failures = failures + 1 if answer == "away" else 0
+            if failures:  # a reset connection is replaced at once: look again soon, then back off
+                self._poll_now.wait(min(opts.heartbeat_interval, 1.0, 0.05 * 2 ** (failures - 1)))
             elif not self._awaiting_params.is_set():
                 self._poll_now.wait(opts.params_poll_interval)
             elif not self.board.awaits_in_redis:  # else the wait was in Redis
