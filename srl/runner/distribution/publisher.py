@@ -1,7 +1,7 @@
-"""The trainer process's params publication: the main thread hands weights over, the board thread writes.
+"""The trainer process's params publication: the main thread hands weights over, the publish thread writes.
 
 Owns: :class:`Publisher`: encoding the learner's weights as params version ``gate.version`` (signed,
-with the epoch and train_count), the one pending blob the board thread writes next (a newer one replaces
+with the epoch and train_count), the one pending blob the publish thread writes next (a newer one replaces
 an older one not yet written: versions that come faster than the board takes them are merged), when the
 next publication is due (``min_publish_interval``), and the run's last weights. Must never: write params
 without the trainer's epoch (``Board.publish_params`` fences every write), or give a version to two sets of
@@ -79,7 +79,7 @@ class Publisher:
         self.published_version = 0
         """the newest version on the board (written by this run, or found there when it started)"""
         self.requested = (0, -1)
-        """(version, train_count) last handed to the board thread"""
+        """(version, train_count) last handed to the publish thread"""
         self._last = 0.0
 
     def restored(self, version: int) -> None:
@@ -87,7 +87,7 @@ class Publisher:
         self.published_version = version
 
     def request(self, train_count: int, final: bool = False) -> int:
-        """Hand the learner's weights, as params version ``gate.version``, to the board thread (as float16
+        """Hand the learner's weights, as params version ``gate.version``, to the publish thread (as float16
         with ``float16``, unless ``final``)."""
         version = self.gate.version
         self.parameter.version = version

@@ -1,4 +1,4 @@
-"""Params between two threads: a board thread fetches and decodes a version, the acting thread loads it.
+"""Params between two threads: a background thread fetches and decodes a version, the acting thread loads it.
 
 Owns: :class:`StagedParams`, shared by the actor (local inference) and the inference server, so the
 weights change between two acts, never during one, and the acting thread never waits for Redis. Must
@@ -23,7 +23,7 @@ class StagedParams:
 
     The loop that uses it::
 
-        board thread:   staged.put(epoch, version, arrays)        # decoded, checked
+        background:     staged.put(epoch, version, arrays)        # decoded, checked (the actor's params thread)
         acting thread:  if staged.pending: loaded = staged.load(parameter)   # between two acts
     """
 
