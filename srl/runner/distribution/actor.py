@@ -229,8 +229,12 @@ class ActorRun:
         params (megabytes over a slow link), nor params behind a heartbeat."""
         opts = self.options
 
+        waited = False  # the last look waited in Redis
+
         def look() -> None:
-            if self._awaiting_params.is_set() and self.max_params_bytes <= ONE_TRIP_PARAMS_BYTES:
+            nonlocal waited
+            waited = self._awaiting_params.is_set() and self.max_params_bytes <= ONE_TRIP_PARAMS_BYTES
+            if waited:
                 head = self._fetch_if_new(wait_s=min(opts.heartbeat_interval, 1.0))
             else:
                 head = self.board.get_params_head()
@@ -249,7 +253,7 @@ class ActorRun:
                 self._poll_now.wait(min(opts.heartbeat_interval, 1.0, 0.05 * 2 ** (failures - 1)))
             elif not self._awaiting_params.is_set():
                 self._poll_now.wait(opts.params_poll_interval)
-            elif not self.board.awaits_in_redis:  # else the wait was in Redis
+            elif not (waited and self.board.awaits_in_redis):  # else the wait was in Redis
                 self._poll_now.wait(opts.params_wait_poll_interval)
             self._poll_now.clear()
 
@@ -459,11 +463,17 @@ class ActorRun:
                 + self.data_path.first_rows_steps(self.task.rl_config.envs_per_actor))
 
     def _throttle(self) -> None:
-        """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
+        """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog).
+        Its train_count comes with its next publication, which the params thread meanwhile waits for."""
         self._flush()
         self._begin_wait()
-        while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
-            self.stop.wait(0.01)
+        self._awaiting_params.set()
+        self._poll_now.set()
+        try:
+            while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
+                self.stop.wait(0.01)
+        finally:
+            self._awaiting_params.clear()
         self.throttled_s += self._end_wait()
 
     def _batch_rows(self) -> int:
