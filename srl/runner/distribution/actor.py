@@ -463,17 +463,11 @@ class ActorRun:
                 + self.data_path.first_rows_steps(self.task.rl_config.envs_per_actor))
 
     def _throttle(self) -> None:
-        """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog).
-        Its train_count comes with its next publication, which the params thread meanwhile waits for."""
+        """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
         self._flush()
         self._begin_wait()
-        self._awaiting_params.set()
-        self._poll_now.set()
-        try:
-            while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
-                self.stop.wait(0.01)
-        finally:
-            self._awaiting_params.clear()
+        while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
+            self.stop.wait(0.01)
         self.throttled_s += self._end_wait()
 
     def _batch_rows(self) -> int:
