@@ -26,9 +26,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardDataError, ParamsRecord
+from srl.runner.distribution.board import Board, BoardDataError, ParamsRecord
 from srl.runner.distribution.codec import (
     DEFAULT_MAX_BYTES,
     DecodeError,
@@ -44,9 +43,9 @@ from srl.runner.distribution.codec import (
     short,
     task_tag,
 )
-from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.inference import InferenceClient, InferenceLostError
 from srl.runner.distribution.node import (
+    BoardWork,
     CounterDeltas,
     LeaseGuard,
     apply_overrides,
@@ -157,8 +156,7 @@ class ActorRun:
         self.params_version = -1
         self.latest_version = -1
         self.latest_train_count = 0
-        self.fatal: str | None = None
-        self.refused_by: CredentialsError | None = None  # the board refused this actor's credentials
+        self.board_work = BoardWork("actor", self.stop)
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
@@ -179,7 +177,6 @@ class ActorRun:
         self._steps_base = 0  # this actor's env steps then
         self._trainer_epoch = -1  # the epoch of the params head last seen (a new one: a new trainer)
         self._head_lock = threading.Lock()
-        self._away_since: float | None = None  # the board unreachable since (for the log)
         self._rebase_allowance = False  # set by the board thread when a new trainer took over
         self.recent_rewards: list[float] = []
 
@@ -217,7 +214,7 @@ class ActorRun:
                 self._poll_now.set()  # the params thread looks now
 
         while not self.stop.is_set():
-            answer = self._on_board(beat, "board")
+            answer = self.board_work.run(beat, "board")
             if answer == "stop":
                 break
             self.stop.wait(min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval)
@@ -245,7 +242,7 @@ class ActorRun:
 
         failures = 0
         while not self.stop.is_set():
-            answer = self._on_board(look, "params")
+            answer = self.board_work.run(look, "params")
             if answer == "stop":
                 break
             failures = failures + 1 if answer == "away" else 0
@@ -256,32 +253,6 @@ class ActorRun:
             elif not (waited and self.board.awaits_in_redis):  # else the wait was in Redis
                 self._poll_now.wait(opts.params_wait_poll_interval)
             self._poll_now.clear()
-
-    def _on_board(self, work: Callable[[], None], thread: str) -> Literal["ok", "away", "stop"]:
-        """Run a background thread's ``work``: a board that is away (or a damaged record) is logged and tried
-        again ("away"), acting goes on; refused credentials or a crash stop this actor ("stop")."""
-        try:
-            work()
-        except BOARD_AWAY as e:
-            if self._away_since is None:
-                self._away_since = time.monotonic()
-            if self._board_log.ready():
-                logger.warning("board unreachable or unreadable for %.0fs (%s); retrying",
-                               time.monotonic() - self._away_since, short(e))
-            return "away"
-        except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
-            if self.refused_by is None:
-                logger.error("%s", e)
-                self.refused_by = e
-            self.stop.set(f"refused: {e}")
-            return "stop"
-        except Exception as e:
-            logger.exception("actor %s thread crashed", thread)
-            self.fatal = self.fatal or f"{thread} thread crashed: {type(e).__name__}: {short(e)}"
-            self.stop.set(self.fatal)
-            return "stop"
-        self._away_since = None
-        return "stop" if self.stop.is_set() else "ok"
 
     def _take_slot_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
@@ -562,10 +533,7 @@ class ActorRun:
                 self.params_cache.clear()
             if self.task_gone:
                 remove_orphans(self.board)
-        if self.refused_by is not None:
-            raise self.refused_by
-        if self.fatal:
-            raise RuntimeError(self.fatal)
+        self.board_work.raise_failure()
         return self.stop.reason
 
     def _final_report(self) -> None:

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError
@@ -38,6 +38,7 @@ from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.task import (
     QueueMismatchError,
+    StopFlag,
     TaskConfigError,
     TaskSpec,
     TaskTrustError,
@@ -139,6 +140,54 @@ class CounterDeltas:
         except BaseException:
             self.add(**deltas)
             raise
+
+
+class BoardWork:
+    """How a node's background threads (heartbeats, params, publications) do their board work, and what
+    ended them: a board that is away is logged every few seconds and tried again, the node goes on; refused
+    credentials or a crash stop the node (``refused_by``, ``fatal``; :meth:`raise_failure` after the run)."""
+
+    def __init__(self, node: str, stop: StopFlag, while_away: str = "retrying") -> None:
+        self.node = node
+        self.stop = stop
+        self.while_away = while_away
+        """what the node does meanwhile, for the log line"""
+        self.fatal: str | None = None
+        self.refused_by: CredentialsError | None = None
+        self.away_since: float | None = None
+        self._log = Throttle()
+
+    def run(self, work: Callable[[], None], thread: str) -> Literal["ok", "away", "stop"]:
+        """Do ``work`` for ``thread``: "ok", "away" (try again later) or "stop" (the node is stopping)."""
+        try:
+            work()
+        except BOARD_AWAY as e:
+            if self.away_since is None:
+                self.away_since = time.monotonic()
+            if self._log.ready():
+                logger.warning("board unreachable or unreadable for %.0fs (%s); %s",
+                               time.monotonic() - self.away_since, short(e), self.while_away)
+            return "away"
+        except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
+            if self.refused_by is None:
+                logger.error("%s", e)
+                self.refused_by = e
+            self.stop.set(f"refused: {e}")
+            return "stop"
+        except Exception as e:
+            logger.exception("%s %s thread crashed", self.node, thread)
+            self.fatal = self.fatal or f"{thread} thread crashed: {type(e).__name__}: {short(e)}"
+            self.stop.set(self.fatal)
+            return "stop"
+        self.away_since = None
+        return "stop" if self.stop.is_set() else "ok"
+
+    def raise_failure(self) -> None:
+        """After the run: raise what stopped a background thread, if anything did."""
+        if self.refused_by is not None:
+            raise self.refused_by
+        if self.fatal:
+            raise RuntimeError(self.fatal)
 
 
 class Run(Protocol):

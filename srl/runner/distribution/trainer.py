@@ -41,20 +41,19 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, DataPath, seed_everything
 from srl.base.schema import Schema
-from srl.runner.distribution.board import BOARD_AWAY, Board, actor_slot
+from srl.runner.distribution.board import Board, actor_slot
 from srl.runner.distribution.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
-from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.ingest import Ingest, ReadWindow
 from srl.runner.distribution.node import (
+    BoardWork,
     LeaseGuard,
     apply_overrides,
     lease_kept,
@@ -66,7 +65,7 @@ from srl.runner.distribution.options import TrainerOptions
 from srl.runner.distribution.publisher import Publisher
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import Throttle, with_retry
+from srl.runner.distribution.retry import with_retry
 from srl.runner.distribution.stats import TrainerStats
 from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
 from srl.runner.distribution.versions import VersionGate
@@ -146,16 +145,13 @@ class TrainerRun:
         self.last_stats: dict[str, float] = {}
         self._last_rates = (0.0, 0.0)  # train steps/s, rows received/s at the last heartbeat
         self.task_started_at: float | None = None
-        self.fatal: str | None = None
-        self.refused_by: CredentialsError | None = None  # the board refused this trainer's login
+        self.board_work = BoardWork("trainer", self.stop, "training goes on, retrying")
         self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self.task_replaced = False  # another task of this name replaced it
         self.fenced = False  # another trainer took the lease over
         self.task_ended = False  # the task ended on the board (the client's cancel, a limit): final params go
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
-        self._lease_lost_at: float | None = None
-        self._board_log = Throttle()
         self._taking_back = threading.Lock()
         self.resumed = self.checkpoints.resume()
 
@@ -211,7 +207,7 @@ class TrainerRun:
                 last_train, last_recv, last_time = train_count, received, now
                 self._heartbeat(stats)
 
-            answer = self._on_board(beat, "board")
+            answer = self.board_work.run(beat, "board")
             if answer == "stop":
                 break
             self.stop.wait(min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval)
@@ -223,36 +219,12 @@ class TrainerRun:
         while not self.stop.is_set():
             wake.wait(self.options.heartbeat_interval)
             wake.clear()
-            answer = self._on_board(self.publisher.flush, "publish")
+            answer = self.board_work.run(self.publisher.flush, "publish")
             if answer == "stop":
                 break
             if answer == "away":  # the blob is kept: try again in a while
                 self.stop.wait(min(self.options.heartbeat_interval, 1.0))
                 wake.set()
-
-    def _on_board(self, work: Callable[[], None], thread: str) -> Literal["ok", "away", "stop"]:
-        """Run a board thread's ``work``: a board that is away is logged and tried again ("away"); refused
-        credentials or a crash stop the run ("stop")."""
-        try:
-            work()
-            return "ok"
-        except BOARD_AWAY as e:
-            if self._lease_lost_at is None:
-                self._lease_lost_at = time.monotonic()
-            if self._board_log.ready():
-                logger.warning("board unreachable or unreadable for %.0fs (%s); training goes on, retrying",
-                               time.monotonic() - self._lease_lost_at, short(e))
-            return "away"
-        except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
-            if self.refused_by is None:
-                logger.error("%s", e)
-                self.refused_by = e
-            self.stop.set(f"refused: {e}")
-        except Exception as e:
-            logger.exception("trainer %s thread crashed", thread)
-            self.fatal = self.fatal or f"{thread} thread crashed: {type(e).__name__}: {short(e)}"
-            self.stop.set(self.fatal)
-        return "stop"
 
     def _stats(self, train_per_s: float, received_per_s: float) -> dict[str, Any]:
         learner = {k: round(v, 6) for k, v in self.last_stats.items()}
@@ -301,7 +273,6 @@ class TrainerRun:
         if not hb.lease_held and not self._take_lease_back():
             return
         self.lease_guard.renewed()
-        self._lease_lost_at = None
         if hb.task_status != "ACTIVE":
             self.task_ended = True
             status = board.get_status()
@@ -515,10 +486,10 @@ class TrainerRun:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, short(e))
             if self.task_gone:
                 remove_orphans(self.board)
-        refused = self.ingest.refused_by or self.refused_by
+        refused = self.ingest.refused_by or self.board_work.refused_by
         if refused is not None:
             raise refused
-        fatal = self.ingest.fatal or self.fatal
+        fatal = self.ingest.fatal or self.board_work.fatal
         if fatal:
             raise RuntimeError(fatal)
         return self.stop.reason
