@@ -83,13 +83,16 @@ class Config(RLConfig):
     buffer_segments: int = 64
     """the learner's FIFO: when it is full the learner stops reading the queue and actors wait"""
     lr: float = 2e-3
-    """Adam learning rate (annealed: see anneal_lr)"""
+    """Adam learning rate (held, unless anneal_lr)"""
     adam_eps: float = 1e-3
     """Adam's ε. Large enough that steps shrink with the gradients once the advantages are mere noise (a
     solved task), instead of Adam rescaling that noise to steps of about ``lr`` that walk a good policy
     away (TorchBeast's IMPALA: RMSProp with ε 0.01; the study: docs/benchmarks.md)"""
-    anneal_lr: bool = True
-    """decay the learning rate linearly to 0 over the run's max_steps (else max_train_count), as the paper"""
+    anneal_lr: bool = False
+    """decay the learning rate linearly to 0 over the run's max_steps (else max_train_count), as the paper;
+    by default it is held, as RLlib's and Sample Factory's IMPALA hold it: a run whose rows come late learns
+    more slowly per env step, and a schedule that ends at zero can freeze it before it got there (the study:
+    docs/benchmarks.md)"""
     gamma: float = 0.99
     """discount factor"""
     vtrace_lambda: float = 1.0
