@@ -285,3 +285,18 @@ def test_a_new_trainer_gets_a_warmup_of_rows_from_a_rate_limited_actor() -> None
     assert actor._allowed_steps() == 700 + 500 + 200 / 2 + 64
     actor._note_head(2, 400)  # an older head read late does not move the count back
     assert actor.latest_train_count == 500
+
+
+def test_a_step_budget_ends_within_a_heartbeat_of_its_count(redis_url: str, namespace: str) -> None:
+    """Each heartbeat brings every env step an actor took to the board, so a ``max_steps`` budget ends the run
+    within a heartbeat's steps of it, not at the next thousand steps an actor had put aside to count."""
+    runner = srl.Runner("CartPole-v1", tiny_config())  # a rate-limited actor: one env step a train step
+    beats = {"heartbeat_interval": 0.1}
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=1, max_steps=400,
+                              progress_interval=None, local_processes=True, actor_options=beats,
+                              trainer_options=beats)
+    board = board_for(redis_url, namespace)
+    steps = board.get_counters()["env_steps"]
+    assert 400 <= steps < 1000, steps
+    assert board.get_all_stats()["actor:0"]["env_steps"] == steps
+    board.delete_task()

@@ -162,6 +162,7 @@ class ActorRun:
         self._board_log = Throttle()
         # stats the heartbeat reports
         self.env_steps = 0
+        self._steps_counted = 0  # of env_steps, those handed to the board's counters
         self.episodes = 0
         self.params_fetched_bytes = 0
         self._last_rate = 0.0  # env steps/s at the last heartbeat
@@ -191,6 +192,7 @@ class ActorRun:
             now = time.monotonic()
             self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
             last = (self.env_steps, now)
+            self._count_steps()
             with self.counters.taken() as deltas:
                 hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
                                           self._stats(self._last_rate), deltas)
@@ -253,6 +255,13 @@ class ActorRun:
             elif not (waited and self.board.awaits_in_redis):  # else the wait was in Redis
                 self._poll_now.wait(opts.params_wait_poll_interval)
             self._poll_now.clear()
+
+    def _count_steps(self) -> None:
+        """Hand the env steps taken since the last count to the board's counters: each heartbeat brings all of
+        them, so the run's total (and its ``max_steps``) is as exact as a heartbeat's timing."""
+        steps = self.env_steps
+        self.counters.add(env_steps=steps - self._steps_counted)
+        self._steps_counted = steps
 
     def _take_slot_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
@@ -473,7 +482,6 @@ class ActorRun:
         logger.info("actor %s holds slot %d of %d (%d env(s)%s); env %s", opts.uid, self.slot, self.task.actor_num,
                     self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
         batch_started = time.monotonic()
-        steps_since_count = 0
         self._loop_started = time.monotonic()
         try:
             if self.inference is None:
@@ -503,10 +511,6 @@ class ActorRun:
                     del self.recent_rewards[:-20]
                     self.counters.add(episodes=1)
                 self.env_steps += self.rollout.num_envs
-                steps_since_count += self.rollout.num_envs
-                if steps_since_count >= 1000:
-                    self.counters.add(env_steps=steps_since_count)
-                    steps_since_count = 0
                 pending = self.worker.pending()
                 aged = pending and time.monotonic() - batch_started >= opts.batch_max_age
                 if pending >= self._batch_rows() or aged:
@@ -515,7 +519,6 @@ class ActorRun:
                     if path.sync and sent_version is not None:  # lockstep: the next segment waits for new params
                         self._wait_for_params(sent_version, "sync")
         finally:
-            self.counters.add(env_steps=steps_since_count)
             self.stop.set("actor stopping")
             self._poll_now.set()
             for thread in threads:
@@ -542,6 +545,7 @@ class ActorRun:
         opts = self.options
         # the stats of a slot another actor took are that actor's now: only this run's counts still go
         stats = None if self.slot_lost else self._stats(self._last_rate)
+        self._count_steps()
         try:
             with self.counters.taken() as deltas:  # a last heartbeat: counters and stats in one round trip
                 self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
