@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -59,24 +60,39 @@ def test_a_node_with_another_queue_than_the_task_refuses(redis_url: str, namespa
 
 def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) -> None:
     """RabbitMQ's own capacity (x-max-length 2, reject-publish) far below the task's queue capacity:
-    the actor is refused, waits and resends; every batch sent is received or still queued."""
+    the trainer is paused, so the actor is refused; it waits and resends, and every batch sent is
+    received once the trainer goes on."""
     from srl.runner.distribution import RabbitMQParameters
     from tests.test_queues import _rabbitmq
 
     queue = RabbitMQParameters(url=_rabbitmq().url, capacity=2)
     runner = srl.Runner("Pendulum-v1", tiny_config(env_steps_per_train=None))
-    runner.train_distribution(
-        # small batches, many messages, a run long enough that they outpace the trainer at times: at 300
-        # train steps with 32-row batches the run once ended before RabbitMQ had refused anything
-        RedisParameters(url=redis_url, task_name=namespace), queue, actor_num=1, max_train_count=1500,
-        progress_interval=None, local_processes=True, queue_capacity=50,
-        actor_options={"batch_size": 4, "batch_max_age": 0.05},
-    )
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), queue_params=queue,
+                          actor_num=1, max_train_count=300, local_processes=True, queue_capacity=50,
+                          actor_options={"batch_size": 4, "batch_max_age": 0.05})
+    client.start()
     board = board_for(redis_url, namespace)
+    wait_for(lambda: (s := board.get_status()) and s.params_version >= 1, 60, "the trainer's first params")
+    trainer = lease_holder_pid(board, "trainer")
+    assert trainer is not None
+    os.kill(trainer, signal.SIGSTOP)  # the actor outpaces it for certain
+    try:
+        wait_for(lambda: board.get_counters().get("refused_messages", 0) > 0, 60, "RabbitMQ to refuse the actor")
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    client.join(120)
+    assert client.error is None, client.error
+    queued = 0  # what the run ended before reading is still on the broker
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    with open_queue(queue, namespace=namespace, role="consumer", redis_params=redis_params) as leftover:
+        while messages := leftover.get_many(64, timeout=2.0):
+            queued += len(messages)
+            leftover.ack_many(messages)
+        leftover.destroy()
     counters = board.get_counters()
     assert counters.get("bad_messages", 0) == 0
-    assert counters["received_batches"] > 0
-    assert counters["refused_messages"] > 0 and counters["backpressure_wait_s"] > 0
+    assert counters["received_batches"] > 0 and counters["backpressure_wait_s"] > 0
+    assert counters["sent_batches"] == counters["received_batches"] + counters.get("duplicates", 0) + queued
     events = " ".join(e.text for e in board.get_events(50))
     assert "stopped: task END" in events
     board.delete_task()

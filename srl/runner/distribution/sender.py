@@ -134,9 +134,10 @@ class RowSender:
                 logger.info("not sending %d rows: %s", count, self.stop.reason)
                 return
             self.seq += 1
-            self.sent_batches += 1
-            self.put([blob])
-            self.in_flight.sent(1, self.schema.counted(chunk_cols))
+            _, unsent = self.put([blob])
+            if not unsent:
+                self.sent_batches += 1
+                self.in_flight.sent(1, self.schema.counted(chunk_cols))
 
     def wait_for_room(self, clock: bool = True) -> int:
         """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more; the room
@@ -223,13 +224,14 @@ class RowSender:
                 with self._changed:
                     taken = [self._outbox.popleft() for _ in range(min(room, len(self._outbox)))]
                     self._changed.notify_all()
-                self.sent_batches += len(taken)
                 started = time.monotonic()
-                backlog = self.put([blob for blob, _ in taken], then_backlog=True)
+                backlog, unsent = self.put([blob for blob, _ in taken], then_backlog=True)
                 self._note_put(time.monotonic() - started, len(taken))
                 if backlog is not None:
                     known_room = self.capacity + self.in_transit - backlog
-                self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
+                sent = [(blob, rows) for blob, rows in taken if blob not in unsent] if unsent else taken
+                self.sent_batches += len(sent)
+                self.in_flight.sent(len(sent), sum(rows for _, rows in sent), should_stop=self.stop.is_set)
         except BaseException as e:  # the caller raises it at its next send, or at close
             logger.exception("the sending thread failed")
             with self._changed:
@@ -249,12 +251,13 @@ class RowSender:
         if (carried := self.link.moved(batches)) is not None:
             self.in_transit = min(8 * self.capacity, math.floor(carried))  # an outbox's memory stays bounded
 
-    def put(self, payloads: list[bytes], then_backlog: bool = False) -> int | None:
+    def put(self, payloads: list[bytes], then_backlog: bool = False) -> tuple[int | None, list[bytes]]:
         """Hand payloads to the queue; what the broker refuses (its own capacity backstop) is
         sent again after a wait, and a broker that is away is waited for: never dropped while the
         task runs (a resend after a failure may deliver a batch twice: the trainer recognises it).
-        ``then_backlog``: return the queue's backlog after the puts where the broker tells it in their
-        round trip (else None)."""
+        Returns the queue's backlog after the puts where ``then_backlog`` and the broker tells it in their
+        round trip (else None), and the payloads not sent because the run stopped first (not counted as
+        sent: the run's accounts balance)."""
         delay = 0.05
         away_since: float | None = None
         while payloads:
@@ -263,7 +266,7 @@ class RowSender:
                 backlog = put(payloads)
                 if away_since is not None:
                     logger.warning("experience queue reachable again after %.0fs", time.monotonic() - away_since)
-                return backlog
+                return backlog, []
             except QueueFullError as e:
                 payloads = list(e.rejected)
                 logger.warning("the broker refused %d message(s) (queue at its capacity): waiting to resend; "
@@ -282,8 +285,8 @@ class RowSender:
             self.counters.add(backpressure_wait_s=waited)
             if self.stop.is_set():
                 logger.warning("%d message(s) not sent: %s", len(payloads), self.stop.reason)
-                return None
-        return None
+                return None, payloads
+        return None, []
 
     def finish(self) -> None:
         """Send what the thread still holds (unless the run stopped) and wait for it: its last put is counted
