@@ -6,13 +6,16 @@ proxy that delays each direction by half the round trip, against loopback measur
     python bench/wan.py --queue amqp                     # the queue on RabbitMQ, behind its own proxy
     python bench/wan.py --algos impala --queue-capacity 32 --set buffer_segments=256 --actor send_ahead=0
     python bench/wan.py --algos dqn --rtt 100 --seconds 600 --reset-rate 0.01   # 1% of connections reset a second
+    python bench/wan.py --algos ppo --trainer-near       # Redis beside the trainer: only the actors far away
 
 Each cell is one distributed run (a trainer and ``--actors`` actor processes on an embedded Redis) of
 ``--seconds``; its rates are taken from the run's history between ``--warmup`` seconds and the end
 (so starting, which pays round trips of its own, is left out): the trainer's train steps per second
 (sync PPO: an update per train step) and every actor's env steps per second together. The proxy is
-``tests/wan_proxy.py`` (latency only here: no bandwidth cap, no loss). Run nothing else meanwhile:
-rates are wall-clock, and the ratios are what to quote.
+``tests/wan_proxy.py`` (latency only here: no bandwidth cap, no loss). With ``--trainer-near`` the
+trainer reaches Redis directly (Redis on the trainer's machine or beside it in one cloud zone, the
+actors elsewhere), so a sync version's handoff pays one round trip instead of two. Run nothing else
+meanwhile: rates are wall-clock, and the ratios are what to quote.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import srl
 from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
-from srl.runner.distribution import RedisParameters
+from srl.runner.distribution import RedisParameters, local_nodes
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.embedded import start_embedded_redis
 from tests.wan_proxy import WanProxy
@@ -105,7 +108,7 @@ def rates(history: Path, warmup: float) -> tuple[float, float, float]:
 
 def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: int, queue: str,
              changes: dict[str, Any], actor_options: dict[str, Any], queue_capacity: int,
-             reset_rate: float = 0.0) -> Cell:
+             reset_rate: float = 0.0, trainer_near: bool = False) -> Cell:
     env, make = ALGOS[algo]
     config: RLConfig = make()
     config.seed = 0
@@ -123,18 +126,27 @@ def run_cell(algo: str, rtt_ms: float, seconds: float, warmup: float, actors: in
             queue_proxy = WanProxy(host, port, delay_s=rtt_ms / 2000).start()
             queue_params = template.format(f"127.0.0.1:{queue_proxy.port}")
         proxies = [board_proxy] + ([queue_proxy] if queue_proxy is not None else [])
+        nodes: list[local_nodes.LocalNode] = []
         try:
             runner = srl.Runner(env, config)
             redis_params = RedisParameters(url=board_proxy.url("redis", "/0"))
+            direct = RedisParameters(url=f"redis://127.0.0.1:{server.port}/0")
+            if trainer_near:  # the nodes started here: the trainer on Redis directly, the actors through the proxy
+                nodes.append(local_nodes.start("trainer", direct, None, {"run_once": True}))
+                nodes += [local_nodes.start("actor", redis_params, None, {"run_once": True, **actor_options})
+                          for _ in range(actors)]
             with Resetter(proxies, reset_rate) as resetter:
-                runner.train_distribution(redis_params, queue_params, actor_num=actors, timeout=seconds,
-                                          progress_interval=None, log_dir=log_dir, local_processes=True,
-                                          queue_capacity=queue_capacity, actor_options=actor_options)
+                runner.train_distribution(direct if trainer_near else redis_params, queue_params, actor_num=actors,
+                                          timeout=seconds, progress_interval=None, log_dir=log_dir,
+                                          local_processes=not trainer_near, queue_capacity=queue_capacity,
+                                          actor_options=None if trainer_near else actor_options)
             train, steps, span = rates(Path(log_dir) / "history.csv", warmup)
-            board = Board(RedisParameters(url=f"redis://127.0.0.1:{server.port}/0").connect(), redis_params.task_name)
+            board = Board(direct.connect(), redis_params.task_name)
             lost = [e.text for e in board.get_events(1000) if "lapsed" in e.text or "fenced off by" in e.text]
             status = board.get_status()
         finally:
+            if nodes:
+                local_nodes.stop_all(nodes)
             if queue_proxy is not None:
                 queue_proxy.stop()
     for text in lost:
@@ -181,10 +193,14 @@ def main() -> None:
     parser.add_argument("--reset-rate", type=float, default=0.0,
                         help="every second, reset each proxied connection with this probability (0.01: 1%%); the "
                              "table then counts resets and the leases live nodes lost")
+    parser.add_argument("--trainer-near", action="store_true",
+                        help="the trainer reaches Redis directly, only the actors through the proxy (--queue redis)")
     parser.add_argument("--no-loopback", action="store_true",
                         help="skip the loopback baseline (no ratios: for --reset-rate runs, where leases count)")
     args = parser.parse_args()
     changes, actor_options = assignments(parser, args.set), assignments(parser, args.actor)
+    if args.trainer_near and args.queue != "redis":
+        parser.error("--trainer-near puts the trainer beside the run's Redis: use it with --queue redis")
     logging.getLogger("srl").setLevel(logging.WARNING)
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     if unknown := [a for a in algos if a not in ALGOS]:
@@ -194,13 +210,14 @@ def main() -> None:
     for algo in algos:
         for rtt in rtts:
             cell = run_cell(algo, rtt, args.seconds, args.warmup, args.actors, args.queue, changes, actor_options,
-                            args.queue_capacity, args.reset_rate)
+                            args.queue_capacity, args.reset_rate, args.trainer_near)
             cells.append(cell)
             print(f"{algo} at {rtt:g} ms RTT: {cell.train_per_s:.1f} train steps/s, {cell.env_steps_per_s:.0f} "
                   f"env steps/s over {cell.window_s:.0f}s; {cell.resets} connection resets, {cell.leases_lost} "
                   f"leases lost; task {cell.status}", flush=True)
-    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue} of capacity {args.queue_capacity}; each node "
-          f"behind a proxy delaying each direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; "
+    where = "the actors behind a proxy, the trainer beside Redis" if args.trainer_near else "each node behind a proxy"
+    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue} of capacity {args.queue_capacity}; {where} "
+          f"delaying each direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; "
           f"ratios ÷ loopback){' ' + ' '.join(args.set + args.actor) if args.set or args.actor else ''}")
     columns = ("algo", "RTT ms", "train/s", "÷ loop", "target", "env/s", "÷ loop", "target", "resets", "leases lost")
     widths = (7, 6, 8, 7, 7, 8, 7, 7, 7, 11)
