@@ -215,9 +215,10 @@ def main() -> None:
             print(f"{algo} at {rtt:g} ms RTT: {cell.train_per_s:.1f} train steps/s, {cell.env_steps_per_s:.0f} "
                   f"env steps/s over {cell.window_s:.0f}s; {cell.resets} connection resets, {cell.leases_lost} "
                   f"leases lost; task {cell.status}", flush=True)
-    where = "the actors behind a proxy, the trainer beside Redis" if args.trainer_near else "each node behind a proxy"
-    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue} of capacity {args.queue_capacity}; {where} "
-          f"delaying each direction by RTT/2; {args.seconds:g} s runs, rates after {args.warmup:g} s; "
+    where = (("the actors" if args.trainer_near else "each node") + " behind a proxy delaying each direction by "
+             "RTT/2" + (", the trainer beside Redis" if args.trainer_near else ""))
+    print(f"\nsrl over a WAN ({args.actors} actors, queue {args.queue} of capacity {args.queue_capacity}; {where}; "
+          f"{args.seconds:g} s runs, rates after {args.warmup:g} s; "
           f"ratios ÷ loopback){' ' + ' '.join(args.set + args.actor) if args.set or args.actor else ''}")
     columns = ("algo", "RTT ms", "train/s", "÷ loop", "target", "env/s", "÷ loop", "target", "resets", "leases lost")
     widths = (7, 6, 8, 7, 7, 8, 7, 7, 7, 11)
