@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,18 @@ def test_a_node_with_another_queue_than_the_task_refuses(redis_url: str, namespa
     board.delete_task()
 
 
+def drain(queue_params: Any, redis_params: RedisParameters) -> int:
+    """Read and ack what a task's queue still holds, then remove the queue: how many messages were left."""
+    left = 0
+    with open_queue(queue_params, namespace=redis_params.task_name, role="consumer",
+                    redis_params=redis_params) as queue:
+        while messages := queue.get_many(64, timeout=2.0):
+            left += len(messages)
+            queue.ack_many(messages)
+        queue.destroy()
+    return left
+
+
 def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) -> None:
     """RabbitMQ's own capacity (x-max-length 2, reject-publish) far below the task's queue capacity:
     the trainer is paused, so the actor is refused; it waits and resends, and the run ends."""
@@ -66,7 +79,8 @@ def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) 
 
     queue = RabbitMQParameters(url=_rabbitmq().url, capacity=2)
     runner = srl.Runner("Pendulum-v1", tiny_config(env_steps_per_train=None))
-    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), queue_params=queue,
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    client = ClientThread(runner, redis_params, queue_params=queue,
                           actor_num=1, max_train_count=300, local_processes=True, queue_capacity=50,
                           actor_options={"batch_size": 4, "batch_max_age": 0.05})
     client.start()
@@ -81,13 +95,7 @@ def test_broker_refusals_are_resent_not_dropped(redis_url: str, namespace: str) 
         os.kill(trainer, signal.SIGCONT)
     client.join(120)
     assert client.error is None, client.error
-    queued = 0  # what the run ended before reading is still on the broker
-    redis_params = RedisParameters(url=redis_url, task_name=namespace)
-    with open_queue(queue, namespace=namespace, role="consumer", redis_params=redis_params) as leftover:
-        while messages := leftover.get_many(64, timeout=2.0):
-            queued += len(messages)
-            leftover.ack_many(messages)
-        leftover.destroy()
+    queued = drain(queue, redis_params)  # what the run ended before reading is still on the broker
     counters = board.get_counters()
     assert counters.get("bad_messages", 0) == 0
     assert counters["received_batches"] > 0 and counters["backpressure_wait_s"] > 0
@@ -140,12 +148,7 @@ def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
             assert node.proc.wait(timeout=30) == 0, node.output()
     finally:
         kill_all(nodes)
-    pending = 0
-    with open_queue(broker.url, namespace=namespace, role="consumer", redis_params=redis_params) as queue:
-        while messages := queue.get_many(64, timeout=2.0):
-            pending += len(messages)
-            queue.ack_many(messages)
-        queue.destroy()
+    pending = drain(broker.url, redis_params)
     counters = board.get_counters()
     assert counters["sent_batches"] == counters["received_batches"] + counters.get("duplicates", 0) + pending
     assert counters.get("bad_messages", 0) == 0
