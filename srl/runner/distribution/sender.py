@@ -135,9 +135,10 @@ class RowSender:
                 return
             self.seq += 1
             _, unsent = self.put([blob])
-            if not unsent:
-                self.sent_batches += 1
-                self.in_flight.sent(1, self.schema.counted(chunk_cols))
+            self.sent_batches += 1
+            self.in_flight.sent(1, self.schema.counted(chunk_cols))
+            if unsent:  # this batch, or one an earlier put counted that the broker refused since
+                self._uncount(unsent)
 
     def wait_for_room(self, clock: bool = True) -> int:
         """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more; the room
@@ -229,9 +230,10 @@ class RowSender:
                 self._note_put(time.monotonic() - started, len(taken))
                 if backlog is not None:
                     known_room = self.capacity + self.in_transit - backlog
-                sent = [(blob, rows) for blob, rows in taken if blob not in unsent] if unsent else taken
-                self.sent_batches += len(sent)
-                self.in_flight.sent(len(sent), sum(rows for _, rows in sent), should_stop=self.stop.is_set)
+                self.sent_batches += len(taken)
+                self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
+                if unsent:  # of these, or of batches an earlier put counted that the broker refused since
+                    self._uncount(unsent)
         except BaseException as e:  # the caller raises it at its next send, or at close
             logger.exception("the sending thread failed")
             with self._changed:
@@ -256,8 +258,9 @@ class RowSender:
         sent again after a wait, and a broker that is away is waited for: never dropped while the
         task runs (a resend after a failure may deliver a batch twice: the trainer recognises it).
         Returns the queue's backlog after the puts where ``then_backlog`` and the broker tells it in their
-        round trip (else None), and the payloads not sent because the run stopped first (not counted as
-        sent: the run's accounts balance)."""
+        round trip (else None), and the payloads not sent because the run stopped first: of ``payloads``, or
+        put by an earlier call and refused since (RabbitMQ refuses over its confirm window). The caller takes
+        them off the sent counts (:meth:`_uncount`), so the run's accounts balance."""
         delay = 0.05
         away_since: float | None = None
         while payloads:
@@ -289,16 +292,49 @@ class RowSender:
         return None, []
 
     def finish(self) -> None:
-        """Send what the thread still holds (unless the run stopped) and wait for it: its last put is counted
-        when this returns (a node's final report must come after it, or the run's sums miss that batch)."""
-        if self._thread is None:
-            return
-        with self._changed:
-            self._closing = True
-            self._changed.notify_all()
-        self._thread.join(timeout=30.0)
-        if self._thread.is_alive():
-            logger.warning("the sending thread did not finish within 30 s")
+        """Send what the thread still holds (unless the run stopped) and wait for it, then for the broker's
+        word on every put: when this returns the counts are final (a node's final report must come after it,
+        or the run's sums miss a batch or count one the broker refused)."""
+        if self._thread is not None:
+            with self._changed:
+                self._closing = True
+                self._changed.notify_all()
+            self._thread.join(timeout=30.0)
+            if self._thread.is_alive():
+                logger.warning("the sending thread did not finish within 30 s")
+                return
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait until the broker took or refused every batch put (RabbitMQ confirms over a window, so a refusal
+        can come after the put that was counted as sent): a refused batch is put again while the run goes on;
+        once it stopped, it is taken off the sent counts (it was never delivered and never will be)."""
+        while True:
+            try:
+                self.queue.flush()
+                return
+            except QueueFullError as e:
+                refused = list(e.rejected)
+                self.counters.add(refused_messages=len(refused))
+            except _QUEUE_AWAY as e:  # closing the queue tries once more and says what stayed unconfirmed
+                logger.warning("could not wait for the broker to confirm the last batches: %s", short(e))
+                return
+            if not self.stop.is_set():
+                logger.warning("the broker refused %d message(s) at the end of this sender's run: resending",
+                               len(refused))
+                _, refused = self.put(refused)
+            if refused:
+                logger.warning("%d message(s) the broker refused at the end were not sent again: %s", len(refused),
+                               self.stop.reason or "the sender closed")
+                self._uncount(refused)
+                return
+
+    def _uncount(self, payloads: list[bytes]) -> None:
+        """Take batches counted as sent, that the broker refused and the run stopped before it took them, off
+        the sent counts."""
+        rows = sum(self.schema.counted(self.codec.open_batch(blob).arrays()[0]) for blob in payloads)
+        self.sent_batches -= len(payloads)
+        self.in_flight.sent(-len(payloads), -rows, should_stop=self.stop.is_set)
 
     def close(self) -> None:
         """:meth:`finish`, then close the queue."""

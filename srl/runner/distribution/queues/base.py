@@ -128,6 +128,12 @@ class ExperienceQueue(ABC):
         for data in items:
             self.put(data)
 
+    def flush(self) -> None:
+        """Wait until the broker has taken or refused every payload put so far; raises ``QueueFullError``
+        with what it refused. A backend whose puts return only once the broker answered (all but RabbitMQ,
+        which confirms over a window) has nothing to wait for."""
+        return None
+
     def put_many_then_backlog(self, items: Sequence[bytes]) -> int | None:
         """``put_many``, then the backlog those puts left, where the backend learns it in the same round trip
         (Redis: one pipeline); None where it does not (the caller asks ``backlog()`` when it needs it)."""
