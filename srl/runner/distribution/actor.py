@@ -81,6 +81,10 @@ ONE_TRIP_PARAMS_BYTES = 1 << 20
 version (sync's lockstep); larger ones go through the machine's params cache (fetched once per machine)"""
 
 
+BUDGET_BEAT_S = 0.05
+"""an actor's heartbeat interval while the task's ``max_steps`` is less than a heartbeat's steps away"""
+
+
 class ActorRun:
     """One actor working on one task in one slot."""
 
@@ -163,6 +167,11 @@ class ActorRun:
         # stats the heartbeat reports
         self.env_steps = 0
         self._steps_counted = 0  # of env_steps, those handed to the board's counters
+        self._budget_seen: tuple[float, int] | None = None
+        """with ``max_steps``: the run's env steps on the board at the last heartbeat (this actor's counted), and
+        this actor's ``env_steps`` then (:meth:`_budget_spent`)"""
+        self._beat_now = threading.Event()  # wakes the heartbeat: the budget's last steps to count, or a stop
+        self.stop.add_hook(self._beat_now.set)
         self.episodes = 0
         self.params_fetched_bytes = 0
         self._last_rate = 0.0  # env steps/s at the last heartbeat
@@ -192,10 +201,13 @@ class ActorRun:
             now = time.monotonic()
             self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
             last = (self.env_steps, now)
-            self._count_steps()
+            counted = self._count_steps()
             with self.counters.taken() as deltas:
                 hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                                          self._stats(self._last_rate), deltas)
+                                          self._stats(self._last_rate), deltas,
+                                          total_of="" if self.task.max_steps is None else "env_steps")
+            if hb.total is not None:
+                self._budget_seen = (hb.total, counted)
             if hb.task_status is None:
                 self.task_gone = True
                 self.stop.set(TASK_GONE)
@@ -219,7 +231,14 @@ class ActorRun:
             answer = self.board_work.run(beat, "board")
             if answer == "stop":
                 break
-            self.stop.wait(min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval)
+            wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
+            if self._budget_within(2 * self._last_rate * opts.heartbeat_interval):
+                # the budget ends within two heartbeats (the others' counts are up to one old, and the next
+                # comes a heartbeat on): every actor counts its steps more often, so that what each supposes
+                # of the others (their steps since their last count) is a short time's worth
+                wait = min(wait, BUDGET_BEAT_S)
+            self._beat_now.wait(wait)
+            self._beat_now.clear()
 
     def _params_loop(self) -> None:
         """Params: an actor waiting for the next version (lockstep, or its first) waits for it in Redis and
@@ -256,12 +275,41 @@ class ActorRun:
                 self._poll_now.wait(opts.params_wait_poll_interval)
             self._poll_now.clear()
 
-    def _count_steps(self) -> None:
+    def _count_steps(self) -> int:
         """Hand the env steps taken since the last count to the board's counters: each heartbeat brings all of
-        them, so the run's total (and its ``max_steps``) is as exact as a heartbeat's timing."""
+        them. Returns this actor's env steps counted so far."""
         steps = self.env_steps
         self.counters.add(env_steps=steps - self._steps_counted)
         self._steps_counted = steps
+        return steps
+
+    # ------------------------------------------------------------ the step budget
+    def _budget_spent(self) -> bool:
+        """Whether the task's ``max_steps`` is reached as far as this actor can tell: the run's total at the
+        last heartbeat, plus the steps this actor took since, as many times as the task has actor slots (the
+        others step too, and their steps reach the board only with their heartbeats). The trainer ends the
+        task on the board's count; an actor that stepped on until it heard would overshoot the budget by a
+        heartbeat or two of every actor's steps."""
+        return self._budget_within(0.0)
+
+    def _budget_within(self, steps: float) -> bool:
+        """Whether ``steps`` more of this actor (and as many of every other) would reach ``max_steps``."""
+        seen = self._budget_seen
+        max_steps = self.task.max_steps
+        if seen is None or max_steps is None:
+            return False
+        total, at = seen
+        return total + (self.env_steps - at + steps) * self.task.actor_num >= max_steps
+
+    def _hold_for_budget(self) -> None:
+        """The budget looks spent: send what is pending, count these steps on the board now, and wait until
+        the task ends, or a heartbeat's count shows steps left (other actors took fewer than supposed)."""
+        self._flush()
+        self._beat_now.set()
+        self._begin_wait()
+        while not self.stop.is_set() and self._budget_spent():
+            self.stop.wait(0.01)
+        self._end_wait()
 
     def _take_slot_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
@@ -489,6 +537,10 @@ class ActorRun:
             while not self.stop.is_set():
                 if self._staged.pending and self.worker.may_load_params():
                     self._apply_staged_params()
+                if self._budget_spent():
+                    self._hold_for_budget()
+                    batch_started = time.monotonic()
+                    continue
                 if path.env_steps_per_train is not None and self.env_steps >= self._allowed_steps():
                     self._throttle()
                     batch_started = time.monotonic()
