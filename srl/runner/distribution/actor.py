@@ -170,6 +170,9 @@ class ActorRun:
         self._budget_seen: tuple[float, int] | None = None
         """with ``max_steps``: the run's env steps on the board at the last heartbeat (this actor's counted), and
         this actor's ``env_steps`` then (:meth:`_budget_spent`)"""
+        self._stepping = self.task.actor_num
+        """the actors supposed to step beside this one (itself counted): every slot, or with elastic actors the
+        slots held at the last heartbeat near the budget"""
         self._beat_now = threading.Event()  # wakes the heartbeat: the budget's last steps to count, or a stop
         self.stop.add_hook(self._beat_now.set)
         self.episodes = 0
@@ -208,6 +211,10 @@ class ActorRun:
                                           total_of="" if self.task.max_steps is None else "env_steps")
             if hb.total is not None:
                 self._budget_seen = (hb.total, counted)
+                if self.task.elastic_actors and self._budget_within(2 * self._last_rate * opts.heartbeat_interval,
+                                                                    self.task.actor_num):
+                    held = self.board.held_leases(self.task.actor_num)
+                    self._stepping = max(1, sum(name.startswith("actor:") for name in held))
             if hb.task_status is None:
                 self.task_gone = True
                 self.stop.set(TASK_GONE)
@@ -232,7 +239,7 @@ class ActorRun:
             if answer == "stop":
                 break
             wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
-            if self._budget_within(2 * self._last_rate * opts.heartbeat_interval):
+            if self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num):
                 # the budget ends within two heartbeats (the others' counts are up to one old, and the next
                 # comes a heartbeat on): every actor counts its steps more often, so that what each supposes
                 # of the others (their steps since their last count) is a short time's worth
@@ -286,20 +293,21 @@ class ActorRun:
     # ------------------------------------------------------------ the step budget
     def _budget_spent(self) -> bool:
         """Whether the task's ``max_steps`` is reached as far as this actor can tell: the run's total at the
-        last heartbeat, plus the steps this actor took since, as many times as the task has actor slots (the
-        others step too, and their steps reach the board only with their heartbeats). The trainer ends the
-        task on the board's count; an actor that stepped on until it heard would overshoot the budget by a
-        heartbeat or two of every actor's steps."""
+        last heartbeat, plus the steps this actor took since, as many times as actors step (the task's slots;
+        with elastic actors, the slots held), for the others' steps reach the board only with their
+        heartbeats. The trainer ends the task on the board's count; an actor that stepped on until it heard
+        would overshoot the budget by a heartbeat or two of every actor's steps."""
         return self._budget_within(0.0)
 
-    def _budget_within(self, steps: float) -> bool:
-        """Whether ``steps`` more of this actor (and as many of every other) would reach ``max_steps``."""
+    def _budget_within(self, steps: float, actors: int | None = None) -> bool:
+        """Whether ``steps`` more of this actor (and as many of every other of ``actors``, by default those
+        supposed to step) would reach ``max_steps``."""
         seen = self._budget_seen
         max_steps = self.task.max_steps
         if seen is None or max_steps is None:
             return False
         total, at = seen
-        return total + (self.env_steps - at + steps) * self.task.actor_num >= max_steps
+        return total + (self.env_steps - at + steps) * (actors or self._stepping) >= max_steps
 
     def _hold_for_budget(self) -> None:
         """The budget looks spent: send what is pending, count these steps on the board now, and wait until
