@@ -202,8 +202,9 @@ class ActorRun:
         def beat() -> None:
             nonlocal last
             now = time.monotonic()
-            self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
-            last = (self.env_steps, now)
+            if now - last[1] >= opts.heartbeat_interval / 2:  # not over the short beats near the budget: bursty
+                self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
+                last = (self.env_steps, now)
             counted = self._count_steps()
             with self.counters.taken() as deltas:
                 hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
@@ -234,12 +235,14 @@ class ActorRun:
             if hb.params_version > 0 and hb.params_version != self.latest_version:
                 self._poll_now.set()  # the params thread looks now
 
+        near = False  # the budget is near (it only comes nearer)
         while not self.stop.is_set():
             answer = self.board_work.run(beat, "board")
             if answer == "stop":
                 break
             wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
-            if self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num):
+            near = near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num)
+            if near:
                 # the budget ends within two heartbeats (the others' counts are up to one old, and the next
                 # comes a heartbeat on): every actor counts its steps more often, so that what each supposes
                 # of the others (their steps since their last count) is a short time's worth
