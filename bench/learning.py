@@ -61,6 +61,8 @@ from srl.base.rl import RLConfig
 from srl.base.rollout import Rollout
 from srl.rl.blocks import MLPBlockConfig
 from srl.runner.distribution import RedisParameters
+from srl.runner.progress import reward_summary
+from srl.runner.run_log import RunLog
 
 
 def dqn_readme() -> dqn.Config:
@@ -294,11 +296,14 @@ class Lagged:
 
 
 def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None = None,
-                 max_steps: int | None = None) -> tuple[int, int]:
+                 max_steps: int | None = None, curve: float | None = None,
+                 log_dir: Path | None = None) -> tuple[int, int]:
     """One process on a distributed run's data path: the worker's weights are a copy refreshed every
     ``lagged.lag`` train steps, its rows reach the buffer ``lagged.chunk`` at a time, ``lagged.delay``
     hand-overs late; one train step per env step as in ``Runner.train`` (on-policy: one whenever a batch
-    is in). Returns (env steps, train steps); ``runner.evaluate`` then uses the trained weights."""
+    is in). ``curve``: evaluate the trained weights every that many seconds (5 episodes, as
+    ``Runner.train``'s ``eval_interval``) into ``log_dir``'s eval.csv. Returns (env steps, train steps);
+    ``runner.evaluate`` then uses the trained weights."""
     lag, chunk, delay = lagged.lag, lagged.chunk, lagged.delay
     config = runner.rl_config = runner.rl_config.settled(runner.env_config)  # as Runner.train does
     spec = runner.spec
@@ -316,6 +321,8 @@ def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None
     worker = config.make_worker(spec, acting, 0, 1, config.seed)
     env_steps, credit, refreshed = 0, 0.0, 0
     in_transit: deque[dict[str, np.ndarray]] = deque()
+    run_log = None if curve is None or log_dir is None else RunLog(log_dir, tensorboard=False)
+    next_eval = time.monotonic() + (curve or 0.0)
     with Rollout(runner.env_config, worker, config.envs_per_actor, config.seed, config.vectorization) as rollout:
         while (max_train_count is None or trainer.train_count < max_train_count) and (
                 max_steps is None or env_steps < max_steps):
@@ -340,6 +347,13 @@ def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None
                     acting.from_arrays(parameter.to_arrays())
                     refreshed = trainer.train_count
                     parameter.version = acting.version = parameter.version + 1
+            if run_log is not None and curve is not None and time.monotonic() >= next_eval:
+                rewards = runner.evaluate(max_episodes=5)
+                run_log.add_eval({"train_count": trainer.train_count, "env_steps": env_steps,
+                                  "version": parameter.version, **reward_summary(rewards, "eval")})
+                next_eval = time.monotonic() + curve
+    if run_log is not None:
+        run_log.close()
     return env_steps, trainer.train_count
 
 
@@ -347,13 +361,13 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
               changes: dict[str, Any] | None = None, curve: float | None = None,
               log_dir: Path | None = None) -> tuple[srl.Runner, Run]:
     """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet).
-    ``curve``: evaluate every that many seconds into ``log_dir``'s eval.csv (modes one and dist)."""
+    ``curve``: evaluate every that many seconds into ``log_dir``'s eval.csv."""
     config = configured(case, changes)
     config.seed = seed
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
     if mode == "lagged":
-        env_steps, train_count = train_lagged(runner, lagged, **limits(budget))
+        env_steps, train_count = train_lagged(runner, lagged, **limits(budget), curve=curve, log_dir=log_dir)
     else:
         logging_: dict[str, Any] = {} if curve is None else {"log_dir": log_dir, "eval_interval": curve}
         if mode == "one":
@@ -405,7 +419,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, small budgets: a smoke run")
     parser.add_argument("--csv", default=None, help="write one row per run here")
     parser.add_argument("--curve", type=float, default=None, metavar="SECONDS",
-                        help="evaluate every SECONDS during each run (modes one and dist) and print the curve")
+                        help="evaluate every SECONDS during each run (5 episodes) and print the curve")
     parser.add_argument("--log-dir", default="bench-runs", help="with --curve: each run's log_dir goes under here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args()
