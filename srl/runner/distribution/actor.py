@@ -45,6 +45,7 @@ from srl.runner.distribution.codec import (
 )
 from srl.runner.distribution.inference import InferenceClient, InferenceLostError
 from srl.runner.distribution.node import (
+    BUDGET_BEAT_S,
     BoardWork,
     CounterDeltas,
     LeaseGuard,
@@ -79,10 +80,6 @@ _RUNS = itertools.count()
 ONE_TRIP_PARAMS_BYTES = 1 << 20
 """params up to this size are fetched with their version, in one round trip, by an actor waiting for the next
 version (sync's lockstep); larger ones go through the machine's params cache (fetched once per machine)"""
-
-
-BUDGET_BEAT_S = 0.05
-"""an actor's heartbeat interval while the task's ``max_steps`` is less than a heartbeat's steps away"""
 
 
 class ActorRun:

@@ -52,6 +52,10 @@ logger = logging.getLogger("srl.node")
 REFUSAL_NOTE_INTERVAL_S = 10.0
 """while a node refuses a task, how often it renews its note on the board (the client shows recent ones)"""
 
+BUDGET_BEAT_S = 0.05
+"""a node's heartbeat interval once the task's ``max_steps`` is less than two heartbeats' steps away: actors
+count their last steps (and hold at the budget) and the trainer sees the total reach it within this"""
+
 OptionsT = TypeVar("OptionsT")
 
 

@@ -53,6 +53,7 @@ from srl.runner.distribution.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.distribution.ingest import Ingest, ReadWindow
 from srl.runner.distribution.node import (
+    BUDGET_BEAT_S,
     BoardWork,
     LeaseGuard,
     apply_overrides,
@@ -196,6 +197,8 @@ class TrainerRun:
         """Heartbeats: the lease, stats, the task's state."""
         opts = self.options
         last_train, last_recv, last_time = self.learner.train_count, 0, time.monotonic()
+        steps_seen = (self.env_steps_total, time.monotonic())  # the run's env steps at a heartbeat, when
+        near = False  # max_steps is near (it only comes nearer): heartbeats every BUDGET_BEAT_S
         while not self.stop.is_set():
             def beat() -> None:
                 nonlocal last_train, last_recv, last_time
@@ -210,7 +213,13 @@ class TrainerRun:
             answer = self.board_work.run(beat, "board")
             if answer == "stop":
                 break
-            self.stop.wait(min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval)
+            wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
+            now = time.monotonic()
+            if not near and self.task.max_steps is not None and now - steps_seen[1] >= opts.heartbeat_interval / 2:
+                rate = (self.env_steps_total - steps_seen[0]) / (now - steps_seen[1])
+                near = self.env_steps_total + 2 * rate * opts.heartbeat_interval >= self.task.max_steps
+                steps_seen = (self.env_steps_total, now)
+            self.stop.wait(min(wait, BUDGET_BEAT_S) if near else wait)
 
     def _publish_loop(self) -> None:
         """Writes each version as soon as the main thread hands it over. Its own thread: a publication never
