@@ -104,6 +104,8 @@ class RowSender:
         """encoded batches and the rows each counts, not yet put (``ahead`` mode)"""
         self._changed = threading.Condition()
         self._closing = False
+        self._settled = False
+        self._broker_away = False  # the last put found the broker away (a flush would only wait for it again)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if ahead > 0:
@@ -135,10 +137,7 @@ class RowSender:
                 return
             self.seq += 1
             _, unsent = self.put([blob])
-            self.sent_batches += 1
-            self.in_flight.sent(1, self.schema.counted(chunk_cols))
-            if unsent:  # this batch, or one an earlier put counted that the broker refused since
-                self._uncount(unsent)
+            self._count_sent(1, self.schema.counted(chunk_cols), unsent, give_up_at_stop=False)
 
     def wait_for_room(self, clock: bool = True) -> int:
         """Backpressure: block (with backoff) while the queue holds ``capacity`` batches or more; the room
@@ -230,10 +229,7 @@ class RowSender:
                 self._note_put(time.monotonic() - started, len(taken))
                 if backlog is not None:
                     known_room = self.capacity + self.in_transit - backlog
-                self.sent_batches += len(taken)
-                self.in_flight.sent(len(taken), sum(rows for _, rows in taken), should_stop=self.stop.is_set)
-                if unsent:  # of these, or of batches an earlier put counted that the broker refused since
-                    self._uncount(unsent)
+                self._count_sent(len(taken), sum(rows for _, rows in taken), unsent)
         except BaseException as e:  # the caller raises it at its next send, or at close
             logger.exception("the sending thread failed")
             with self._changed:
@@ -260,13 +256,14 @@ class RowSender:
         Returns the queue's backlog after the puts where ``then_backlog`` and the broker tells it in their
         round trip (else None), and the payloads not sent because the run stopped first: of ``payloads``, or
         put by an earlier call and refused since (RabbitMQ refuses over its confirm window). The caller takes
-        them off the sent counts (:meth:`_uncount`), so the run's accounts balance."""
+        them off the sent counts (:meth:`_count_sent`), so the run's accounts balance."""
         delay = 0.05
         away_since: float | None = None
         while payloads:
             try:
                 put = self.queue.put_many_then_backlog if then_backlog else self.queue.put_many
                 backlog = put(payloads)
+                self._broker_away = False
                 if away_since is not None:
                     logger.warning("experience queue reachable again after %.0fs", time.monotonic() - away_since)
                 return backlog, []
@@ -277,6 +274,7 @@ class RowSender:
                 self.counters.add(refused_messages=len(payloads))
             except _QUEUE_AWAY as e:  # BrokerUnavailableError is a ConnectionError; QueueError: a queue lost
                 away_since = away_since or time.monotonic()
+                self._broker_away = True
                 if self._log.ready():
                     logger.warning("experience queue unreachable for %.0fs (%s); holding %d batch(es) until it "
                                    "is back", time.monotonic() - away_since, short(e), len(payloads))
@@ -306,9 +304,14 @@ class RowSender:
         self._settle()
 
     def _settle(self) -> None:
-        """Wait until the broker took or refused every batch put (RabbitMQ confirms over a window, so a refusal
-        can come after the put that was counted as sent): a refused batch is put again while the run goes on;
-        once it stopped, it is taken off the sent counts (it was never delivered and never will be)."""
+        """Wait (once) until the broker took or refused every batch put (RabbitMQ confirms over a window, so a
+        refusal can come after the put that was counted as sent): a refused batch is put again while the run
+        goes on; once it stopped, it is taken off the sent counts (it was never delivered and never will
+        be). Not where the last put found the broker away: closing the queue waits for it once, and says
+        what stayed unconfirmed."""
+        if self._settled or self._broker_away:
+            return
+        self._settled = True
         while True:
             try:
                 self.queue.flush()
@@ -316,8 +319,9 @@ class RowSender:
             except QueueFullError as e:
                 refused = list(e.rejected)
                 self.counters.add(refused_messages=len(refused))
-            except _QUEUE_AWAY as e:  # closing the queue tries once more and says what stayed unconfirmed
-                logger.warning("could not wait for the broker to confirm the last batches: %s", short(e))
+            except Exception as e:  # away, a message too large, refused credentials: closing says it again
+                logger.warning("could not wait for the broker to confirm the last batches: %s: %s",
+                               type(e).__name__, short(e))
                 return
             if not self.stop.is_set():
                 logger.warning("the broker refused %d message(s) at the end of this sender's run: resending",
@@ -326,15 +330,20 @@ class RowSender:
             if refused:
                 logger.warning("%d message(s) the broker refused at the end were not sent again: %s", len(refused),
                                self.stop.reason or "the sender closed")
-                self._uncount(refused)
+                self._count_sent(0, 0, refused)
                 return
 
-    def _uncount(self, payloads: list[bytes]) -> None:
-        """Take batches counted as sent, that the broker refused and the run stopped before it took them, off
-        the sent counts."""
-        rows = sum(self.schema.counted(self.codec.open_batch(blob).arrays()[0]) for blob in payloads)
-        self.sent_batches -= len(payloads)
-        self.in_flight.sent(-len(payloads), -rows, should_stop=self.stop.is_set)
+    def _count_sent(self, batches: int, rows: int, unsent: list[bytes], give_up_at_stop: bool = True) -> None:
+        """Count ``batches`` of ``rows`` just put, less ``unsent``: what ``put`` hands back as not sent because the
+        run stopped first (of these, or batches an earlier put counted that the broker refused since).
+        ``give_up_at_stop``: a board that is away is not waited for once the run stops (else: as long as it
+        takes, as the caller's own loop would)."""
+        if unsent:
+            batches -= len(unsent)
+            rows -= sum(self.schema.counted(self.codec.open_batch(blob).arrays()[0]) for blob in unsent)
+        if batches or rows:
+            self.sent_batches += batches
+            self.in_flight.sent(batches, rows, should_stop=self.stop.is_set if give_up_at_stop else None)
 
     def close(self) -> None:
         """:meth:`finish`, then close the queue."""
