@@ -82,6 +82,10 @@ ONE_TRIP_PARAMS_BYTES = 1 << 20
 version (sync's lockstep); larger ones go through the machine's params cache (fetched once per machine)"""
 
 
+TOTAL_ASKERS = 16
+"""actors whose every heartbeat may ask the run's env-step total (more: each asks that share of the time)"""
+
+
 class ActorRun:
     """One actor working on one task in one slot."""
 
@@ -168,8 +172,8 @@ class ActorRun:
         """with ``max_steps``: the run's env steps on the board at the last heartbeat (this actor's counted), and
         this actor's ``env_steps`` then (:meth:`_budget_spent`)"""
         self._stepping = self.task.actor_num
-        """the actors supposed to step beside this one (itself counted): every slot, or with elastic actors the
-        slots held at the last heartbeat near the budget"""
+        """the actors supposed to step, this one among them: every slot, or with elastic actors the slots held
+        at the last heartbeat near the budget"""
         self._beat_now = threading.Event()  # wakes the heartbeat: the budget's last steps to count, or a stop
         self.stop.add_hook(self._beat_now.set)
         self.episodes = 0
@@ -195,18 +199,25 @@ class ActorRun:
         """Heartbeats: the lease, stats and counters, the task's state, the trainer's train_count."""
         opts = self.options
         last = (0, time.monotonic())  # env steps, when
+        # a heartbeat that asks the run's total costs Redis a look at every role's counters: with many actors
+        # each asks every few heartbeats, and beats less often near the budget, so the board's work for it
+        # stays what TOTAL_ASKERS actors asking at every beat cost
+        share = max(1.0, self.task.actor_num / TOTAL_ASKERS)
+        beats = 0
+        near = False  # the budget is near (it only comes nearer)
 
         def beat() -> None:
-            nonlocal last
+            nonlocal last, beats
             now = time.monotonic()
             if now - last[1] >= opts.heartbeat_interval / 2:  # not over the short beats near the budget: bursty
                 self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
                 last = (self.env_steps, now)
             counted = self._count_steps()
+            ask = self.task.max_steps is not None and (near or beats % math.ceil(share) == 0)
+            beats += 1
             with self.counters.taken() as deltas:
                 hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                                          self._stats(self._last_rate), deltas,
-                                          total_of="" if self.task.max_steps is None else "env_steps")
+                                          self._stats(self._last_rate), deltas, total_of="env_steps" if ask else "")
             if hb.total is not None:
                 self._budget_seen = (hb.total, counted)
                 if self.task.elastic_actors and self._budget_within(2 * self._last_rate * opts.heartbeat_interval,
@@ -232,7 +243,6 @@ class ActorRun:
             if hb.params_version > 0 and hb.params_version != self.latest_version:
                 self._poll_now.set()  # the params thread looks now
 
-        near = False  # the budget is near (it only comes nearer)
         while not self.stop.is_set():
             answer = self.board_work.run(beat, "board")
             if answer == "stop":
@@ -243,7 +253,7 @@ class ActorRun:
                 # the budget ends within two heartbeats (the others' counts are up to one old, and the next
                 # comes a heartbeat on): every actor counts its steps more often, so that what each supposes
                 # of the others (their steps since their last count) is a short time's worth
-                wait = min(wait, BUDGET_BEAT_S)
+                wait = min(wait, BUDGET_BEAT_S * share)
             self._beat_now.wait(wait)
             self._beat_now.clear()
 

@@ -197,28 +197,31 @@ class TrainerRun:
         """Heartbeats: the lease, stats, the task's state."""
         opts = self.options
         last_train, last_recv, last_time = self.learner.train_count, 0, time.monotonic()
-        steps_seen = (self.env_steps_total, time.monotonic())  # the run's env steps at a heartbeat, when
+        steps_seen: tuple[int, float] | None = None  # the run's env steps at a heartbeat, and when
         near = False  # max_steps is near (it only comes nearer): heartbeats every BUDGET_BEAT_S
         while not self.stop.is_set():
             def beat() -> None:
                 nonlocal last_train, last_recv, last_time
                 now = time.monotonic()
-                dt = max(now - last_time, 1e-9)
-                train_count, received = self.learner.train_count, self.ingest.received_transitions
-                self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
-                stats = self._stats(*self._last_rates)
-                last_train, last_recv, last_time = train_count, received, now
-                self._heartbeat(stats)
+                if now - last_time >= opts.heartbeat_interval / 2:  # not over the short beats: bursty
+                    dt = now - last_time
+                    train_count, received = self.learner.train_count, self.ingest.received_transitions
+                    self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
+                    last_train, last_recv, last_time = train_count, received, now
+                self._heartbeat(self._stats(*self._last_rates))
 
             answer = self.board_work.run(beat, "board")
             if answer == "stop":
                 break
             wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
             now = time.monotonic()
-            if not near and self.task.max_steps is not None and now - steps_seen[1] >= opts.heartbeat_interval / 2:
-                rate = (self.env_steps_total - steps_seen[0]) / (now - steps_seen[1])
-                near = self.env_steps_total + 2 * rate * opts.heartbeat_interval >= self.task.max_steps
-                steps_seen = (self.env_steps_total, now)
+            if answer == "ok" and not near and self.task.max_steps is not None:
+                if steps_seen is None:  # the first count this trainer read (one taking over: the run's so far)
+                    steps_seen = (self.env_steps_total, now)
+                elif now - steps_seen[1] >= opts.heartbeat_interval / 2:
+                    rate = (self.env_steps_total - steps_seen[0]) / (now - steps_seen[1])
+                    near = self.env_steps_total + 2 * rate * opts.heartbeat_interval >= self.task.max_steps
+                    steps_seen = (self.env_steps_total, now)
             self.stop.wait(min(wait, BUDGET_BEAT_S) if near else wait)
 
     def _publish_loop(self) -> None:
