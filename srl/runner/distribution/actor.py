@@ -207,7 +207,7 @@ class ActorRun:
         near = False  # the budget is near (it only comes nearer)
 
         def beat() -> None:
-            nonlocal last, beats
+            nonlocal last, beats, near
             now = time.monotonic()
             if now - last[1] >= opts.heartbeat_interval / 2:  # not over the short beats near the budget: bursty
                 self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
@@ -220,10 +220,13 @@ class ActorRun:
                                           self._stats(self._last_rate), deltas, total_of="env_steps" if ask else "")
             if hb.total is not None:
                 self._budget_seen = (hb.total, counted)
-                if self.task.elastic_actors and self._budget_within(2 * self._last_rate * opts.heartbeat_interval,
-                                                                    self.task.actor_num):
-                    held = self.board.held_leases(self.task.actor_num)
-                    self._stepping = max(1, sum(name.startswith("actor:") for name in held))
+            # the budget ends within two heartbeats (the others' counts are up to one old, and the next comes a
+            # heartbeat on): every actor counts its steps more often, so that what each supposes of the others
+            # (their steps since their last count) is a short time's worth
+            near = near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num)
+            if near and hb.total is not None and self.task.elastic_actors:
+                held = self.board.held_leases(self.task.actor_num)
+                self._stepping = max(1, sum(name.startswith("actor:") for name in held))
             if hb.task_status is None:
                 self.task_gone = True
                 self.stop.set(TASK_GONE)
@@ -248,11 +251,7 @@ class ActorRun:
             if answer == "stop":
                 break
             wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
-            near = near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num)
             if near:
-                # the budget ends within two heartbeats (the others' counts are up to one old, and the next
-                # comes a heartbeat on): every actor counts its steps more often, so that what each supposes
-                # of the others (their steps since their last count) is a short time's worth
                 wait = min(wait, BUDGET_BEAT_S * share)
             self._beat_now.wait(wait)
             self._beat_now.clear()
