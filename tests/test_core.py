@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 import srl
-from srl.algorithms import UnknownAlgorithmError, config_class, dqn
+from srl.algorithms import UnknownAlgorithmError, config_class, dqn, r2d2
 from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.env import BoxActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions, env_spec
 from srl.rl.blocks import to_device
@@ -236,10 +238,32 @@ def test_each_env_has_its_own_n_step_window() -> None:
 
 def test_apex_epsilon_schedule() -> None:
     config = dqn.Config()
-    assert config.actor_epsilon(0, 1) == config.epsilon
-    assert config.actor_epsilon(0, 8) == pytest.approx(0.4)
-    assert config.actor_epsilon(7, 8) == pytest.approx(0.4**8)
-    assert config.actor_epsilon(3, 8) == pytest.approx(0.4 ** (1 + 7 * 3 / 7))
+    np.testing.assert_allclose(config.actor_epsilon(0, 1), [config.epsilon])
+    np.testing.assert_allclose(config.actor_epsilon(0, 8), [0.4])
+    np.testing.assert_allclose(config.actor_epsilon(7, 8), [0.4**8])
+    np.testing.assert_allclose(config.actor_epsilon(3, 8), [0.4 ** (1 + 7 * 3 / 7)])
+
+
+@pytest.mark.parametrize("module", [dqn, r2d2])
+def test_apex_epsilon_spans_every_env_of_every_actor(module: Any) -> None:
+    """An actor stepping E envs explores as E actors would: the schedule runs over actors x envs, and a lone
+    actor with several envs has a near-greedy env beside exploring ones, not one ε for all."""
+    config = module.Config(envs_per_actor=4)
+    schedule = [0.4 ** (1 + 7 * i / 7) for i in range(8)]
+    np.testing.assert_allclose(np.concatenate([config.actor_epsilon(a, 2) for a in range(2)]), schedule)
+    np.testing.assert_allclose(module.Config(envs_per_actor=2).actor_epsilon(0, 1), [0.4, 0.4**8])
+
+
+def test_each_env_explores_at_its_own_epsilon() -> None:
+    worker = make_worker(small_config(envs_per_actor=2))
+    parameter = worker.parameter
+    np.testing.assert_allclose(worker.epsilon, [0.4, 0.4**8])
+    worker.epsilon = np.array([1.0, 0.0])  # env 0 always uniform, env 1 always greedy
+    obs = np.zeros((2, 4), np.float32)
+    greedy = int(parameter.q(torch.from_numpy(obs[:1])).argmax())
+    actions = np.array([worker.act(obs) for _ in range(400)])
+    assert set(actions[:, 1]) == {greedy}
+    assert 150 < int((actions[:, 0] != greedy).sum()) < 250  # about half of the uniform choices differ
 
 
 def test_initial_priorities_are_abs_td_errors() -> None:

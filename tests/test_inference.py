@@ -279,8 +279,9 @@ def test_dqn_explores_with_each_slots_epsilon_on_the_server(serve_task: Any) -> 
     for slot in range(3):
         worker = served.run._make_worker(slot)
         assert isinstance(worker, dqn.DQNWorker)
-        assert worker.epsilon == pytest.approx(config.actor_epsilon(slot, 3))
-    assert len({served.run._make_worker(s).epsilon for s in range(3)}) == 3  # not one ε for all
+        np.testing.assert_allclose(worker.epsilon, config.actor_epsilon(slot, 3))
+    every = np.concatenate([served.run._make_worker(s).epsilon for s in range(3)])
+    assert len(set(every.tolist())) == 6  # not one ε for all: Ape-X's schedule over the 3 slots' 2 envs each
 
 
 def _raw_request(served: Served, slot: int, uid: str, columns: dict[str, np.ndarray] | bytes, secret: str | None,

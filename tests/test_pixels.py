@@ -51,6 +51,8 @@ def small_dqn(**changes: object) -> dqn.Config:
     config = dqn.Config(batch_size=16, warmup_size=64, seed=1, memory=MemoryConfig(kind="replay", capacity=2000))
     for name, value in changes.items():
         setattr(config, name, value)
+    if "epsilon" in changes:  # every env explores at that ε, not at Ape-X's schedule over the envs
+        config.apex_epsilon, config.apex_alpha = float(changes["epsilon"]), 0.0  # type: ignore[arg-type]
     return config
 
 

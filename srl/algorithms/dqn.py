@@ -14,8 +14,9 @@ Actions: Discrete natively; a bounded Box is binned into ``action_bins`` values
 per dimension and a MultiDiscrete into its product, both here (the worker maps
 the chosen index to the env action); the ``action`` column is the index.
 
-Exploration: a lone worker uses ``epsilon``; actor i of N > 1 uses the Ape-X
-schedule ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)).
+Exploration: Ape-X's schedule over every env of every actor: env i of the N = actors x
+``envs_per_actor`` envs explores with ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)); a lone
+env (one actor stepping one env) uses ``epsilon``.
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ class Config(RLConfig):
     dueling: bool = True
     """split the head into state value and action advantages"""
     epsilon: float = 0.1
-    """exploration rate of a lone worker (single process, or one actor)"""
+    """exploration rate of a lone env (one process or one actor, stepping one env); several envs follow Ape-X's
+    schedule (one ε for all of them: set ``apex_epsilon`` to it and ``apex_alpha`` to 0)"""
     apex_epsilon: float = 0.4
-    """Ape-X base ε: actor i of N > 1 explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
+    """Ape-X base ε: env i of N > 1 (every actor's envs) explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
     apex_alpha: float = 7.0
-    """Ape-X exponent spread across actors"""
+    """Ape-X exponent spread across the envs"""
     test_epsilon: float = 0.0
     """exploration rate while evaluating"""
     greedy_average_tau: float | None = None
@@ -205,9 +207,10 @@ class Config(RLConfig):
             return self.greedy_average_tau
         return GREEDY_AVERAGE_TAU_BOX if isinstance(spec.actions, BoxActions) else 0.0
 
-    def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
-        """ε for actor ``actor_index`` of ``actor_num`` (the Ape-X schedule when N > 1)."""
-        return apex_epsilon(self.epsilon, self.apex_epsilon, self.apex_alpha, actor_index, actor_num)
+    def actor_epsilon(self, actor_index: int, actor_num: int) -> np.ndarray:
+        """ε of each env of actor ``actor_index`` of ``actor_num`` (Ape-X's schedule over all their envs)."""
+        return env_epsilons(self.epsilon, self.apex_epsilon, self.apex_alpha, actor_index, actor_num,
+                            self.envs_per_actor)
 
     def check_spec(self, spec: EnvSpec) -> None:
         action_table(spec, self.action_bins)
@@ -265,12 +268,31 @@ class Config(RLConfig):
         return DQNLearner(self, parameter, buffer)
 
 
-def apex_epsilon(epsilon: float, base: float, alpha: float, actor_index: int, actor_num: int) -> float:
-    """ε of actor ``actor_index`` of ``actor_num``: ``epsilon`` for a lone actor, else the Ape-X schedule
+def apex_epsilon(epsilon: float, base: float, alpha: float, index: int, count: int) -> float:
+    """ε of explorer ``index`` of ``count``: ``epsilon`` for a lone one, else the Ape-X schedule
     base ** (1 + alpha * i / (N - 1))."""
-    if actor_num <= 1:
+    if count <= 1:
         return epsilon
-    return float(base ** (1.0 + alpha * actor_index / (actor_num - 1)))
+    return float(base ** (1.0 + alpha * index / (count - 1)))
+
+
+def explore(rng: np.random.Generator, action: np.ndarray, epsilon: float | np.ndarray, n_actions: int) -> None:
+    """ε-greedy in place: each env's greedy ``action`` becomes a uniform one with its ``epsilon`` (one for all, or
+    one per env). Draws nothing when every ε is 0, so a greedy worker's random stream stays where it was."""
+    if np.any(np.asarray(epsilon) > 0.0):
+        chosen = rng.random(len(action)) < epsilon
+        if chosen.any():
+            action[chosen] = rng.integers(n_actions, size=int(chosen.sum()))
+
+
+def env_epsilons(epsilon: float, base: float, alpha: float, actor_index: int, actor_num: int,
+                 envs_per_actor: int) -> np.ndarray:
+    """ε of each env of actor ``actor_index``: the Ape-X schedule over all ``actor_num * envs_per_actor`` envs
+    (the paper's actors step one env each), so one actor stepping several envs explores as that many
+    actors would: a near-greedy env sees the states the greedy policy reaches, an exploring one the rest."""
+    count = actor_num * envs_per_actor
+    return np.array([apex_epsilon(epsilon, base, alpha, actor_index * envs_per_actor + e, count)
+                     for e in range(envs_per_actor)])
 
 
 FRAME_RING_SLACK = 4096
@@ -451,11 +473,12 @@ class DQNWorker(Worker):
     get one forward pass of their own.
     """
 
-    def __init__(self, config: Config, parameter: DQNParameter, epsilon: float, num_envs: int,
+    def __init__(self, config: Config, parameter: DQNParameter, epsilon: float | np.ndarray, num_envs: int,
                  seed: int | None) -> None:
         self.config = config
         self.parameter = parameter
-        self.epsilon = epsilon
+        self.epsilon = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (num_envs,))
+        """each env's ε"""
         self.reward_scale = 1.0 if config.reward_scale is None else config.reward_scale  # None: not settled
         self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
@@ -506,11 +529,7 @@ class DQNWorker(Worker):
             self._q = q.float().cpu().numpy()
             self._settle(np.arange(self.num_envs), self._q)
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
-        eps = self.epsilon if self.training else self.config.test_epsilon
-        if eps > 0.0:
-            explore = self.rng.random(len(action)) < eps
-            if explore.any():
-                action[explore] = self.rng.integers(self.n_actions, size=int(explore.sum()))
+        explore(self.rng, action, self.epsilon if self.training else self.config.test_epsilon, self.n_actions)
         self._obs, self._action = obs, action
         self._acted_version = self.parameter.version  # a server may load newer params before the observe
         table = self.parameter.actions
@@ -646,7 +665,7 @@ class DQNWorker(Worker):
         return priorities
 
     def stats(self) -> dict[str, float]:
-        return {"epsilon": self.epsilon}
+        return {"epsilon": float(self.epsilon.mean())}  # the mean over its envs
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Read top to bottom: ``Config`` (every setting, documented; the data path: sequences of
 ``sequence_length`` steps that overlap by ``overlap``, into a prioritized replay of sequences, paced
 by ``env_steps_per_train`` in one process and across actors alike), the network (encoder, recurrent
-core, dueling head), ``Worker`` (ε-greedy in E envs, the Ape-X ε per actor; keeps each env's recurrent
+core, dueling head), ``Worker`` (ε-greedy in E envs, Ape-X's ε per env; keeps each env's recurrent
 state, zeroed only when that env's episode starts, and emits every env's last ``sequence_length``
 steps every ``sequence_length - overlap`` steps with the state it had at their start) and ``Learner``
 (burn-in, n-step double-Q targets under the value rescaling h, sequence priorities). Must never: know
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from srl.algorithms.dqn import action_count, action_table, apex_epsilon, rescale, unrescale
+from srl.algorithms.dqn import action_count, action_table, env_epsilons, explore, rescale, unrescale
 from srl.base.config import check_int, check_number
 from srl.base.env import EnvSpec
 from srl.base.rl import (
@@ -121,11 +121,12 @@ class Config(RLConfig):
     value_rescale: bool = True
     """learn h(Q) with h(x) = sign(x)(sqrt(|x|+1)-1) + 0.001x (the paper's), not Q"""
     epsilon: float = 0.1
-    """exploration rate of a lone worker (single process, or one actor)"""
+    """exploration rate of a lone env (one process or one actor, stepping one env); several envs follow Ape-X's
+    schedule (one ε for all of them: set ``apex_epsilon`` to it and ``apex_alpha`` to 0)"""
     apex_epsilon: float = 0.4
-    """Ape-X base ε: actor i of N > 1 explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
+    """Ape-X base ε: env i of N > 1 (every actor's envs) explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
     apex_alpha: float = 7.0
-    """Ape-X exponent spread across actors"""
+    """Ape-X exponent spread across the envs"""
     test_epsilon: float = 0.0
     """exploration rate while evaluating"""
     max_grad_norm: float = 40.0
@@ -177,8 +178,10 @@ class Config(RLConfig):
         """Steps between two sequences of an env (the new steps each brings)."""
         return self.sequence_length - self.overlap
 
-    def actor_epsilon(self, actor_index: int, actor_num: int) -> float:
-        return apex_epsilon(self.epsilon, self.apex_epsilon, self.apex_alpha, actor_index, actor_num)
+    def actor_epsilon(self, actor_index: int, actor_num: int) -> np.ndarray:
+        """ε of each env of actor ``actor_index`` of ``actor_num`` (Ape-X's schedule over all their envs)."""
+        return env_epsilons(self.epsilon, self.apex_epsilon, self.apex_alpha, actor_index, actor_num,
+                            self.envs_per_actor)
 
     def check_spec(self, spec: EnvSpec) -> None:
         action_table(spec, self.action_bins)
@@ -289,11 +292,12 @@ def sequence_frames(obs: np.ndarray, last_obs: np.ndarray, starts: np.ndarray) -
 class R2D2Worker(Worker):
     """ε-greedy over the recurrent Q network in E envs; the last L steps of every env every L - overlap steps."""
 
-    def __init__(self, config: Config, parameter: R2D2Parameter, epsilon: float, num_envs: int,
+    def __init__(self, config: Config, parameter: R2D2Parameter, epsilon: float | np.ndarray, num_envs: int,
                  seed: int | None) -> None:
         self.config = config
         self.parameter = parameter
-        self.epsilon = epsilon
+        self.epsilon = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (num_envs,))
+        """each env's ε"""
         self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
         self.length = config.sequence_length
@@ -335,11 +339,8 @@ class R2D2Worker(Worker):
         before = self._h, self._c
         q, self._h, self._c = outputs
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
-        eps = self.epsilon if self.training else self.config.test_epsilon
-        if eps > 0.0:
-            explore = self.rng.random(len(action)) < eps
-            if explore.any():
-                action[explore] = self.rng.integers(self.parameter.n_actions, size=int(explore.sum()))
+        explore(self.rng, action, self.epsilon if self.training else self.config.test_epsilon,
+                self.parameter.n_actions)
         if self.training:
             if self.parameter.frames:  # each frame goes once: the stacks must slide as the env made them
                 if self._last is not None:
@@ -400,7 +401,7 @@ class R2D2Worker(Worker):
         return concat_rows(ready)
 
     def stats(self) -> dict[str, float]:
-        return {"epsilon": self.epsilon}
+        return {"epsilon": float(self.epsilon.mean())}  # the mean over its envs
 
 
 def n_step_targets(reward: torch.Tensor, done: torch.Tensor, gamma: float, n: int
