@@ -63,8 +63,9 @@ def rss_bytes() -> int:
 
 
 def config(envs: int, frames_once: bool, capacity: int = 10_000) -> dqn.Config:
-    return dqn.Config(envs_per_actor=envs, store_frames_once=frames_once, epsilon=1.0, seed=0,
-                      memory=MemoryConfig(capacity=capacity), warmup_size=64, batch_size=32)
+    # uniform actions in every env (ε 1 for all, not Ape-X's schedule over the envs)
+    return dqn.Config(envs_per_actor=envs, store_frames_once=frames_once, epsilon=1.0, apex_epsilon=1.0,
+                      apex_alpha=0.0, seed=0, memory=MemoryConfig(capacity=capacity), warmup_size=64, batch_size=32)
 
 
 def actor_batches(envs: int, frames_once: bool, steps: int, batch_size: int = 256) -> list[dict[str, np.ndarray]]:
