@@ -359,9 +359,9 @@ def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None
 
 def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, lagged: Lagged = Lagged(),
               changes: dict[str, Any] | None = None, curve: float | None = None,
-              log_dir: Path | None = None) -> tuple[srl.Runner, Run]:
+              log_dir: Path | None = None, curve_every: int | None = None) -> tuple[srl.Runner, Run]:
     """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet).
-    ``curve``: evaluate every that many seconds into ``log_dir``'s eval.csv."""
+    ``curve`` / ``curve_every``: evaluate every that many seconds / train steps into ``log_dir``'s eval.csv."""
     config = configured(case, changes)
     config.seed = seed
     runner = srl.Runner(case.env, config)
@@ -369,7 +369,8 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
     if mode == "lagged":
         env_steps, train_count = train_lagged(runner, lagged, **limits(budget), curve=curve, log_dir=log_dir)
     else:
-        logging_: dict[str, Any] = {} if curve is None else {"log_dir": log_dir, "eval_interval": curve}
+        logging_: dict[str, Any] = {} if curve is None and curve_every is None else {
+            "log_dir": log_dir, "eval_interval": curve, "eval_every": curve_every}
         if mode == "one":
             runner.train(progress_interval=None, **logging_, **limits(budget))
         else:
@@ -383,9 +384,9 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
 
 def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = EVAL_EPISODES,
              lagged: Lagged = Lagged(), changes: dict[str, Any] | None = None, curve: float | None = None,
-             curve_dir: Path | None = None) -> Run:
+             curve_dir: Path | None = None, curve_every: int | None = None) -> Run:
     log_dir = None if curve_dir is None else curve_dir / f"{case.name}-{mode}-{seed}"
-    runner, run = train_run(case, mode, seed, budget, actors, queue, lagged, changes, curve, log_dir)
+    runner, run = train_run(case, mode, seed, budget, actors, queue, lagged, changes, curve, log_dir, curve_every)
     run.evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
     if log_dir is not None and (log_dir / "eval.csv").exists():
         with open(log_dir / "eval.csv") as f:
@@ -420,7 +421,11 @@ def main() -> None:
     parser.add_argument("--csv", default=None, help="write one row per run here")
     parser.add_argument("--curve", type=float, default=None, metavar="SECONDS",
                         help="evaluate every SECONDS during each run (5 episodes) and print the curve")
-    parser.add_argument("--log-dir", default="bench-runs", help="with --curve: each run's log_dir goes under here")
+    parser.add_argument("--curve-every", type=int, default=None, metavar="TRAIN_STEPS",
+                        help="evaluate every TRAIN_STEPS train steps instead (5 episodes; one process and dist): "
+                        "one process then evaluates at the same points on every machine")
+    parser.add_argument("--log-dir", default="bench-runs",
+                        help="with --curve or --curve-every: each run's log_dir goes under here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args()
     if args.list:
@@ -443,6 +448,9 @@ def main() -> None:
     if synced := sorted({n for n, m in plan if m == "lagged" and not laggable(CASES[n].make_config())}):
         parser.error(f"mode lagged needs an off-policy or asynchronous case; {', '.join(synced)} wait for every "
                      "version (sync)")
+    if args.curve_every is not None and (args.curve_every < 1 or any(m == "lagged" for _, m in plan)):
+        parser.error("--curve-every takes a positive number of train steps, for one process and dist runs "
+                     "(lagged runs: --curve)")
     if not plan:
         parser.error(f"nothing to run: the standard suite has no {args.modes!r} runs; name cases with --cases "
                      "(--list shows them)")
@@ -470,7 +478,8 @@ def main() -> None:
         for seed in range(args.first_seed, args.first_seed + seeds):
             run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes,
                            Lagged(args.lag, args.chunk, args.delay), changes, args.curve,
-                           None if args.curve is None else Path(args.log_dir))
+                           None if args.curve is None and args.curve_every is None else Path(args.log_dir),
+                           args.curve_every)
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)
