@@ -121,8 +121,9 @@ def test_a_lease_guard_is_silent_while_heartbeats_are_on_time_and_renews_when_th
     assert board.claim_lease("trainer", "a", 1000)
     with LeaseGuard(board, "trainer", "a", ttl_s=1.0, interval_s=0.2) as guard:
         for _ in range(10):  # heartbeats every half interval: the guard never has to renew
+            sent = time.monotonic()
             assert board.renew_lease("trainer", "a", 1000)
-            guard.renewed()
+            guard.renewed(sent)
             time.sleep(0.1)
         assert guard.late_renewals == 0
         time.sleep(2.5)  # the heartbeat stuck for two and a half TTLs: the time passing is the case under test
@@ -136,10 +137,25 @@ def test_a_lease_guard_that_finds_the_lease_taken_stops_until_the_run_took_it_ba
         wait_for(lambda: not guard.armed, 5, "the guard to find the lease taken", interval=0.01)
         assert guard.late_renewals == 0 and board.lease_holder("trainer")[0] == "b"
         board.release_lease("trainer", "b")
+        sent = time.monotonic()
         assert board.claim_lease("trainer", "a", 300)  # the run took it back and says so
-        guard.renewed()
+        guard.renewed(sent)
         wait_for(lambda: guard.late_renewals > 0, 5, "the guard to renew again", interval=0.01)
     assert board.lease_holder("trainer")[0] == "a"
+
+
+def test_a_renewal_dates_from_the_heartbeats_sending_not_its_answer(board: Board) -> None:
+    """A cut link holds a heartbeat's answer: the renewal it reports was made before the cut, and the lease
+    runs out a TTL after that. Counted from the answer, a run taking the lease back just after would say it
+    was "0s without the board", and the guard would wait another interval before renewing."""
+    assert board.claim_lease("trainer", "a", 60_000)
+    with LeaseGuard(board, "trainer", "a", ttl_s=60.0, interval_s=30.0) as guard:
+        sent = time.monotonic() - 40.0  # sent 40 s ago, answered now
+        guard.renewed(sent)
+        assert guard.since_renewed() >= 40.0
+        wait_for(lambda: guard.late_renewals > 0, 5, "the guard to renew at once", interval=0.01)
+        guard.renewed(time.monotonic() - 120.0)  # an older heartbeat answered later still: the later renewal stands
+        assert guard.since_renewed() < 40.0
 
 
 def test_a_start_that_hangs_lets_its_lease_lapse(board: Board) -> None:

@@ -215,6 +215,7 @@ class ActorRun:
             counted = self._count_steps()
             ask = self.task.max_steps is not None and (near or beats % math.ceil(share) == 0)
             beats += 1
+            sent = time.monotonic()
             with self.counters.taken() as deltas:
                 hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
                                           self._stats(self._last_rate), deltas, total_of="env_steps" if ask else "")
@@ -236,7 +237,7 @@ class ActorRun:
                 return
             if not hb.lease_held and not self._take_slot_back():
                 return
-            self.lease_guard.renewed()
+            self.lease_guard.renewed(sent)
             if hb.task_status != "ACTIVE":
                 status = self.board.get_status()
                 reason = status.end_reason if status is not None else ""

@@ -571,7 +571,7 @@ class InferenceRun:
                         self.stop.set(TASK_REPLACED)
                         break
                     if hb.lease_held:
-                        self.lease_guard.renewed()
+                        self.lease_guard.renewed(now)
                     else:
                         self.stop.set("lost the inference lease: it was not renewed in time (was this process "
                                       "paused or cut off from Redis?)")

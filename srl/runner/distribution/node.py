@@ -229,15 +229,15 @@ class LeaseGuard:
     A run renews its lease with its heartbeat, in the thread that also moves params (megabytes over a slow
     link), publishes them and reads the task: a renewal must never wait behind one of those. The guard
     renews (on its own connection from the client's pool) only when no renewal happened for
-    ``interval_s``: while the heartbeat is on time it sends nothing. The run says
-    :meth:`renewed` after each heartbeat that held the lease. A renewal that finds the lease gone stops the
+    ``interval_s``: while the heartbeat is on time it sends nothing. The run says :meth:`renewed` after
+    each heartbeat that held the lease, with the time it sent it. A renewal that finds the lease gone stops the
     guard's renewals until the run took it back (its heartbeat finds out, and decides). Before a run's
     first heartbeat (claiming, building: torch's imports, a replay memory of gigabytes, a CUDA context),
     nothing says :meth:`renewed`, so the guard renews every ``interval_s``, for ``max_s`` at most: a start
     that hangs must not hold the slot for ever.
 
         with LeaseGuard(board, "trainer", uid, ttl_s, interval_s) as guard:
-            ... heartbeat(...) held: guard.renewed() ...
+            sent = time.monotonic(); ... heartbeat(...) held: guard.renewed(sent) ...
     """
 
     def __init__(self, board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
@@ -256,9 +256,11 @@ class LeaseGuard:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._keep, name=f"srl-lease-{name}", daemon=True)
 
-    def renewed(self) -> None:
-        """The run's heartbeat renewed the lease (or took it back) just now."""
-        self._last = time.monotonic()
+    def renewed(self, sent_at: float) -> None:
+        """The run's heartbeat sent at ``sent_at`` (``time.monotonic()``) renewed the lease, or the run took it
+        back since. The renewal dates from the sending, not the answer: an answer held up by a cut link
+        reports a renewal made before the cut, and the lease runs out a TTL after that."""
+        self._last = max(self._last, sent_at)
         self.armed = True
 
     def since_renewed(self) -> float:

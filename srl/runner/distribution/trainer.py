@@ -273,6 +273,7 @@ class TrainerRun:
             board.log_event(bad[0], level="WARNING", source=opts.uid)
             self.ingest.bad_reported(bad[1])
         self.ingest.flush_dead_letters()
+        sent = time.monotonic()
         hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats,
                              total_of="env_steps")
         self._server_time = (hb.server_time, time.monotonic())
@@ -284,7 +285,7 @@ class TrainerRun:
             return
         if not hb.lease_held and not self._take_lease_back():
             return
-        self.lease_guard.renewed()
+        self.lease_guard.renewed(sent)
         if hb.task_status != "ACTIVE":
             self.task_ended = True
             status = board.get_status()
