@@ -41,6 +41,7 @@ import importlib.util
 import json
 import logging
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -386,6 +387,10 @@ def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: 
              lagged: Lagged = Lagged(), changes: dict[str, Any] | None = None, curve: float | None = None,
              curve_dir: Path | None = None, curve_every: int | None = None) -> Run:
     log_dir = None if curve_dir is None else curve_dir / f"{case.name}-{mode}-{seed}"
+    if log_dir is not None and log_dir.exists():
+        # a run from scratch: a log dir holding an earlier run would be continued (its curve appended to)
+        print(f"{case.name} {mode} seed {seed}: replacing the earlier run's files in {log_dir}", flush=True)
+        shutil.rmtree(log_dir)
     runner, run = train_run(case, mode, seed, budget, actors, queue, lagged, changes, curve, log_dir, curve_every)
     run.evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
     if log_dir is not None and (log_dir / "eval.csv").exists():
