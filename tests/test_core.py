@@ -296,6 +296,23 @@ def test_parameters_of_another_shape_are_refused_by_name() -> None:
         b.parameter.from_arrays(a.parameter.to_arrays())
 
 
+def test_layer_norm_normalizes_each_hidden_layer_and_travels_with_the_config(tmp_path: object) -> None:
+    config = small_config()
+    config.hidden_block.layer_norm = True
+    block, size = config.hidden_block.build(4)
+    norms = [m for m in block if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 and size == 16
+    pre = block[:2](torch.randn(32, 4) * 100.0)  # the first layer's pre-activations, normalized
+    assert torch.allclose(pre.mean(dim=1), torch.zeros(32), atol=1e-5)
+    assert torch.allclose(pre.std(dim=1, unbiased=False), torch.ones(32), atol=1e-3)
+    runner = srl.Runner("CartPole-v1", config)
+    runner.train(max_train_count=50, progress_interval=None)
+    path = f"{tmp_path}/ln.safetensors"
+    runner.save(path)
+    assert srl.Runner.from_checkpoint(path).rl_config.hidden_block.layer_norm is True
+    assert config_from_dict(dqn.Config, {"hidden_block": {"layer_sizes": [16, 16]}}).hidden_block.layer_norm is False
+
+
 Weights = list[torch.Tensor]
 
 

@@ -30,6 +30,8 @@ class MLPBlockConfig(Settings):
     """units of each hidden layer"""
     activation: str = "relu"
     """one of relu, tanh, elu, silu"""
+    layer_norm: bool = False
+    """normalize each hidden layer's pre-activations (Linear -> LayerNorm -> activation)"""
 
     def set_mlp(self, layer_sizes: tuple[int, ...] = (64, 64), activation: str = "relu") -> None:
         self.layer_sizes = tuple(int(s) for s in layer_sizes)
@@ -56,7 +58,10 @@ class MLPBlockConfig(Settings):
         layers: list[nn.Module] = []
         size = in_features
         for units in self.layer_sizes:
-            layers += [nn.Linear(size, units), ACTIVATIONS[self.activation]()]
+            layers.append(nn.Linear(size, units))
+            if self.layer_norm:
+                layers.append(nn.LayerNorm(units))
+            layers.append(ACTIVATIONS[self.activation]())
             size = units
         return nn.Sequential(*layers), size
 
