@@ -464,6 +464,20 @@ def test_same_seed_same_run() -> None:
     assert run() == run()
 
 
+def test_a_continued_train_call_plays_new_starts_and_keeps_its_last_transitions() -> None:
+    runner = srl.Runner("CartPole-v1", small_config(seed=7))
+    runner.train(max_train_count=123, progress_interval=None)  # stops with finished transitions not handed over
+    buffer = runner._buffer
+    assert buffer is not None
+    first_call = buffer.total_added
+    # every transition is in but those of the open episode still waiting for their n steps
+    assert first_call >= runner.env_steps - (runner.rl_config.n_step - 1)  # type: ignore[attr-defined]
+    runner.train(max_train_count=100, progress_interval=None)
+    obs = buffer.state_arrays()[0]["rows/obs"]
+    assert len(obs) > first_call
+    assert not np.array_equal(obs[first_call], obs[0])  # the second call does not replay the first's start
+
+
 def test_train_needs_a_limit() -> None:
     with pytest.raises(ValueError, match="needs a limit"):
         srl.Runner("CartPole-v1", small_config()).train()

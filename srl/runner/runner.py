@@ -34,6 +34,17 @@ logger = logging.getLogger("srl.runner")
 
 FLUSH_TRANSITIONS = 32
 """transitions a one-process worker gathers before they go into the buffer"""
+
+
+def continued_seed(seed: int | None, env_steps: int) -> int | None:
+    """The envs' and the explorer's seed for a ``train`` call after ``env_steps`` steps: ``seed`` itself for a
+    run's first call, else one derived from both, so a continued run (another ``train`` call, or a resumed
+    checkpoint) plays new episode starts and explores anew instead of replaying its first call's."""
+    if seed is None or env_steps == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, env_steps]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
 class _Rates:
     """Env steps and train steps per second since the previous call."""
 
@@ -120,7 +131,9 @@ class Runner:
         ``max_train_count``: gradient steps; ``max_steps``: env steps (all envs together);
         ``timeout``: seconds. The same worker, buffer and trainer a distributed run uses, on the
         same data path: rows go into the buffer, and off-policy algorithms train
-        ``1 / env_steps_per_train`` steps per env step.
+        ``1 / env_steps_per_train`` steps per env step. A later call goes on with the same weights, memory
+        and counters; its envs start new episodes, seeded from ``seed`` and the env steps so far (the first
+        call's starts are not replayed).
 
         ``log_dir``: keep ``history.csv`` (a row per ``progress_interval``, 5 s if that is None),
         ``eval.csv``, TensorBoard events and ``checkpoints/`` (every ``checkpoint_interval`` seconds
@@ -158,8 +171,9 @@ class Runner:
                      None if max_train_count is None else learner.train_count + max_train_count)
         data_path = config.data_path()
         parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
-        worker = config.make_worker(self.spec, parameter, 0, 1, config.seed)
-        rollout = Rollout(self.env_config, worker, config.envs_per_actor, config.seed, config.vectorization)
+        seed = continued_seed(config.seed, self.env_steps)
+        worker = config.make_worker(self.spec, parameter, 0, 1, seed)
+        rollout = Rollout(self.env_config, worker, config.envs_per_actor, seed, config.vectorization)
         progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout, bar=progress_bar)
         start_train, start_steps = learner.train_count, self.env_steps
         deadline = None if timeout is None else time.perf_counter() + timeout
@@ -211,6 +225,9 @@ class Runner:
                     self._checkpoint(run_log, keep_checkpoints)
                 if deadline is not None and now >= deadline:
                     break
+            rows = worker.take() if worker.pending() else None  # what this call's worker completed last
+            if rows is not None:
+                buffer.add(rows, worker.initial_priorities(rows))
         finally:
             rollout.close()
             progress.close()
