@@ -17,8 +17,8 @@ at each pause the greedy policy plays 5 episodes (seeds 100,000..100,004, the sa
 - churn: the share of a fixed set of states (every 10th state of the first evaluation that scored 500)
   whose greedy action differs from the pause before.
 
-The summary counts the second half's evaluations below 300, the share
-of chunks that churn, and whether the dips follow the target copies (hard copies only).
+The summary counts the second half's evaluations below 300 and how their episodes ended, gives the churn's
+median and spread, and splits both by whether a target copy (hard copies only) fell in the pause's chunk.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def summarize(rows: list[Row], budget: int, config: dqn.Config) -> None:
           f"{sum(r[2].count('x') for r in half)} track")
     churns = [r[5] for r in half if r[5] is not None]
     if churns:
-        print(f"churn per chunk over the second half: median {median_churn(half):.3f}, "
+        print(f"churn per chunk over the second half: median {statistics.median(churns):.3f}, "
               f"10%..90% {np.quantile(churns, 0.1):.3f}..{np.quantile(churns, 0.9):.3f}; "
               f"in chunks whose evaluation was 500: {median_churn([r for r in half if r[1] == 500.0]):.3f}")
     if config.target_tau == 0:
@@ -177,6 +177,7 @@ def summarize(rows: list[Row], budget: int, config: dqn.Config) -> None:
             if group:
                 print(f"{name}: {sum(r[1] < FLOOR for r in group)} of {len(group)} evaluations below "
                       f"{FLOOR:.0f}, churn median {median_churn(group):.3f}")
+
 
 if __name__ == "__main__":
     main()
