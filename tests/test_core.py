@@ -390,6 +390,47 @@ def test_value_rescale_is_invertible_and_shapes_the_target() -> None:
     torch.testing.assert_close(terminal, dqn.rescale(reward))
 
 
+def test_advantage_learning_subtracts_the_target_networks_action_gap() -> None:
+    q_at_s = torch.tensor([[2.0, 5.0], [-1.0, -4.0]])  # the target network at s: best actions 1, then 0
+    action = torch.tensor([0, 0])  # a suboptimal action, then the best one
+    gap = dqn.action_gap(q_at_s, action, 0.5, value_rescale=False)
+    torch.testing.assert_close(gap, torch.tensor([0.5 * 3.0, 0.0]))
+    online, target = torch.tensor([[1.0, 3.0], [-2.0, -5.0]]), torch.tensor([[7.0, 4.0], [-6.0, -9.0]])
+    reward, discount = torch.tensor([1.0, -10.0]), torch.tensor([0.9, 0.5])
+    plain = dqn.td_targets(online, target, reward, discount, double_q=True)
+    torch.testing.assert_close(dqn.td_targets(online, target, reward, discount, True, gap=gap), plain - gap)
+    rescaled_gap = dqn.action_gap(dqn.rescale(q_at_s), action, 0.5, value_rescale=True)  # in return units
+    torch.testing.assert_close(rescaled_gap, gap, rtol=1e-4, atol=1e-4)
+    rescaled = dqn.td_targets(dqn.rescale(online), dqn.rescale(target), reward, discount, True, True, rescaled_gap)
+    torch.testing.assert_close(rescaled, dqn.rescale(plain - gap), rtol=1e-4, atol=1e-4)
+
+
+def _learned_gap(advantage_learning: float) -> tuple[float, int]:
+    """(Q(s, best) - Q(s, other), the greedy action) after training on one state whose action 0 pays 1 and
+    action 1 pays 0.5, each ending the episode."""
+    config = small_config(advantage_learning=advantage_learning, target_update_interval=25, n_step=1)
+    runner = srl.Runner("CartPole-v1", config)
+    memory = config.make_buffer(runner.spec)
+    trainer = config.make_learner(runner.spec, runner.parameter, memory)
+    n = config.warmup_size
+    obs = np.tile(np.array([[0.1, -0.2, 0.05, 0.3]], np.float32), (n, 1))
+    action = np.arange(n) % 2
+    memory.add({"obs": obs, "action": action, "reward": np.where(action == 0, 1.0, 0.5).astype(np.float32),
+                "next_obs": obs, "discount": np.zeros(n, np.float32), "version": np.zeros(n, np.int64)})
+    for _ in range(1500):
+        trainer.train()
+    q = runner.parameter.q(torch.as_tensor(obs[:1])).detach()[0]  # type: ignore[attr-defined]
+    return float(q[0] - q[1]), int(q.argmax())
+
+
+def test_advantage_learning_widens_the_action_gap_and_keeps_the_greedy_action() -> None:
+    plain_gap, plain_action = _learned_gap(0.0)
+    gap, greedy = _learned_gap(0.5)
+    assert plain_action == greedy == 0
+    assert abs(plain_gap - 0.5) < 0.05  # Q-learning: the rewards' difference
+    assert abs(gap - 1.0) < 0.1  # advantage learning's fixed point: 0.5 / (1 - 0.5)
+
+
 def test_a_nonfinite_loss_skips_the_step_and_leaves_weights_and_priorities_alone() -> None:
     config = small_config()
     config.memory.set_proportional_memory(config.warmup_size)  # the next add replaces every row

@@ -117,6 +117,11 @@ class Config(RLConfig):
     """choose the next action with the online network, value it with the target network"""
     dueling: bool = True
     """split the head into state value and action advantages"""
+    advantage_learning: float = 0.0
+    """advantage learning (Bellemare et al. 2016): the target also subtracts this times the target network's
+    gap between the best action and the taken one at the start of the transition, which widens the gap
+    between the greedy action and the others (by up to 1 / (1 - this)) and leaves the greedy action as it
+    is; 0: plain Q-learning"""
     epsilon: float = 0.1
     """exploration rate of a lone env (one process or one actor, stepping one env); several envs follow Ape-X's
     schedule (one ε for all of them: set ``apex_epsilon`` to it and ``apex_alpha`` to 0)"""
@@ -170,6 +175,7 @@ class Config(RLConfig):
         check_int("n_step", self.n_step, 1, 1000)
         check_int("target_update_interval", self.target_update_interval, 1, 2**62)
         check_number("target_tau", self.target_tau, 0.0, 1.0)
+        check_number("advantage_learning", self.advantage_learning, 0.0, 0.99)
         if self.greedy_average_tau is not None:
             check_number("greedy_average_tau", self.greedy_average_tau, 0.0, 1.0)
         for name in ("epsilon", "apex_epsilon", "test_epsilon"):
@@ -447,18 +453,28 @@ def unrescale(x: torch.Tensor) -> torch.Tensor:
 
 def td_targets(
     q_online_next: torch.Tensor, q_target_next: torch.Tensor, reward: torch.Tensor, discount: torch.Tensor,
-    double_q: bool, value_rescale: bool = False,
+    double_q: bool, value_rescale: bool = False, gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """reward + discount * Q_target(s', a*), a* from the online net when double_q; with value_rescale the
-    networks hold h(Q) and the target is h(reward + discount * h^-1(Q_target(s', a*)))."""
+    """reward + discount * Q_target(s', a*), a* from the online net when double_q, minus ``gap`` (advantage
+    learning's term, in return units) when given; with value_rescale the networks hold h(Q) and the target
+    is h(reward + discount * h^-1(Q_target(s', a*)) - gap)."""
     if double_q:
         best = q_online_next.argmax(dim=1, keepdim=True)
         next_v = q_target_next.gather(1, best).squeeze(1)
     else:
         next_v = q_target_next.max(dim=1).values
     if value_rescale:
-        return rescale(reward + discount * unrescale(next_v))
-    return reward + discount * next_v
+        target = reward + discount * unrescale(next_v)
+        return rescale(target if gap is None else target - gap)
+    target = reward + discount * next_v
+    return target if gap is None else target - gap
+
+
+def action_gap(q_target: torch.Tensor, action: torch.Tensor, scale: float, value_rescale: bool) -> torch.Tensor:
+    """``scale`` * (max_a Q(s, a) - Q(s, a_t)) from the target network's values at s: advantage learning's
+    correction, in return units (the networks hold h(Q) with value_rescale)."""
+    q = unrescale(q_target) if value_rescale else q_target
+    return scale * (q.max(dim=1).values - q.gather(1, action.unsqueeze(1)).squeeze(1))
 
 
 class DQNWorker(Worker):
@@ -737,9 +753,16 @@ class DQNLearner(Learner):
         q_all = q_net(torch.cat([obs, next_obs]))
         q, q_online_next = q_all[: len(obs)], q_all[len(obs) :].detach()
         q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
+        config = self.config
         with torch.no_grad():
-            target = td_targets(q_online_next, self.target(next_obs), reward, discount, self.config.double_q,
-                                self.config.value_rescale)
+            if config.advantage_learning > 0.0:
+                q_target_all = self.target(torch.cat([obs, next_obs]))
+                q_target_next = q_target_all[len(obs) :]
+                gap = action_gap(q_target_all[: len(obs)], action, config.advantage_learning, config.value_rescale)
+            else:
+                q_target_next, gap = self.target(next_obs), None
+            target = td_targets(q_online_next, q_target_next, reward, discount, config.double_q,
+                                config.value_rescale, gap)
         td = target - q_sa
         loss = (weights * LOSSES[self.config.loss](q_sa, target, reduction="none")).mean()
         self.optimizer.zero_grad(set_to_none=True)
