@@ -19,7 +19,8 @@ over ``--chunk`` at a time, its segments as they complete (defaults 150 and 128,
 DQN run shows: params published every 100 train steps and picked up within a 0.1 s poll; a
 rate-limited actor's batches of up to 256 rows, 103 on average; a 2-actor IMPALA run's segments are
 about 40 train steps old at p95), reproducible from its seed. Seeds are 0..N-1 (``--first-seed`` moves them): in one
-process a seed fixes the run; in a distributed run it fixes the initial weights, each actor's envs
+process a seed fixes the run (on one kind of CPU: another's floating-point kernels can sum in another
+order and send the run elsewhere); in a distributed run it fixes the initial weights, each actor's envs
 and exploration, but not the interleaving of processes, so two runs of one seed differ.
 
 The table gives each row's budget, the distribution of the evaluations over the seeds (median,
