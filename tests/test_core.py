@@ -276,6 +276,11 @@ def test_initial_priorities_are_abs_td_errors() -> None:
         qn = worker.parameter.q(torch.from_numpy(cols["next_obs"])).numpy()
     expected = np.abs(cols["reward"] + 0.99 * qn.max(1) - q[np.arange(8), cols["action"]])
     np.testing.assert_allclose(pr, expected, rtol=1e-5, atol=1e-6)
+    worker.config.advantage_learning = 0.5  # the target also subtracts half of the gap at s
+    gap = q.max(1) - q[np.arange(8), cols["action"]]
+    assert gap.max() > 0.01
+    np.testing.assert_allclose(worker.initial_priorities(cols), np.abs(
+        cols["reward"] + 0.99 * qn.max(1) - 0.5 * gap - q[np.arange(8), cols["action"]]), rtol=1e-5, atol=1e-6)
 
 
 def test_parameter_round_trip_through_arrays() -> None:

@@ -487,7 +487,8 @@ def test_segments_carry_t_plus_4_frames_and_give_back_the_env_s_stacks(algorithm
 
 @pytest.mark.parametrize(("env", "changes"), [
     ("CartPole-v1", {"value_rescale": True}), ("CartPole-v1", {"double_q": False, "n_step": 1}),
-    (BREAKOUT, {}), (BREAKOUT, {"store_frames_once": False})])
+    ("CartPole-v1", {"advantage_learning": 0.5}), ("CartPole-v1", {"advantage_learning": 0.5, "value_rescale": True}),
+    (BREAKOUT, {}), (BREAKOUT, {"store_frames_once": False}), (BREAKOUT, {"advantage_learning": 0.5})])
 def test_initial_priorities_from_the_q_values_acted_with_match_a_fresh_forward_pass(
     env: str, changes: dict[str, object]
 ) -> None:

@@ -470,6 +470,13 @@ def td_targets(
     return target if gap is None else target - gap
 
 
+def action_gaps(q: np.ndarray, scale: float, value_rescale: bool) -> np.ndarray:
+    """``action_gap`` for every action of every row of ``q``."""
+    if value_rescale:
+        q = unrescale(torch.from_numpy(q).to(torch.float64)).numpy()
+    return scale * (q.max(axis=1, keepdims=True) - q)
+
+
 def action_gap(q_target: torch.Tensor, action: torch.Tensor, scale: float, value_rescale: bool) -> torch.Tensor:
     """``scale`` * (max_a Q(s, a) - Q(s, a_t)) from the target network's values at s: advantage learning's
     correction, in return units (the networks hold h(Q) with value_rescale)."""
@@ -499,7 +506,7 @@ class DQNWorker(Worker):
         self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
         self.n_actions = parameter.n_actions
-        self._windows: list[deque[tuple[Any, int, float, int, float]]] = [deque() for _ in range(num_envs)]
+        self._windows: list[deque[tuple[Any, int, float, int, float, float]]] = [deque() for _ in range(num_envs)]
         self._rows: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "next_obs", "discount",
                                                            "version", "priority")}
         self._gammas = config.gamma ** np.arange(config.n_step + 1)
@@ -507,8 +514,11 @@ class DQNWorker(Worker):
         self._action = np.zeros(num_envs, dtype=np.int64)
         self._q = np.zeros((num_envs, self.n_actions), dtype=np.float32)
         """the Q values of each env's observation acted on last"""
+        self._gaps: np.ndarray | None = None
+        """with ``advantage_learning``: its term for each env's observation acted on last and each action"""
         self._waiting: list[list[list[float]]] = [[] for _ in range(num_envs)]
-        """per env, the priorities ([return, discount, Q(s, a), |TD|]) waiting for Q of the next observation"""
+        """per env, the priorities ([return, discount, Q(s, a), advantage learning's term, |TD|]) waiting for Q
+        of the next observation"""
         self._next_obs: np.ndarray | None = None
         self._taken: tuple[Columns, np.ndarray] | None = None
         self.frames: FrameWriter | None = None
@@ -543,6 +553,8 @@ class DQNWorker(Worker):
         q = outputs[0]
         if self.training:
             self._q = q.float().cpu().numpy()
+            if self.config.advantage_learning > 0.0:
+                self._gaps = action_gaps(self._q, self.config.advantage_learning, self.config.value_rescale)
             self._settle(np.arange(self.num_envs), self._q)
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
         explore(self.rng, action, self.epsilon if self.training else self.config.test_epsilon, self.n_actions)
@@ -566,7 +578,8 @@ class DQNWorker(Worker):
                 obs, nxt = self._newest[i], frames.step(i, next_obs[i])
                 self._newest[i] = nxt
             action = int(self._action[i])
-            window.append((obs, action, float(reward[i]) * scale, version, float(self._q[i, action])))
+            gap = 0.0 if self._gaps is None else float(self._gaps[i, action])
+            window.append((obs, action, float(reward[i]) * scale, version, float(self._q[i, action]), gap))
             bootstrap = not terminated[i]
             if len(window) == self.config.n_step:
                 self._emit(i, window, nxt, bootstrap)
@@ -579,14 +592,14 @@ class DQNWorker(Worker):
             self._settle_from(cut, next_obs[cut])
         # the other ended envs' transitions end in a terminal step: their next Q, whichever, counts for nothing
 
-    def _emit(self, env: int, window: deque[tuple[Any, int, float, int, float]], next_obs: Any,
+    def _emit(self, env: int, window: deque[tuple[Any, int, float, int, float, float]], next_obs: Any,
               bootstrap: bool) -> None:
         """The oldest step of the window becomes one transition; it leaves the window."""
         k = len(window)
         ret = float(sum(self._gammas[i] * window[i][2] for i in range(k)))
-        obs, action, _, version, q_sa = window.popleft()
+        obs, action, _, version, q_sa, gap = window.popleft()
         discount = float(self._gammas[k]) if bootstrap else 0.0
-        priority = [ret, discount, q_sa, 0.0]
+        priority = [ret, discount, q_sa, gap, 0.0]
         self._waiting[env].append(priority)  # settled by the next Q of this env (times 0 after a terminal step)
         if self.frames is not None:
             self.frames.transition(env, int(obs), int(next_obs), action, ret, discount, version, priority)
@@ -606,11 +619,13 @@ class DQNWorker(Worker):
         waiting = [(p, k) for k, i in enumerate(envs) for p in self._waiting[i]]
         if not waiting:
             return
-        ret, discount, q_sa = (torch.tensor([p[j] for p, _ in waiting], dtype=torch.float64) for j in range(3))
+        ret, discount, q_sa, gap = (torch.tensor([p[j] for p, _ in waiting], dtype=torch.float64)
+                                    for j in range(4))
         value = torch.from_numpy(q.max(axis=1)[[k for _, k in waiting]]).to(torch.float64)[:, None]
-        target = td_targets(value, value, ret, discount, True, self.config.value_rescale)
+        target = td_targets(value, value, ret, discount, True, self.config.value_rescale,
+                            gap if self._gaps is not None else None)
         for (p, _), td in zip(waiting, (target - q_sa).abs().tolist(), strict=True):
-            p[3] = td
+            p[-1] = td
         for i in envs:
             self._waiting[i].clear()
 
@@ -644,7 +659,7 @@ class DQNWorker(Worker):
                 "discount": np.asarray(rows["discount"], dtype=np.float32),
                 "version": np.asarray(rows["version"], dtype=np.int64),
             }
-            priorities = np.array([p[3] for p in rows["priority"]], dtype=np.float32)
+            priorities = np.array([p[-1] for p in rows["priority"]], dtype=np.float32)
             for v in rows.values():
                 v.clear()
         self._taken = (columns, priorities)
@@ -669,9 +684,11 @@ class DQNWorker(Worker):
             q, q_next = q_all[: len(obs)], q_all[len(obs) :]
             action = to_device(columns["action"], device)
             q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
+            scale = self.config.advantage_learning
             target = td_targets(
                 q_next, q_next, to_device(columns["reward"], device),
                 to_device(columns["discount"], device), self.config.double_q, self.config.value_rescale,
+                action_gap(q, action, scale, self.config.value_rescale) if scale > 0.0 else None,
             )
             td = (target - q_sa).abs().cpu().numpy().astype(np.float32)
         if rows is None:
