@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -408,6 +409,40 @@ def test_advantage_learning_subtracts_the_target_networks_action_gap() -> None:
     torch.testing.assert_close(rescaled_gap, gap, rtol=1e-4, atol=1e-4)
     rescaled = dqn.td_targets(dqn.rescale(online), dqn.rescale(target), reward, discount, True, True, rescaled_gap)
     torch.testing.assert_close(rescaled, dqn.rescale(plain - gap), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("value_rescale", [False, True])
+def test_the_learners_advantage_learning_term_is_the_target_networks_gap_at_the_start(value_rescale: bool) -> None:
+    config = small_config(advantage_learning=0.5, n_step=1, value_rescale=value_rescale)
+    runner = srl.Runner("CartPole-v1", config)
+    memory = config.make_buffer(runner.spec)
+    trainer = config.make_learner(runner.spec, runner.parameter, memory)
+    rows = random_rows(config.warmup_size, reward_std=3.0)
+    memory.add(rows)
+    online = runner.parameter.q  # type: ignore[attr-defined]
+    with torch.no_grad():  # the online network moves away from the target it was copied into
+        for p in online.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    before = copy.deepcopy(online)
+    updates: list[tuple[np.ndarray, np.ndarray]] = []
+    update = memory.update_priorities
+    memory.update_priorities = lambda i, td, g=None: (updates.append((i, td)), update(i, td, g))  # type: ignore
+    assert trainer.train() is not None
+    index, td = updates[0]
+    (obs, nxt), action = (torch.from_numpy(rows[k][index]) for k in ("obs", "next_obs")), rows["action"][index]
+    with torch.no_grad():
+        raw = dqn.unrescale if value_rescale else (lambda x: x)
+        q, q_next = raw(before(obs)).numpy(), before(nxt).numpy()
+        t, t_next = raw(trainer.target(obs)).numpy(), raw(trainer.target(nxt)).numpy()
+    rows_ = np.arange(len(index))
+    target = rows["reward"][index] + rows["discount"][index] * t_next[rows_, q_next.argmax(1)]
+    target -= 0.5 * (t.max(1) - t[rows_, action])  # the target network's gap at s, for the taken action
+    if value_rescale:
+        expected = np.abs(dqn.rescale(torch.from_numpy(target)).numpy()
+                          - dqn.rescale(torch.from_numpy(q[rows_, action])).numpy())
+    else:
+        expected = np.abs(target - q[rows_, action])
+    np.testing.assert_allclose(td, expected, rtol=1e-3, atol=1e-3)
 
 
 def _learned_gap(advantage_learning: float) -> tuple[float, int]:

@@ -82,7 +82,8 @@ class Config(RLConfig):
     """DQN settings. ``hidden_block.set_mlp((64, 64))``, ``memory.set_proportional_memory()``."""
 
     algorithm: ClassVar[str] = "dqn"
-    saved_before: ClassVar[dict[str, Any]] = {"scale_obs": False, "value_rescale": False, "greedy_average_tau": 0.0}
+    saved_before: ClassVar[dict[str, Any]] = {"scale_obs": False, "value_rescale": False, "greedy_average_tau": 0.0,
+                                              "advantage_learning": 0.0}
     weights_depend_on: ClassVar[tuple[str, ...]] = ("scale_obs", "value_rescale")
 
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
@@ -623,7 +624,7 @@ class DQNWorker(Worker):
                                     for j in range(4))
         value = torch.from_numpy(q.max(axis=1)[[k for _, k in waiting]]).to(torch.float64)[:, None]
         target = td_targets(value, value, ret, discount, True, self.config.value_rescale,
-                            gap if self._gaps is not None else None)
+                            gap if self.config.advantage_learning > 0.0 else None)
         for (p, _), td in zip(waiting, (target - q_sa).abs().tolist(), strict=True):
             p[-1] = td
         for i in envs:
@@ -706,7 +707,8 @@ class DQNStats(TrainStats):
     """One gradient step."""
 
     td_abs: float = 0.0
-    """mean |TD error| of the sampled batch (with ``value_rescale``: of h(Q), in h's units)"""
+    """mean |TD error| of the sampled batch, against the target that ``advantage_learning`` shapes (with
+    ``value_rescale``: of h(Q), in h's units)"""
     nonfinite_losses: int = 0
     """steps skipped so far because the loss was NaN or infinite"""
 
