@@ -471,13 +471,6 @@ def td_targets(
     return target if gap is None else target - gap
 
 
-def action_gaps(q: np.ndarray, scale: float, value_rescale: bool) -> np.ndarray:
-    """``action_gap`` for every action of every row of ``q``."""
-    if value_rescale:
-        q = unrescale(torch.from_numpy(q).to(torch.float64)).numpy()
-    return scale * (q.max(axis=1, keepdims=True) - q)
-
-
 def action_gap(q_target: torch.Tensor, action: torch.Tensor, scale: float, value_rescale: bool) -> torch.Tensor:
     """``scale`` * (max_a Q(s, a) - Q(s, a_t)) from the target network's values at s: advantage learning's
     correction, in return units (the networks hold h(Q) with value_rescale)."""
@@ -516,7 +509,7 @@ class DQNWorker(Worker):
         self._q = np.zeros((num_envs, self.n_actions), dtype=np.float32)
         """the Q values of each env's observation acted on last"""
         self._gaps: np.ndarray | None = None
-        """with ``advantage_learning``: its term for each env's observation acted on last and each action"""
+        """with ``advantage_learning``: its term for each env's observation acted on last and the action taken"""
         self._waiting: list[list[list[float]]] = [[] for _ in range(num_envs)]
         """per env, the priorities ([return, discount, Q(s, a), advantage learning's term, |TD|]) waiting for Q
         of the next observation"""
@@ -554,11 +547,12 @@ class DQNWorker(Worker):
         q = outputs[0]
         if self.training:
             self._q = q.float().cpu().numpy()
-            if self.config.advantage_learning > 0.0:
-                self._gaps = action_gaps(self._q, self.config.advantage_learning, self.config.value_rescale)
             self._settle(np.arange(self.num_envs), self._q)
         action = q.argmax(dim=1).cpu().numpy().astype(np.int64)
         explore(self.rng, action, self.epsilon if self.training else self.config.test_epsilon, self.n_actions)
+        if self.training and self.config.advantage_learning > 0.0:  # the gap of the action taken, from the same Q
+            self._gaps = action_gap(torch.from_numpy(self._q).to(torch.float64), torch.from_numpy(action),
+                                    self.config.advantage_learning, self.config.value_rescale).numpy()
         self._obs, self._action = obs, action
         self._acted_version = self.parameter.version  # a server may load newer params before the observe
         table = self.parameter.actions
@@ -579,7 +573,7 @@ class DQNWorker(Worker):
                 obs, nxt = self._newest[i], frames.step(i, next_obs[i])
                 self._newest[i] = nxt
             action = int(self._action[i])
-            gap = 0.0 if self._gaps is None else float(self._gaps[i, action])
+            gap = 0.0 if self._gaps is None else float(self._gaps[i])
             window.append((obs, action, float(reward[i]) * scale, version, float(self._q[i, action]), gap))
             bootstrap = not terminated[i]
             if len(window) == self.config.n_step:
@@ -620,11 +614,11 @@ class DQNWorker(Worker):
         waiting = [(p, k) for k, i in enumerate(envs) for p in self._waiting[i]]
         if not waiting:
             return
-        ret, discount, q_sa, gap = (torch.tensor([p[j] for p, _ in waiting], dtype=torch.float64)
-                                    for j in range(4))
+        ret, discount, q_sa = (torch.tensor([p[j] for p, _ in waiting], dtype=torch.float64) for j in range(3))
+        gap = (torch.tensor([p[3] for p, _ in waiting], dtype=torch.float64)
+               if self.config.advantage_learning > 0.0 else None)
         value = torch.from_numpy(q.max(axis=1)[[k for _, k in waiting]]).to(torch.float64)[:, None]
-        target = td_targets(value, value, ret, discount, True, self.config.value_rescale,
-                            gap if self.config.advantage_learning > 0.0 else None)
+        target = td_targets(value, value, ret, discount, True, self.config.value_rescale, gap)
         for (p, _), td in zip(waiting, (target - q_sa).abs().tolist(), strict=True):
             p[-1] = td
         for i in envs:
