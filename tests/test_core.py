@@ -559,6 +559,34 @@ def test_a_continued_train_call_plays_new_starts_and_keeps_its_last_transitions(
     assert not np.array_equal(obs[first_call], obs[0])  # the second call does not replay the first's start
 
 
+def test_train_calls_back_every_n_train_steps_without_moving_the_run() -> None:
+    """The callback sees the runner at each multiple of ``callback_every`` train steps; one that evaluates
+    leaves the run as it was (the same weights as a run without it); returning False ends the call there."""
+    seen: list[tuple[int, int]] = []
+
+    def look(runner: srl.Runner) -> None:
+        seen.append((runner.train_count, runner.parameter.version))
+        runner.evaluate(max_episodes=1)
+
+    watched = srl.Runner("CartPole-v1", small_config())
+    watched.train(max_train_count=300, progress_interval=None, callback=look, callback_every=100)
+    assert [count for count, _ in seen] == [100, 200, 300]
+    assert seen[-1][1] == watched.parameter.version
+    plain = srl.Runner("CartPole-v1", small_config())
+    plain.train(max_train_count=300, progress_interval=None)
+    assert {k: v.tobytes() for k, v in watched.parameter.to_arrays().items()} == {
+        k: v.tobytes() for k, v in plain.parameter.to_arrays().items()}
+
+    stopped = srl.Runner("CartPole-v1", small_config())
+    stopped.train(max_train_count=300, progress_interval=None, callback=lambda r: np.bool_(r.train_count < 200),
+                  callback_every=50)
+    assert stopped.train_count == 200
+    stopped.train(max_train_count=20, progress_interval=None, callback=lambda r: False, callback_every=7)
+    assert stopped.train_count == 203  # the next multiple of 7 past 200
+    with pytest.raises(ValueError, match="callback_every"):
+        stopped.train(max_train_count=1, callback=lambda r: None, callback_every=0)
+
+
 def test_train_needs_a_limit() -> None:
     with pytest.raises(ValueError, match="needs a limit"):
         srl.Runner("CartPole-v1", small_config()).train()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,8 @@ class Runner:
         checkpoint_interval: float | None = 600.0,
         keep_checkpoints: int = 5,
         progress_bar: bool | None = None,
+        callback: Callable[[Runner], object] | None = None,
+        callback_every: int = 1000,
     ) -> None:
         """Train in this process until one limit is reached (at least one is required).
 
@@ -142,11 +145,18 @@ class Runner:
         ``eval_every`` (train steps): evaluate ``eval_episodes`` episodes that often (into eval.csv,
         the history and the progress). ``progress_bar``: a tqdm bar instead of progress lines
         (default: when stderr is a terminal and tqdm is installed).
+
+        ``callback``: called with this runner each time the train count passes a multiple of
+        ``callback_every`` train steps (checked after each env step's training), in the loop: it may read
+        ``parameter``, ``train_count`` and ``env_steps``, or ``evaluate()``; returning a false value other than
+        None (False) ends the call there, as a limit would.
         """
         if max_train_count is None and max_steps is None and timeout is None:
             raise ValueError("train() needs a limit: max_train_count=, max_steps= or timeout=")
         if eval_episodes < 1:
             raise ValueError(f"eval_episodes must be >= 1, got {eval_episodes}")
+        if callback_every < 1:
+            raise ValueError(f"callback_every must be >= 1 train step, got {callback_every}")
         ensure_logging()
         config = self.rl_config = self.rl_config.settled(self.env_config)
         parameter = self.parameter
@@ -165,6 +175,7 @@ class Runner:
         next_checkpoint = None if checkpoint_interval is None else time.perf_counter() + checkpoint_interval
         next_eval_time = None if eval_interval is None else time.perf_counter() + eval_interval
         next_eval_count = None if eval_every is None else learner.train_count + eval_every
+        next_callback = (learner.train_count // callback_every + 1) * callback_every
         last_eval: float | None = None
         rates = _Rates(self.env_steps, learner.train_count)
         learner.plan(None if max_steps is None else self.env_steps + max_steps,
@@ -207,6 +218,11 @@ class Runner:
                             break
                         credit -= max(1, stats.gradient_steps)
                         self._record(stats, progress, data_path)
+                if callback is not None and learner.train_count >= next_callback:
+                    next_callback = (learner.train_count // callback_every + 1) * callback_every
+                    answer = callback(self)
+                    if answer is not None and not answer:
+                        break
                 now = time.perf_counter()
                 if progress.due(now):
                     progress.report(self.env_steps - start_steps, learner.train_count - start_train,
