@@ -3,8 +3,8 @@
     python bench/dqn_churn.py --seed 22                       # dqn.Config() as bench/learning.py's case runs it
     python bench/dqn_churn.py --seed 22 --set batch_size=128  # the same with a change (FIELD=JSON, as learning.py)
 
-One process trains as ``Runner.train`` does (the run ``bench/learning.py --cases dqn-cartpole --modes one``
-makes of the seed, step for step) to ``--budget`` train steps (50,000), pausing every ``--chunk`` (250):
+One process trains with ``Runner.train`` (the run ``bench/learning.py --cases dqn-cartpole --modes one``
+makes of the seed, step for step) to ``--budget`` train steps (50,000), its callback pausing every ``--chunk`` (250):
 at each pause the greedy policy plays 5 episodes (seeds 100,000..100,004, the same every time) and the script records:
 
 - the episodes' mean return and how each ended: ``5`` ran to 500 steps, ``t`` the pole fell, ``x`` the cart
@@ -28,7 +28,6 @@ import json
 import logging
 import statistics
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +42,6 @@ import learning
 
 import srl
 from srl.algorithms import dqn
-from srl.base.rl import DataPath
-from srl.base.rollout import Rollout
-from srl.runner.runner import FLUSH_TRANSITIONS
 
 FLOOR = 300.0
 EPISODES = 5
@@ -68,37 +64,6 @@ def play(worker: dqn.DQNWorker, env: gym.Env) -> tuple[list[int], str, np.ndarra
         lengths.append(steps)
         ends += "5" if not terminated else ("x" if abs(float(obs[0])) > 2.4 else "t")
     return lengths, ends, np.asarray(states, np.float32)
-
-
-def train(runner: srl.Runner, budget: int, every: int) -> Iterator[int]:
-    """``Runner.train``'s loop for one call of ``budget`` train steps (the same run, step for step), pausing
-    every ``every`` train steps: yields the train steps done."""
-    config = runner.rl_config = runner.rl_config.settled(runner.env_config)
-    parameter, spec = runner.parameter, runner.spec
-    buffer = config.make_buffer(spec)
-    learner = config.make_learner(spec, parameter, buffer)
-    learner.plan(None, budget)
-    data_path = config.data_path()
-    parameter.version = max(parameter.version, DataPath.FIRST_VERSION)
-    worker = config.make_worker(spec, parameter, 0, 1, config.seed)
-    credit = 0.0
-    with Rollout(runner.env_config, worker, config.envs_per_actor, config.seed, config.vectorization) as rollout:
-        while learner.train_count < budget:
-            episodes = rollout.step()
-            if worker.pending() >= FLUSH_TRANSITIONS or (episodes and worker.pending()):
-                rows = worker.take()
-                if rows is not None:
-                    buffer.add(rows, worker.initial_priorities(rows))
-            credit += data_path.train_credit(rollout.num_envs)
-            while credit >= 1.0 and learner.train_count < budget:
-                stats = learner.train()
-                if stats is None:
-                    credit = 0.0
-                    break
-                credit -= max(1, stats.gradient_steps)
-                parameter.version = data_path.next_version(parameter.version, learner.train_count)
-                if learner.train_count % every == 0:
-                    yield learner.train_count
 
 
 def main() -> None:
@@ -126,7 +91,9 @@ def main() -> None:
     copies_move = config.gamma ** config.n_step
     print(f"dqn-cartpole seed {args.seed} {changes or 'dqn.Config()'}: measured every {args.chunk} train steps")
     print(f"{'train':>6} {'eval':>6} ends  {'max Q':>6} {'model':>6} {'gap':>6} {'churn':>6}")
-    for done in train(runner, args.budget, args.chunk):
+    def measure(runner: srl.Runner) -> None:
+        nonlocal probe, previous
+        done = runner.train_count
         worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
         worker.training = False
         lengths, ends, states = play(worker, env)
@@ -148,6 +115,9 @@ def main() -> None:
         rows.append((done, mean, ends, float(q.max(axis=1).mean()), gap, churn))
         print(f"{done:6d} {mean:6.1f} {ends} {rows[-1][3]:6.2f} {model:6.1f} {gap:6.3f} "
               + ("     -" if churn is None else f"{churn:6.3f}"), flush=True)
+
+    runner.train(max_train_count=args.budget, progress_interval=None, checkpoint_interval=None,
+                 callback=measure, callback_every=args.chunk)
     final = float(np.mean(runner.evaluate(max_episodes=learning.EVAL_EPISODES)))
     print(f"final evaluation ({learning.EVAL_EPISODES} episodes, as bench/learning.py's): {final:.1f}")
     summarize(rows, args.budget, config)
