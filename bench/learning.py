@@ -256,7 +256,7 @@ class Run:
     train_count: int
 
 
-def limits(budget: str) -> dict[str, int]:
+def limits(budget: str) -> dict[str, Any]:
     kind, _, amount = budget.partition(":")
     return {"max_train_count" if kind == "train" else "max_steps": int(amount)}
 
