@@ -306,7 +306,8 @@ def test_a_step_budget_holds_actors_that_do_not_wait_for_the_trainer(redis_url: 
     """Two actors flat out, heartbeats as by default: each supposes the other took as many steps as itself
     since the last count, and both count every 50 ms near the end, so the run stops within a few batches of
     the budget (up to about 1,500 steps past it under a loaded test suite on a fast machine, where the actors
-    step fastest) instead of a heartbeat or two of both actors' steps after it (8,000 and more of 5,000)."""
+    step fastest) instead of a heartbeat or two of both actors' steps after it (8,000 and more of 5,000): the
+    bound, 7,000, sits between the two."""
     runner = srl.Runner("CartPole-v1", tiny_config(env_steps_per_train=None))
     runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_steps=5000,
                               progress_interval=None, local_processes=True)
