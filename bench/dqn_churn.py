@@ -24,12 +24,10 @@ median and spread, and splits both by whether a target copy (hard copies only) f
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -74,10 +72,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                         help="change a dqn.Config field, e.g. --set batch_size=128")
     args = parser.parse_args()
-    changes: dict[str, Any] = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        changes[name] = json.loads(value)
+    changes = learning.set_changes(parser, args.set)
     logging.getLogger("srl").setLevel(logging.WARNING)
     case = learning.CASES["dqn-cartpole"]
     config = learning.configured(case, changes)

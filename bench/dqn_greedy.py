@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import json
 import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -75,10 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tau <= 0.0:
         parser.error("--tau must be above 0: it is the average this script compares")
-    changes: dict[str, Any] = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        changes[name] = json.loads(value)
+    changes = learning.set_changes(parser, args.set)
     logging.getLogger("srl").setLevel(logging.WARNING)
     case = learning.CASES["dqn-cartpole"]
     config = learning.configured(case, {**changes, "greedy_average_tau": args.tau})

@@ -261,6 +261,18 @@ def limits(budget: str) -> dict[str, Any]:
     return {"max_train_count" if kind == "train" else "max_steps": int(amount)}
 
 
+def set_changes(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """``--set FIELD=JSON`` items as config changes; an item that is not FIELD=JSON is the parser's error."""
+    changes: dict[str, Any] = {}
+    for item in items:
+        name, _, value = item.partition("=")  # no "=": an empty value, which is not JSON either
+        try:
+            changes[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"--set takes FIELD=JSON (batch_size=64, 'loss=\"mse\"', value_rescale=true), not {item!r}")
+    return changes
+
+
 def configured(case: Case, changes: dict[str, Any] | None) -> RLConfig:
     """The case's config with ``--set`` changes, built as a task's config is (types checked, nested fields
     as objects); ConfigError names a field the algorithm lacks or a value of the wrong type."""
@@ -461,13 +473,7 @@ def main() -> None:
         parser.error(f"nothing to run: the standard suite has no {args.modes!r} runs; name cases with --cases "
                      "(--list shows them)")
     seeds = 1 if args.quick else args.seeds
-    changes: dict[str, Any] = {}
-    for item in args.set:
-        name, _, value = item.partition("=")  # no "=": an empty value, which is not JSON either
-        try:
-            changes[name.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            parser.error(f"--set takes FIELD=JSON (batch_size=64, 'loss=\"mse\"', value_rescale=true), not {item!r}")
+    changes = set_changes(parser, args.set)
     for name in dict.fromkeys(n for n, _ in plan):
         try:
             configured(CASES[name], changes)

@@ -154,10 +154,7 @@ def main() -> None:
             runner = srl.Runner.from_checkpoint(path)
             report(Measured(Path(path).stem, "saved", float(np.mean(runner.evaluate())), measure(runner)))
     else:
-        changes = {}
-        for item in args.set:
-            name, _, value = item.partition("=")
-            changes[name.strip()] = json.loads(value)
+        changes = learning.set_changes(parser, args.set)
         case = learning.CASES["dqn-pendulum"]
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             if mode not in learning.MODES:
