@@ -333,6 +333,7 @@ def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None
         acting = config.make_parameter(spec, config.resolve_device())
         acting.from_arrays(parameter.to_arrays())
     worker = config.make_worker(spec, acting, 0, 1, config.seed)
+    worker.plan(max_steps, max_train_count)
     env_steps, credit, refreshed = 0, 0.0, 0
     in_transit: deque[dict[str, np.ndarray]] = deque()
     run_log = None if curve is None or log_dir is None else RunLog(log_dir, tensorboard=False)

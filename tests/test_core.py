@@ -13,6 +13,7 @@ import srl
 from srl.algorithms import UnknownAlgorithmError, config_class, dqn, r2d2
 from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.env import BoxActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions, env_spec
+from srl.base.rl import DataPath
 from srl.rl.blocks import to_device
 
 
@@ -253,6 +254,65 @@ def test_apex_epsilon_spans_every_env_of_every_actor(module: Any) -> None:
     schedule = [0.4 ** (1 + 7 * i / 7) for i in range(8)]
     np.testing.assert_allclose(np.concatenate([config.actor_epsilon(a, 2) for a in range(2)]), schedule)
     np.testing.assert_allclose(module.Config(envs_per_actor=2).actor_epsilon(0, 1), [0.4, 0.4**8])
+
+
+def test_a_lone_env_anneals_epsilon_over_the_planned_env_steps() -> None:
+    """ε falls linearly from epsilon_start to epsilon over epsilon_decay (half) of the 10,000 planned env steps."""
+    worker = make_worker(small_config(epsilon_start=1.0, epsilon=0.05, epsilon_decay=0.5))
+    worker.plan(10_000, None)
+    seen = []
+    for _ in range(6_001):
+        worker.act(np.zeros((1, 4), np.float32))
+        seen.append(float(worker.epsilon[0]))
+    np.testing.assert_allclose([seen[0], seen[2_500], seen[5_000], seen[6_000]], [1.0, 0.525, 0.05, 0.05])
+    assert np.all(np.diff(seen) <= 0.0)  # never back up
+    assert worker.stats() == {"epsilon": pytest.approx(0.05)}
+
+
+def test_a_worker_joining_a_run_under_way_anneals_from_where_its_params_are() -> None:
+    """A replaced actor, or a resumed run's new worker, has acted in no env step yet: its params' version (one
+    per publish_every train steps) says how far the run is: the warmup and 4 env steps per train step."""
+    config = small_config(publish_every=10, env_steps_per_train=4.0, epsilon_start=1.0, epsilon=0.05,
+                          epsilon_decay=1.0)
+    worker = make_worker(config)
+    worker.plan(None, 10_000)  # the warmup (64) and 40,000 env steps for the train steps
+    worker.parameter.version = DataPath.FIRST_VERSION + 50  # 500 train steps: 64 + 2,000 env steps
+    worker.act(np.zeros((1, 4), np.float32))
+    np.testing.assert_allclose(worker.epsilon, [1.0 - 0.95 * 2_064 / 40_064])
+
+
+@pytest.mark.parametrize(("changes", "plan"), [
+    ({"epsilon_decay": 0.5}, (None, None)),  # a timeout alone plans no env steps
+    ({"epsilon_decay": 0.5, "env_steps_per_train": None}, (None, 10_000)),  # actors flat out: nor do train steps
+    ({"epsilon_decay": 0.0}, (None, 10_000)),
+])
+def test_epsilon_is_constant_without_planned_train_steps_or_decay(changes: dict[str, Any],
+                                                                  plan: tuple[int | None, int | None]) -> None:
+    worker = make_worker(small_config(**changes))
+    worker.plan(*plan)
+    worker.act(np.zeros((1, 4), np.float32))
+    np.testing.assert_allclose(worker.epsilon, [worker.config.epsilon])
+
+
+def test_several_envs_keep_apex_epsilons_whatever_the_plan() -> None:
+    config = small_config()
+    runner = srl.Runner("CartPole-v1", config)
+    for actor_index, actor_num, envs in ((0, 1, 2), (1, 2, 1)):
+        config.envs_per_actor = envs
+        worker = config.make_worker(runner.spec, runner.parameter, actor_index, actor_num, 0)
+        worker.plan(None, 10_000)
+        worker.act(np.zeros((envs, 4), np.float32))
+        np.testing.assert_allclose(worker.epsilon, config.actor_epsilon(actor_index, actor_num))
+
+
+def test_runner_train_plans_the_workers_epsilon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runner.train hands its limits to the worker as absolute counts, as it does to the learner."""
+    plans: list[tuple[int | None, int | None]] = []
+    monkeypatch.setattr(dqn.DQNWorker, "plan", lambda self, steps, count: plans.append((steps, count)))
+    runner = srl.Runner("CartPole-v1", small_config(warmup_size=16, batch_size=16))
+    runner.train(max_train_count=20, progress_interval=None)
+    runner.train(max_steps=30, progress_interval=None)
+    assert plans == [(None, 20), (runner.env_steps, None)]
 
 
 def test_each_env_explores_at_its_own_epsilon() -> None:

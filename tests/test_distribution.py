@@ -317,3 +317,39 @@ def test_a_step_budget_holds_actors_that_do_not_wait_for_the_trainer(redis_url: 
     actors = [s["env_steps"] for role, s in board.get_all_stats().items() if role.startswith("actor")]
     assert sum(actors) == steps and min(actors) > 0
     board.delete_task()
+
+
+def test_a_lone_actor_anneals_epsilon_over_the_tasks_plan(redis_url: str, namespace: str) -> None:
+    """An actor stepping the task's one env plans its ε from the task's limits (a replaced actor takes it up
+    where the params' version says the run is: tests/test_core.py)."""
+    import json
+
+    from srl.algorithms import dqn
+    from srl.runner.distribution.actor import ActorRun
+    from srl.runner.distribution.board import Board
+    from srl.runner.distribution.options import ActorOptions
+    from srl.runner.distribution.task import build_task
+
+    redis_params = RedisParameters(url=redis_url, task_name=namespace)
+    board = Board(redis_params.connect(), namespace)
+    runner = srl.Runner("CartPole-v1", dqn.Config(seed=0, epsilon_start=0.9, epsilon_decay=0.5))
+    config_json = json.dumps({**runner.task_config(), "actor_num": 1, "max_train_count": 10_000,
+                              "queue": {"scheme": "redis", "capacity": 100}})
+    codec = Codec(task=namespace)
+    status = board.create_task(config_json, signature=codec.config_signature(config_json))
+    board = board.bound(status.task_id)
+    actor = ActorRun(board, redis_params, None, build_task(config_json, codec.config_signature(config_json), codec),
+                     0, ActorOptions(uid="actor-plan-test"))
+    try:
+        worker = actor.worker
+        assert isinstance(worker, dqn.DQNWorker)
+        worker.act(np.zeros((1, 4), np.float32))
+        np.testing.assert_allclose(worker.epsilon, [0.9])  # the first of 0.5 x (1,000 + 10,000) env steps
+        for _ in range(5_500):
+            worker.act(np.zeros((1, 4), np.float32))
+        np.testing.assert_allclose(worker.epsilon, [0.1])  # epsilon, reached at the half of the plan
+    finally:
+        if actor.rows is not None:
+            actor.rows.close()
+        actor.rollout.close()
+        board.delete_task()

@@ -284,6 +284,16 @@ def test_dqn_explores_with_each_slots_epsilon_on_the_server(serve_task: Any) -> 
     assert len(set(every.tolist())) == 6  # not one ε for all: Ape-X's schedule over the 3 slots' 2 envs each
 
 
+def test_a_lone_slot_anneals_epsilon_over_the_tasks_plan_on_the_server(serve_task: Any) -> None:
+    """One actor stepping one env: the server plans its ε from the task's limits (10**9 env steps, so ε is
+    still at epsilon_start for its first step)."""
+    served = serve_task(dqn.Config(seed=0, epsilon_start=0.9, epsilon_decay=0.5), actor_num=1)
+    worker = served.run._make_worker(0)
+    assert isinstance(worker, dqn.DQNWorker)
+    worker.act(np.zeros((1, 4), np.float32))
+    np.testing.assert_allclose(worker.epsilon, [0.9])
+
+
 def _raw_request(served: Served, slot: int, uid: str, columns: dict[str, np.ndarray] | bytes, secret: str | None,
                  seq: int = 0) -> grpc.RpcError | bytes:
     """One request sent by hand (what a forger could send: columns, or any bytes); the server's answer."""

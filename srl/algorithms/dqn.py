@@ -16,7 +16,10 @@ the chosen index to the env action); the ``action`` column is the index.
 
 Exploration: Ape-X's schedule over every env of every actor: env i of the N = actors x
 ``envs_per_actor`` envs explores with ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)); a lone
-env (one actor stepping one env) uses ``epsilon``.
+env (one actor stepping one env) uses ``epsilon``, or with ``epsilon_decay`` anneals linearly from
+``epsilon_start`` to it over that share of the run's planned env steps (the DQN paper's schedule); a worker
+that joins a run under way (a replaced actor, a resumed run) takes it up where its params' version says the
+run is.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class Config(RLConfig):
 
     algorithm: ClassVar[str] = "dqn"
     saved_before: ClassVar[dict[str, Any]] = {"scale_obs": False, "value_rescale": False, "greedy_average_tau": 0.0,
-                                              "advantage_learning": 0.0}
+                                              "advantage_learning": 0.0, "epsilon_decay": 0.0}
     weights_depend_on: ClassVar[tuple[str, ...]] = ("scale_obs", "value_rescale")
 
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
@@ -124,8 +127,18 @@ class Config(RLConfig):
     between the greedy action and the others (by up to 1 / (1 - this)) and leaves the greedy action as it
     is; 0: plain Q-learning"""
     epsilon: float = 0.1
-    """exploration rate of a lone env (one process or one actor, stepping one env); several envs follow Ape-X's
-    schedule (one ε for all of them: set ``apex_epsilon`` to it and ``apex_alpha`` to 0)"""
+    """exploration rate of a lone env (one process or one actor, stepping one env), once ``epsilon_decay`` is
+    over; several envs follow Ape-X's schedule (one ε for all of them: set ``apex_epsilon`` to it and
+    ``apex_alpha`` to 0)"""
+    epsilon_start: float = 1.0
+    """with ``epsilon_decay``: a lone env's exploration rate when training starts, annealed linearly to
+    ``epsilon``"""
+    epsilon_decay: float = 0.0
+    """the share of the run's planned env steps (``max_steps``, else ``warmup_size`` and ``max_train_count``
+    train steps' worth at ``env_steps_per_train``) over which a lone env's ε falls from ``epsilon_start`` to
+    ``epsilon`` (the DQN paper's schedule; SB3's and CleanRL's ``exploration_fraction``, 0.5 in CleanRL's
+    classic control); a later ``train()`` call plans its end anew. 0 (the default), or a run that plans no
+    env steps (a timeout alone; train steps with ``env_steps_per_train`` None): ``epsilon`` throughout"""
     apex_epsilon: float = 0.4
     """Ape-X base ε: env i of N > 1 (every actor's envs) explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
     apex_alpha: float = 7.0
@@ -179,7 +192,7 @@ class Config(RLConfig):
         check_number("advantage_learning", self.advantage_learning, 0.0, 0.99)
         if self.greedy_average_tau is not None:
             check_number("greedy_average_tau", self.greedy_average_tau, 0.0, 1.0)
-        for name in ("epsilon", "apex_epsilon", "test_epsilon"):
+        for name in ("epsilon", "epsilon_start", "epsilon_decay", "apex_epsilon", "test_epsilon"):
             check_number(name, getattr(self, name), 0.0, 1.0)
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
@@ -255,7 +268,8 @@ class Config(RLConfig):
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
     ) -> DQNWorker:
         assert isinstance(parameter, DQNParameter)
-        return DQNWorker(self, parameter, self.actor_epsilon(actor_index, actor_num), self.envs_per_actor, seed)
+        return DQNWorker(self, parameter, self.actor_epsilon(actor_index, actor_num), self.envs_per_actor, seed,
+                         anneal=actor_num * self.envs_per_actor == 1)
 
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Memory:
         if not self.frame_rows(spec):
@@ -491,11 +505,16 @@ class DQNWorker(Worker):
     """
 
     def __init__(self, config: Config, parameter: DQNParameter, epsilon: float | np.ndarray, num_envs: int,
-                 seed: int | None) -> None:
+                 seed: int | None, anneal: bool = False) -> None:
         self.config = config
         self.parameter = parameter
         self.epsilon = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (num_envs,))
-        """each env's ε"""
+        """each env's ε (a lone env's follows the annealing once ``plan`` has set its length)"""
+        self.anneal = anneal and config.epsilon_decay > 0.0
+        """a lone env: ε anneals from ``epsilon_start`` to ``epsilon`` over ``_anneal_steps`` env steps"""
+        self._anneal_steps = 0.0
+        self._acted_steps = 0
+        """env steps this worker has acted in while training"""
         self.reward_scale = 1.0 if config.reward_scale is None else config.reward_scale  # None: not settled
         self.num_envs = num_envs
         self.rng = np.random.default_rng(seed)
@@ -543,8 +562,32 @@ class DQNWorker(Worker):
         net = self.parameter.q if self.training else self.parameter.greedy_q
         return (net(inputs[0]),)
 
+    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
+        """A lone env anneals its ε over ``epsilon_decay`` of the env steps these limits plan (``max_steps``,
+        else the warmup and ``max_train_count`` train steps' worth; counted from the run's start); none
+        planned: ``epsilon`` throughout."""
+        if self.anneal:
+            config = self.config
+            ratio = config.env_steps_per_train
+            planned = max_steps if max_steps is not None else (
+                None if max_train_count is None or ratio is None else config.warmup_size + max_train_count * ratio)
+            self._anneal_steps = 0.0 if planned is None else config.epsilon_decay * planned
+            self.epsilon = np.full(self.num_envs, config.epsilon)
+
+    def _anneal(self) -> None:
+        """ε for the env steps the run has taken: those this worker acted in, or (a worker that joins a run
+        under way: a replaced actor, a resumed run) at least those its params' version implies."""
+        config = self.config
+        trained = max(0, self.parameter.version - DataPath.FIRST_VERSION) * config.publish_every
+        joined = 0.0 if trained == 0 else config.warmup_size + trained * (config.env_steps_per_train or 0.0)
+        done = min(1.0, max(self._acted_steps, joined) / self._anneal_steps)
+        self.epsilon = np.full(self.num_envs, config.epsilon_start + (config.epsilon - config.epsilon_start) * done)
+        self._acted_steps += self.num_envs
+
     def act_with(self, obs: np.ndarray, outputs: PolicyIO) -> np.ndarray:
         q = outputs[0]
+        if self.training and self._anneal_steps > 0.0:
+            self._anneal()
         if self.training:
             self._q = q.float().cpu().numpy()
             self._settle(np.arange(self.num_envs), self._q)

@@ -331,6 +331,10 @@ class Worker(ABC):
     def take(self) -> Columns | None:
         """The finished rows as columns (None when there are none); they leave the worker."""
 
+    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:  # noqa: B027 - optional
+        """The run's budget (env steps, gradient steps; None: not bounded), for exploration that anneals over
+        it (DQN's ε). Nothing by default."""
+
     def initial_priorities(self, columns: Columns) -> np.ndarray | None:
         """A priority per row for a prioritized buffer (|TD error| with the worker's weights), or None."""
         return None

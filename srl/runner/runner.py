@@ -178,12 +178,14 @@ class Runner:
         next_callback = (learner.train_count // callback_every + 1) * callback_every
         last_eval: float | None = None
         rates = _Rates(self.env_steps, learner.train_count)
-        learner.plan(None if max_steps is None else self.env_steps + max_steps,
-                     None if max_train_count is None else learner.train_count + max_train_count)
+        planned = (None if max_steps is None else self.env_steps + max_steps,
+                   None if max_train_count is None else learner.train_count + max_train_count)
+        learner.plan(*planned)
         data_path = config.data_path()
         parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
         seed = continued_seed(config.seed, self.env_steps)
         worker = config.make_worker(self.spec, parameter, 0, 1, seed)
+        worker.plan(*planned)
         rollout = Rollout(self.env_config, worker, config.envs_per_actor, seed, config.vectorization)
         progress = TrainProgress(progress_interval, max_train_count, max_steps, timeout, bar=progress_bar)
         start_train, start_steps = learner.train_count, self.env_steps

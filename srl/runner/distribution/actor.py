@@ -134,6 +134,7 @@ class ActorRun:
         else:
             self.parameter = config.make_parameter(self.spec, config.resolve_device())
             self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
+            self.worker.plan(task.max_steps, task.max_train_count)
             schema = config.schema(self.spec)
             compress = options.compress if options.compress is not None else schema.has_images
             self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())

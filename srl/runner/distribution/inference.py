@@ -294,7 +294,9 @@ class InferenceRun:
         random draws: a slot that reconnects does not repeat them)."""
         config = self.config
         seed = None if config.seed is None else config.seed + 1000 * (slot + 1) + 7919 * (session - 1)
-        return config.make_worker(self.spec, self.parameter, slot, self.task.actor_num, seed)
+        worker = config.make_worker(self.spec, self.parameter, slot, self.task.actor_num, seed)
+        worker.plan(self.task.max_steps, self.task.max_train_count)
+        return worker
 
     # ------------------------------------------------------------ the gRPC server
     def _start_server(self) -> tuple[grpc.Server, str]:
