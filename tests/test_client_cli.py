@@ -19,7 +19,16 @@ from srl.algorithms import dqn
 from srl.cli import build_parser, field_docs, main
 from srl.runner.distribution import ActorOptions, RedisParameters
 from srl.runner.distribution.board import DeadLetter, TaskExistsError, TaskState
-from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, tiny_config, wait_for
+from tests.nodes import (
+    ClientThread,
+    Node,
+    board_for,
+    default_sigint,
+    kill_all,
+    lease_holder_pid,
+    tiny_config,
+    wait_for,
+)
 
 
 @pytest.mark.slow
@@ -53,7 +62,8 @@ def test_ctrl_c_on_the_client_ends_the_task_as_cancelled(redis_url: str, namespa
     log = tmp_path / "client.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT.format(url=redis_url, ns=namespace)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent,
+                                preexec_fn=default_sigint)
         try:
             board = board_for(redis_url, namespace)
             wait_for(lambda: (s := board.get_status()) and s.status == TaskState.ACTIVE, 60, "the task")
