@@ -572,7 +572,6 @@ class DQNWorker(Worker):
             planned = max_steps if max_steps is not None else (
                 None if max_train_count is None or ratio is None else config.warmup_size + max_train_count * ratio)
             self._anneal_steps = 0.0 if planned is None else config.epsilon_decay * planned
-            self.epsilon = np.full(self.num_envs, config.epsilon)
 
     def _anneal(self) -> None:
         """ε for the env steps the run has taken: those this worker acted in, or (a worker that joins a run
