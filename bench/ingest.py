@@ -88,7 +88,7 @@ PIXELS = "ALE/Pong-v5"
 
 
 def make_config(capacity: int) -> dqn.Config:
-    config = dqn.Config(env_steps_per_train=None, warmup_size=256, seed=0)
+    config = dqn.Config(env_steps_per_train=None, warmup_size=256, seed=0, envs_per_actor=1)  # one actor's env
     config.hidden_block.set_mlp((64, 64))
     config.memory.capacity = capacity
     return config

@@ -79,8 +79,10 @@ def dqn_readme() -> dqn.Config:
 def dqn_minatar() -> dqn.Config:
     """DQN on MinAtar as the MinAtar paper's DQN learns (Young & Tian 2019): batches of 32, a train step
     every 4 env steps, the target copied every 1,000 train steps, a replay of 100,000 (here prioritized,
-    with Ape-X's n-step 3 and ε per actor); the network is srl's "auto" for 10x10 grids (the paper's)."""
-    config = dqn.Config(batch_size=32, env_steps_per_train=4.0, target_update_interval=1000, warmup_size=5000)
+    with Ape-X's n-step 3 and ε per actor: one env an actor, as its rows were measured); the network is srl's
+    "auto" for 10x10 grids (the paper's)."""
+    config = dqn.Config(batch_size=32, env_steps_per_train=4.0, target_update_interval=1000, warmup_size=5000,
+                        envs_per_actor=1)
     config.memory.capacity = 100_000
     return config
 

@@ -46,7 +46,7 @@ def seeds() -> list[bytes]:
     config = dqn.Config()
     runner = srl.Runner("Pendulum-v1", config)
     worker = config.make_worker(SPEC, runner.parameter, 0, 1, 0)
-    with Rollout(EnvConfig("Pendulum-v1"), worker, 1, seed=0) as rollout:
+    with Rollout(EnvConfig("Pendulum-v1"), worker, config.envs_per_actor, seed=0) as rollout:
         while worker.pending() < 4:
             rollout.step()
     taken = worker.take()

@@ -29,7 +29,8 @@ def random_rows(n: int, reward_std: float = 1.0) -> dict[str, np.ndarray]:
 
 
 def small_config(**changes: object) -> dqn.Config:
-    config = dqn.Config(batch_size=16, warmup_size=64, seed=1)
+    """A small DQN that steps one env, at ``epsilon``."""
+    config = dqn.Config(batch_size=16, warmup_size=64, seed=1, envs_per_actor=1)
     config.hidden_block.set_mlp((16, 16))
     config.memory.set_replay_memory(1000)
     for k, v in changes.items():
@@ -239,7 +240,7 @@ def test_each_env_has_its_own_n_step_window() -> None:
 
 
 def test_apex_epsilon_schedule() -> None:
-    config = dqn.Config()
+    config = dqn.Config(envs_per_actor=1)
     np.testing.assert_allclose(config.actor_epsilon(0, 1), [config.epsilon])
     np.testing.assert_allclose(config.actor_epsilon(0, 8), [0.4])
     np.testing.assert_allclose(config.actor_epsilon(7, 8), [0.4**8])
@@ -254,6 +255,18 @@ def test_apex_epsilon_spans_every_env_of_every_actor(module: Any) -> None:
     schedule = [0.4 ** (1 + 7 * i / 7) for i in range(8)]
     np.testing.assert_allclose(np.concatenate([config.actor_epsilon(a, 2) for a in range(2)]), schedule)
     np.testing.assert_allclose(module.Config(envs_per_actor=2).actor_epsilon(0, 1), [0.4, 0.4**8])
+
+
+def test_dqn_explores_with_two_apex_epsilons_in_one_process_by_default() -> None:
+    """``dqn.Config()`` steps two envs an actor, so one process (or a lone actor) explores at 0.4 and 0.4**8
+    rather than with one ε; two actors explore with four."""
+    config = dqn.Config()
+    np.testing.assert_allclose(config.actor_epsilon(0, 1), [0.4, 0.4**8])
+    worker = make_worker(config)
+    assert worker.num_envs == 2
+    np.testing.assert_allclose(worker.epsilon, [0.4, 0.4**8])
+    np.testing.assert_allclose(np.concatenate([config.actor_epsilon(a, 2) for a in range(2)]),
+                               [0.4 ** (1 + 7 * i / 3) for i in range(4)])
 
 
 def test_a_lone_env_anneals_epsilon_over_the_planned_env_steps() -> None:
@@ -654,7 +667,8 @@ def test_train_needs_a_limit() -> None:
 
 @pytest.mark.slow
 def test_dqn_learns_cartpole() -> None:
-    config = dqn.Config(seed=3, lr=1e-3, batch_size=32, warmup_size=1000, target_update_interval=500, epsilon=0.1)
+    config = dqn.Config(seed=3, lr=1e-3, batch_size=32, warmup_size=1000, target_update_interval=500, epsilon=0.1,
+                        envs_per_actor=1)
     config.hidden_block.set_mlp((64, 64))
     config.memory.set_proportional_memory(capacity=20_000)
     runner = srl.Runner("CartPole-v1", config)

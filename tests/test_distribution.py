@@ -332,7 +332,7 @@ def test_a_lone_actor_anneals_epsilon_over_the_tasks_plan(redis_url: str, namesp
 
     redis_params = RedisParameters(url=redis_url, task_name=namespace)
     board = Board(redis_params.connect(), namespace)
-    runner = srl.Runner("CartPole-v1", dqn.Config(seed=0, epsilon_start=0.9, epsilon_decay=0.5))
+    runner = srl.Runner("CartPole-v1", dqn.Config(seed=0, envs_per_actor=1, epsilon_start=0.9, epsilon_decay=0.5))
     config_json = json.dumps({**runner.task_config(), "actor_num": 1, "max_train_count": 10_000,
                               "queue": {"scheme": "redis", "capacity": 100}})
     codec = Codec(task=namespace)

@@ -287,7 +287,7 @@ def test_dqn_explores_with_each_slots_epsilon_on_the_server(serve_task: Any) -> 
 def test_a_lone_slot_anneals_epsilon_over_the_tasks_plan_on_the_server(serve_task: Any) -> None:
     """One actor stepping one env: the server plans its ε from the task's limits (10**9 env steps, so ε is
     still at epsilon_start for its first step)."""
-    served = serve_task(dqn.Config(seed=0, epsilon_start=0.9, epsilon_decay=0.5), actor_num=1)
+    served = serve_task(dqn.Config(seed=0, envs_per_actor=1, epsilon_start=0.9, epsilon_decay=0.5), actor_num=1)
     worker = served.run._make_worker(0)
     assert isinstance(worker, dqn.DQNWorker)
     worker.act(np.zeros((1, 4), np.float32))

@@ -130,7 +130,7 @@ def trainer_run(redis_url: str, namespace: str, queue_url: str | None, scheme: s
     assert epoch is not None
     run = TrainerRun(board, params, queue_url, build_task(*board.get_task_config_raw()), epoch, options)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
-    with Rollout(EnvConfig("Pendulum-v1"), worker, 1, seed=0) as rollout:
+    with Rollout(EnvConfig("Pendulum-v1"), worker, config.envs_per_actor, seed=0) as rollout:
         while worker.pending() < 40:
             rollout.step()
     rows = worker.take()

@@ -237,7 +237,7 @@ def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_c
     config = tiny_config()
     runner = srl.Runner("CartPole-v1", config)
     worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
-    with Rollout(runner.env_config, worker, 1, seed=0) as rollout:
+    with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
         while worker.pending() < 24:
             rollout.step()
     rows = worker.take()

@@ -15,8 +15,9 @@ per dimension and a MultiDiscrete into its product, both here (the worker maps
 the chosen index to the env action); the ``action`` column is the index.
 
 Exploration: Ape-X's schedule over every env of every actor: env i of the N = actors x
-``envs_per_actor`` envs explores with ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)); a lone
-env (one actor stepping one env) uses ``epsilon``, or with ``epsilon_decay`` anneals linearly from
+``envs_per_actor`` envs explores with ε_i = apex_epsilon ** (1 + apex_alpha * i / (N - 1)) (two envs an
+actor by default, so one process or a lone actor explores with 0.4 and 0.0007); a lone env
+(``envs_per_actor=1`` in one process or one actor) uses ``epsilon``, or with ``epsilon_decay`` anneals linearly from
 ``epsilon_start`` to it over that share of the run's planned env steps (the DQN paper's schedule); a worker
 that joins a run under way (a replaced actor, a resumed run) takes it up where its params' version says the
 run is.
@@ -89,6 +90,9 @@ class Config(RLConfig):
                                               "advantage_learning": 0.0, "epsilon_decay": 0.0}
     weights_depend_on: ClassVar[tuple[str, ...]] = ("scale_obs", "value_rescale")
 
+    envs_per_actor: int = 2
+    """envs each actor steps (one process: envs it steps), each with its own ε of Ape-X's schedule: two, so
+    that one process or a lone actor explores as two Ape-X actors do (ε 0.4 and 0.0007), not with one ε"""
     hidden_block: MLPBlockConfig = field(default_factory=MLPBlockConfig)
     """the layers between a vector observation and the Q head (the ``mlp`` encoder)"""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -127,7 +131,7 @@ class Config(RLConfig):
     between the greedy action and the others (by up to 1 / (1 - this)) and leaves the greedy action as it
     is; 0: plain Q-learning"""
     epsilon: float = 0.1
-    """exploration rate of a lone env (one process or one actor, stepping one env), once ``epsilon_decay`` is
+    """exploration rate of a lone env (``envs_per_actor=1`` in one process or one actor), once ``epsilon_decay`` is
     over; several envs follow Ape-X's schedule (one ε for all of them: set ``apex_epsilon`` to it and
     ``apex_alpha`` to 0)"""
     epsilon_start: float = 1.0
