@@ -119,6 +119,19 @@ def test_bad_env_counts_and_modes_are_refused() -> None:
         Rollout(EnvConfig("CartPole-v1"), Recorder(1), vectorization="threads")
 
 
+def test_a_training_worker_must_step_the_envs_it_was_built_for() -> None:
+    config = dqn.Config(envs_per_actor=2)
+    env_config = EnvConfig("CartPole-v1")
+    runner = srl.Runner(env_config, config)
+    worker = config.make_worker(runner.spec, runner.parameter, 0, 1, 0)
+    with pytest.raises(ValueError, match=r"built for 2 env\(s\) but the Rollout steps 1.*envs_per_actor"):
+        Rollout(env_config, worker, num_envs=1)
+    worker.training = False  # evaluating may step fewer envs (Runner.evaluate does)
+    with Rollout(env_config, worker, num_envs=1, seed=0) as rollout:
+        rollout.step()
+        assert rollout.env_steps == 1
+
+
 def test_runner_trains_and_evaluates_several_envs() -> None:
     config = dqn.Config(batch_size=16, warmup_size=64, seed=1, envs_per_actor=4)
     config.hidden_block.set_mlp((16, 16))

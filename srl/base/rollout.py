@@ -80,6 +80,14 @@ class Rollout:
     ) -> None:
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= MAX_ENVS:
             raise EnvError(f"num_envs must be an integer in 1..{MAX_ENVS}, got {num_envs!r}")
+        built_for = getattr(worker, "num_envs", num_envs)
+        if getattr(worker, "training", False) and built_for != num_envs:
+            # a training worker keeps per-env state (n-step windows, segments, ε): it must step as many envs
+            # as it was built for; an evaluating one (training False) may step fewer, as Runner.evaluate does
+            raise ValueError(
+                f"this {type(worker).__name__} was built for {built_for} env(s) but the Rollout steps {num_envs}: "
+                f"pass num_envs=config.envs_per_actor ({built_for}), or set envs_per_actor={num_envs} before "
+                "making the worker")
         env_config.check_allowed(allow_modules)
         fns = [functools.partial(_make_env, env_config, allow_modules) for _ in range(num_envs)]
         if vectorization == "sync":
