@@ -52,11 +52,15 @@ QUEUES = {
 }
 
 
-def configs() -> dict[str, tuple[RLConfig, int]]:
-    """Each algorithm's config and the env steps one row carries."""
-    return {name: (config, steps_per_row(config)) for name, config in [
-        ("impala", impala.Config()), ("appo", ppo.Config(sync=False)), ("ppo", ppo.Config()),
-        ("dqn", dqn.Config(env_steps_per_train=None))]}
+def configs(envs_per_actor: int | None = None) -> dict[str, tuple[RLConfig, int]]:
+    """Each algorithm's config and the env steps one row carries (``envs_per_actor``: instead of each
+    algorithm's default)."""
+    table = [("impala", impala.Config()), ("appo", ppo.Config(sync=False)), ("ppo", ppo.Config()),
+             ("dqn", dqn.Config(env_steps_per_train=None))]
+    if envs_per_actor is not None:
+        for _, config in table:
+            config.envs_per_actor = envs_per_actor
+    return {name: (config, steps_per_row(config)) for name, config in table}
 
 
 def steps_per_row(config: RLConfig) -> int:
@@ -177,11 +181,13 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--queue", default="redis", choices=sorted(QUEUES))
     parser.add_argument("--seconds", type=float, default=20.0, help="measuring window after the first update")
+    parser.add_argument("--envs-per-actor", type=int, default=None,
+                        help="envs each actor steps (default: each algorithm's own, DQN 2, the others 8)")
     args = parser.parse_args()
     import logging
 
     logging.getLogger("srl").setLevel(logging.WARNING)
-    table = configs()
+    table = configs(args.envs_per_actor)
     results = []
     for name in [n.strip() for n in args.algorithms.split(",") if n.strip()]:
         if name not in table:
@@ -189,7 +195,9 @@ def main() -> None:
         config, steps_per_row = table[name]
         results.append(measure(name, config, steps_per_row, args.actors, QUEUES[args.queue], args.seconds))
         print(f"{name}: done", flush=True)
-    print(f"\n{args.actors} actors flat out, CartPole-v1, queue {args.queue}, {args.seconds:g}s window")
+    envs = "each algorithm's default" if args.envs_per_actor is None else str(args.envs_per_actor)
+    print(f"\n{args.actors} actors flat out (envs an actor: {envs}), CartPole-v1, queue {args.queue}, "
+          f"{args.seconds:g}s window")
     header = (f"{'algorithm':<9} {'produced/s':>10} {'consumed/s':>10} {'consumed÷produced':>17} "
               f"{'in flight, batches':>18} {'actors waiting':>14} {'lag p50/p95/max':>16} "
               f"{'actor busy÷bare':>15} {'train/s':>7}  verdict")
