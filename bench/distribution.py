@@ -101,10 +101,18 @@ def actor_with_drain(seconds: float) -> tuple[float, float]:
     server = start_embedded_redis()
     params = server.parameters.replace(task_name="bench-actor")
     board = Board(params.connect(), params.task_name)
-    runner = srl.Runner("Pendulum-v1", pendulum_config())
+    runner = srl.Runner("Pendulum-v1", pendulum_config(None))  # flat out: no trainer grants train credit here
     board.create_task({**runner.task_config(), "actor_num": 1, "timeout": seconds + 60,
                        "queue": {"scheme": "redis", "describe": "the board's Redis", "capacity": 64}})
     board.set_active()
+    # no trainer here, and an actor acts from the first params published: publish the initial ones as the
+    # trainer would (its lease, its epoch)
+    epoch = board.claim_trainer("bench-drain", int((seconds + 60) * 1000))
+    assert epoch is not None, "the trainer lease of a new task is free"
+    blob = Codec(task=params.task_name).encode_params(
+        runner.parameter.to_arrays(), {"epoch": epoch, "version": 1, "train_count": 0, "algorithm": "dqn"})
+    if not board.publish_params("bench-drain", epoch, 1, blob, 0):
+        raise RuntimeError("the board refused the bench's initial params")
     proc = local_nodes.start("actor", params, None, {"run_once": True})
     stop = threading.Event()
 
