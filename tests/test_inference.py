@@ -460,16 +460,17 @@ INFERENCE_ARGS = ("--listen", "127.0.0.1:0", "--batch-max-age", "0.2")
 
 
 def _central_run(nodes: list[Any], redis_url: str, namespace: str, tmp_path: Any, actors: int,
-                 config: RLConfig) -> tuple[Any, Board, ClientThread]:
+                 config: RLConfig, max_train_count: int = 150) -> tuple[Any, Board, ClientThread]:
     """A trainer, a server and ``actors`` actor processes (2 slots: the rest stand by) and a client that
-    trains 150 steps with central inference, once the server acts; the server's node, the board, the client."""
+    trains ``max_train_count`` steps with central inference, once the server acts; the server's node, the
+    board, the client."""
     start(nodes, "trainer", redis_url, namespace, tmp_path)
     server = start(nodes, "inference", redis_url, namespace, tmp_path, *INFERENCE_ARGS)
     for _ in range(actors):
         start(nodes, "actor", redis_url, namespace, tmp_path)
     board = board_for(redis_url, namespace)
     client = ClientThread(srl.Runner("CartPole-v1", config), RedisParameters(url=redis_url, task_name=namespace),
-                          actor_num=2, max_train_count=150, local_processes=False, inference="central")
+                          actor_num=2, max_train_count=max_train_count, local_processes=False, inference="central")
     client.start()
     wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
              "the server to act for the actors")
@@ -552,12 +553,16 @@ def test_progress_and_the_dashboard_show_the_server_or_how_to_start_one(serve_ta
 def test_an_actor_killed_mid_episode_is_replaced_and_the_run_finishes(redis_url: str, namespace: str,
                                                                        nodes: list[Any], tmp_path: Any) -> None:
     """SIGKILL an actor: its stream closes with the process and the server frees its state; the standby
-    actor takes the slot and connects; the run ends."""
-    server, board, client = _central_run(nodes, redis_url, namespace, tmp_path, 3, _impala(recurrent="lstm"))
+    actor takes the slot and connects; the run ends. The budget is out of reach (the other actor alone
+    could end a short run before the dead one's lease lapses); the test ends the run once the standby acts."""
+    server, board, client = _central_run(nodes, redis_url, namespace, tmp_path, 3, _impala(recurrent="lstm"),
+                                         max_train_count=10_000_000)
     victim = lease_holder_pid(board, "actor:0")
     assert victim is not None
     sigkill(victim)
-    wait_for(lambda: (lease_holder_pid(board, "actor:0") or victim) != victim, 30, "the standby to take slot 0")
+    wait_for(lambda: (lease_holder_pid(board, "actor:0") or victim) != victim, 60, "the standby to take slot 0")
+    wait_for(lambda: server.output().count("connected for slot 0") >= 2, 60, "the standby to connect for slot 0")
+    assert board.end_task(TaskState.END, "the standby serves slot 0: test over")
     client.join(timeout=120)
     assert not client.is_alive() and client.error is None, client.error
     status = board.get_status()
