@@ -5,7 +5,7 @@ one run. This script runs the same settings (RL Zoo's ``hyperparams/dqn.yml``, C
 2.3e-3, batch 64, 256×256, 1,000 warm-up steps, 128 gradient steps every 256 env steps, the target
 copied every 10 env steps, ε 1.0 → 0.04 over the first 16% of the run, uniform replay, one-step
 targets) over many seeds, and scores each final model as the suite scores srl's: the mean of 20
-greedy episodes, counted against the case's floor of 300.
+greedy episodes, counted against the floor of ``bench/learning.py``'s ``dqn-cartpole`` case (300).
 
     pip install stable-baselines3   # not one of srl's dependencies
     python bench/reference_dqn.py --seeds 10 --jobs 2
@@ -24,9 +24,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
+from learning import CASES  # the suite's own case: its floor and target
 
-FLOOR = 300.0
-TARGET = 475.0
+CASE = CASES["dqn-cartpole"]
 
 # RL Zoo, hyperparams/dqn.yml, CartPole-v1 ("Almost Tuned"), the settings its 500 @ 50k was reached with
 ZOO_CARTPOLE: dict[str, object] = {
@@ -89,14 +89,14 @@ def main() -> None:
             print(f"seed {seed}: {evaluation:.1f} ({wall:.0f} s)", flush=True)
             results.append((seed, evaluation, wall))
     evals = [e for _, e, _ in results]
-    q1, _, q3 = statistics.quantiles(evals, n=4, method="inclusive") if len(evals) > 1 else (evals[0],) * 3
-    below = sum(e < FLOOR for e in evals)
+    q1, q3 = np.percentile(evals, [25, 75])  # as the suite's table
+    below = sum(e < (CASE.floor or 0.0) for e in evals)
     print(f"\nSB3 DQN, RL Zoo's CartPole-v1 settings, {args.timesteps} env steps, "
           f"evaluation: mean of {args.episodes} greedy episodes")
-    print(f"{'seeds':<10} {'runs':>4} {'median':>7} {'IQR':>15} {'worst':>7} {'below ' + str(int(FLOOR)):>9} "
+    print(f"{'seeds':<10} {'runs':>4} {'median':>7} {'IQR':>15} {'worst':>7} {f'below {CASE.floor:g}':>9} "
           f"{'target':>6}")
     print(f"{f'{seeds[0]}-{seeds[-1]}':<10} {len(evals):>4} {statistics.median(evals):>7.1f} "
-          f"{f'{q1:.1f}..{q3:.1f}':>15} {min(evals):>7.1f} {below:>9} {TARGET:>6.0f}")
+          f"{f'{q1:.1f}..{q3:.1f}':>15} {min(evals):>7.1f} {below:>9} {CASE.target:>6g}")
     print("evaluations: " + ", ".join(f"{e:.1f}" for e in evals))
 
 
