@@ -4,6 +4,8 @@ distributed), and a forged checkpoint on the board."""
 from __future__ import annotations
 
 import csv
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.client import Evaluator
 from srl.runner.distribution.codec import Codec
-from srl.runner.run_log import CsvLog, RunLog, latest_checkpoint
+from srl.runner.run_log import CsvLog, RunLog, latest_checkpoint, write_checkpoint
 from tests.nodes import Node, board_for, kill_all, tiny_config, wait_for
 
 
@@ -61,6 +63,48 @@ def test_one_process_run_leaves_history_evals_tensorboard_and_checkpoints(tmp_pa
     tags = events.Tags()["scalars"]
     assert "train/loss" in tags and "rollout/reward_mean" in tags and "eval/eval_mean" in tags
     assert [e.step for e in events.Scalars("eval/eval_mean")] == [int(r["env_steps"]) for r in evals]
+
+
+def test_a_new_run_in_the_same_log_dir_keeps_its_checkpoints_and_resume_takes_them(tmp_path: Path) -> None:
+    earlier = srl.Runner("CartPole-v1", ppo.Config(seed=0, envs_per_actor=4, segment_length=16))
+    earlier.train(max_steps=4 * 16 * 8, progress_interval=None, log_dir=tmp_path, checkpoint_interval=0.01,
+                  keep_checkpoints=2)
+    kept = sorted((tmp_path / "checkpoints").glob("ckpt-*.safetensors"))
+    assert len(kept) == 2
+    an_hour_ago = time.time() - 3600  # the earlier run's files were written then
+    for path in kept:
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    # a new run (not resumed) of the same task, in the same directory: its train count starts below those
+    later = srl.Runner("CartPole-v1", ppo.Config(seed=1, envs_per_actor=4, segment_length=16))
+    later.train(max_steps=4 * 16 * 2, progress_interval=None, log_dir=tmp_path, checkpoint_interval=600.0,
+                keep_checkpoints=2)
+    assert 0 < later.train_count < earlier.train_count
+    own = tmp_path / "checkpoints" / f"ckpt-{later.train_count:010d}.safetensors"
+    assert own.exists(), f"the new run's checkpoint was pruned: {sorted(p.name for p in kept)}"
+    newest = latest_checkpoint(tmp_path)
+    assert newest == own, newest
+    assert srl.Runner.from_checkpoint(newest).train_count == later.train_count
+    # the oldest of the earlier run's went to make room; its newest stays until the new run has two
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*")) == sorted([kept[-1].name, own.name])
+
+
+def test_checkpoints_are_pruned_by_when_they_were_written_not_by_their_train_count(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints" / "srl"
+    arrays = {"w": np.zeros(3, np.float32)}
+    an_hour_ago = time.time() - 3600
+    for i, count in enumerate((3000, 4000, 5000)):  # an earlier run of the task "srl"
+        path = write_checkpoint(directory, count, arrays, {"train_count": count}, keep=3)
+        os.utime(path, (an_hour_ago + i, an_hour_ago + i))
+    first = write_checkpoint(directory, 100, arrays, {"train_count": 100}, keep=3)
+    assert first.exists() and latest_checkpoint(tmp_path) == first
+    second = write_checkpoint(directory, 200, arrays, {"train_count": 200}, keep=3)
+    assert latest_checkpoint(tmp_path) == second
+    assert sorted(p.name for p in directory.glob("ckpt-*")) == [
+        "ckpt-0000000100.safetensors", "ckpt-0000000200.safetensors", "ckpt-0000005000.safetensors"]
+    # within one run (the same second on a coarse clock) the train count decides
+    for path in directory.glob("ckpt-*"):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    assert latest_checkpoint(tmp_path) == directory / "ckpt-0000005000.safetensors"
 
 
 @pytest.mark.parametrize("make_config", [

@@ -144,22 +144,41 @@ class RunLog:
             self._writer = None
 
 
+def _oldest_first(paths: list[Path]) -> list[Path]:
+    """``paths`` in the order they were written, oldest first: by modification time, then (files of one run
+    written within one tick of a coarse clock) by name, which is the train count. Not by name alone: a new
+    run of a task in the same directory counts from 0, below the files an earlier run left there. Files
+    removed meanwhile (another writer pruning the same directory) are left out."""
+    stamped: list[tuple[int, str, Path]] = []
+    for path in paths:
+        try:
+            stamped.append((path.stat().st_mtime_ns, path.name, path))
+        except FileNotFoundError:
+            continue
+    return [path for _, _, path in sorted(stamped)]
+
+
 def latest_checkpoint(log_dir: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint with the most train steps under ``log_dir`` (its ``checkpoints/`` and a task's
-    ``checkpoints/<task>/`` included); None if there is none."""
+    """The checkpoint written last under ``log_dir`` (its ``checkpoints/`` and a task's ``checkpoints/<task>/``
+    included): the newest run's newest, even when an earlier run there reached more train steps; None if
+    there is none."""
     root = Path(log_dir)
     found = [*root.glob("ckpt-*.safetensors"), *root.glob(f"{CHECKPOINT_DIR}/ckpt-*.safetensors"),
              *root.glob(f"{CHECKPOINT_DIR}/*/ckpt-*.safetensors")]
-    return max(found, key=lambda p: (p.name, p.stat().st_mtime)) if found else None
+    ordered = _oldest_first(found)
+    return ordered[-1] if ordered else None
 
 
 def write_checkpoint(directory: Path, train_count: int, arrays: Mapping[str, np.ndarray],
                      meta: Mapping[str, Any], keep: int) -> Path:
-    """``directory/ckpt-<train_count>.safetensors``; only the newest ``keep`` periodic checkpoints stay
-    (``final.safetensors`` is never removed)."""
+    """``directory/ckpt-<train_count>.safetensors``; only the ``keep`` periodic checkpoints written last stay,
+    this one always among them (``final.safetensors`` is never removed). An earlier run's files in the same
+    directory go first, oldest first."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"ckpt-{train_count:010d}.safetensors"
     save_arrays(path, dict(arrays), dict(meta))
-    for old in sorted(directory.glob("ckpt-*.safetensors"))[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    if keep > 0:
+        others = _oldest_first([p for p in directory.glob("ckpt-*.safetensors") if p != path])
+        for old in others[:max(len(others) - (keep - 1), 0)]:
+            old.unlink(missing_ok=True)
     return path
