@@ -11,6 +11,7 @@ import pytest
 
 from srl.runner.distribution.board import ParamsRecord
 from srl.runner.distribution.params_cache import LOCK_STALE_S, ParamsCache, private_directory
+from tests.full_disk import run_with_full_disk
 
 
 class Board:
@@ -92,6 +93,41 @@ def test_records_of_tasks_whose_actors_died_are_removed_after_an_hour(tmp_path: 
     assert not left.exists() and len(list(tmp_path.glob("params-*.bin"))) == 1
     fresh.clear()
     assert not list(tmp_path.glob("params-*.bin"))
+
+
+def test_a_record_that_does_not_fit_leaves_no_file_and_the_actor_goes_on(tmp_path: Path) -> None:
+    done = run_with_full_disk("""
+        record = ParamsRecord(1, 3, 300, b"w" * 65536)  # more than the 4 KiB the child's files may hold
+        got = ParamsCache(Path(sys.argv[1]), "k").get((1, 3), lambda: record)
+        assert got == record, got
+        print("fetched", got.version)
+    """, str(tmp_path), setup="""
+        import logging, sys
+        from pathlib import Path
+        from srl.runner.distribution.board import ParamsRecord
+        from srl.runner.distribution.params_cache import ParamsCache
+        logging.basicConfig(level=logging.WARNING)
+    """)
+    assert done.returncode == 0 and "fetched 3" in done.stdout, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a partial record stays in the directory"
+    assert "cannot share params version 3 on this machine" in done.stderr, done.stderr
+    assert "File too large" in done.stderr and str(tmp_path) in done.stderr, done.stderr  # what failed, and where
+
+
+def test_a_temporary_file_left_by_a_writer_that_died_is_removed_with_its_lock(tmp_path: Path) -> None:
+    board = Board()
+    cache = ParamsCache(tmp_path, "k")
+    mine = tmp_path / f".{cache._path(1, 2).name}.99999.tmp"  # killed while writing
+    theirs = tmp_path / ".params-0123456789abcdef-000000000001-000000000002.bin.99998.tmp"  # another task's
+    young = tmp_path / f".{cache._path(1, 3).name}.99997.tmp"  # perhaps still being written
+    for path in (mine, theirs, young):
+        path.write_bytes(b"partial")
+    stale = time.time() - LOCK_STALE_S - 1  # a lock this old is taken over: its holder died
+    for path in (mine, theirs):
+        os.utime(path, (stale, stale))
+    assert cache.get((1, 3), board.fetch) is not None
+    assert not mine.exists() and not theirs.exists()
+    assert young.exists()
 
 
 def test_an_unreadable_record_is_a_miss(tmp_path: Path) -> None:

@@ -30,6 +30,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from srl.base.files import write_whole
+
 MAX_HEADER_BYTES = 64 * 1024
 """largest safetensors header (names, dtypes, shapes, offsets and the JSON meta) accepted"""
 META_KEY = "srl"
@@ -99,11 +101,9 @@ def unpack_arrays(
 
 
 def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-    """Write a ``.safetensors`` file atomically (a crash leaves the old file or the new one, never half)."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(pack_arrays(arrays, meta))
-    tmp.replace(target)
+    """Write a ``.safetensors`` file whole and durably: a crash or a power loss leaves the old file or the new
+    one, never half; a full disk raises OSError naming ``path`` and leaves the old one and nothing beside it."""
+    write_whole(path, [pack_arrays(arrays, meta)], durable=True)
 
 
 def load_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

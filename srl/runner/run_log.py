@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from srl.base.arrays import save_arrays
+from srl.base.files import write_whole
 
 logger = logging.getLogger("srl.runner")
 
@@ -65,12 +67,11 @@ class CsvLog:
         self.rows.append(clean)
         if new or not self.path.exists():
             self.columns += new
-            tmp = self.path.with_suffix(".tmp")
-            with tmp.open("w", newline="") as f:
-                writer = csv.DictWriter(f, self.columns, restval="")
-                writer.writeheader()
-                writer.writerows(self.rows)
-            os.replace(tmp, self.path)
+            text = io.StringIO(newline="")
+            writer = csv.DictWriter(text, self.columns, restval="")
+            writer.writeheader()
+            writer.writerows(self.rows)
+            write_whole(self.path, [text.getvalue().encode()], durable=True)  # the whole history is at stake
             return
         with self.path.open("a", newline="") as f:
             csv.DictWriter(f, self.columns, restval="").writerow(clean)

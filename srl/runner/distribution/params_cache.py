@@ -7,7 +7,8 @@ it) in a directory of the machine; the others read it from there. Redis then sen
 machine, and the others' reads are a memory copy (``/dev/shm`` is memory).
 
 Owns: ``ParamsCache`` — the directory (one per user, 0700, refused if anyone else owns or can write it),
-the lock, the record files (written whole, then renamed into place), and their cleanup. Must never: trust
+the lock, the record files (written whole, then renamed into place: ``srl.base.files``), and their cleanup
+(a temporary file whose writer died goes once its lock would be stale). Must never: trust
 a record more than the board: the codec checks its signature, epoch and version as it checks the board's
 blob (the file holds those very bytes); a record it cannot parse is a miss, never an error.
 """
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from srl.base.files import is_temporary, write_whole
 from srl.runner.distribution.board import ParamsRecord
 
 logger = logging.getLogger("srl.params_cache")
@@ -107,19 +109,20 @@ class ParamsCache:
 
     def _write(self, record: ParamsRecord) -> None:
         path = self._path(record.epoch, record.version)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_HEAD.pack(_MAGIC, record.epoch, record.version, record.train_count))
-            f.write(record.blob)
-        tmp.replace(path)
+        # in memory: nothing to sync; a full directory raises with nothing left in it
+        write_whole(path, [_HEAD.pack(_MAGIC, record.epoch, record.version, record.train_count), record.blob],
+                    durable=False)
         now = time.time()
         for old in self.directory.glob("*params-*"):  # readers of an unlinked file keep reading it
             if old.name.startswith(self.prefix):
                 if old.suffix == ".bin" and old.name < path.name:
                     old.unlink(missing_ok=True)
                 continue
+            # A temporary file (any task's) is written under its lock, and a lock this old is taken over: its
+            # writer died. Another task's record or lock may only be slow: an hour.
+            limit = LOCK_STALE_S if is_temporary(old) else LEFT_OVER_S
             try:
-                if now - old.stat().st_mtime > LEFT_OVER_S:
+                if now - old.stat().st_mtime > limit:
                     old.unlink(missing_ok=True)
             except OSError:
                 continue
