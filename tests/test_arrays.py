@@ -1,5 +1,5 @@
-"""The safetensors container of params and checkpoints: files that are replaced whole, durably, leaving
-nothing behind when the disk is full."""
+"""The safetensors container of params and checkpoints: arrays that come back writable, and files that are
+replaced whole, durably, leaving nothing behind when the disk is full."""
 
 from __future__ import annotations
 
@@ -11,8 +11,38 @@ import numpy as np
 import pytest
 
 from srl.base import arrays as arrays_module
-from srl.base.arrays import load_arrays, save_arrays
+from srl.base.arrays import load_arrays, pack_arrays, save_arrays, unpack_arrays
 from tests.full_disk import run_with_full_disk
+
+
+def test_unpacked_and_loaded_arrays_are_writable_copies(tmp_path: Path) -> None:
+    original = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": np.array(7, np.int64)}
+    blob = pack_arrays(original, {"version": 1})
+    _, unpacked = unpack_arrays(blob)
+    save_arrays(tmp_path / "a.safetensors", original, {"version": 1})
+    _, loaded = load_arrays(tmp_path / "a.safetensors")
+    for got in (unpacked, loaded):
+        for name, array in got.items():
+            assert array.flags.writeable, f"{name} is read-only"
+            assert array.shape == original[name].shape and array.dtype == original[name].dtype
+            array += 1  # what a caller that was promised its own copy may do
+            np.testing.assert_array_equal(array, original[name] + 1)
+    assert unpack_arrays(blob)[1]["w"][0, 0] == 0  # the bytes it came from are untouched
+
+
+def test_arrays_stay_writable_if_safetensors_hands_over_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors
+
+    real = safetensors.deserialize
+
+    def as_its_stub_says(data: bytes) -> list[tuple[str, dict[str, object]]]:  # bytes, not bytearray
+        return [(name, {**info, "data": bytes(info["data"])}) for name, info in real(data)]
+
+    monkeypatch.setattr(safetensors, "deserialize", as_its_stub_says)
+    _, got = unpack_arrays(pack_arrays({"w": np.arange(4, dtype=np.float32)}))
+    assert got["w"].flags.writeable
+    got["w"][0] = 5.0
+    assert got["w"].tolist() == [5.0, 1.0, 2.0, 3.0]
 
 
 def test_a_file_that_does_not_fit_leaves_the_old_one_and_no_temporary_file(tmp_path: Path) -> None:

@@ -96,7 +96,11 @@ def unpack_arrays(
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
             raise ArrayFormatError(f"array {name!r} has dtype {info['dtype']}; allowed: {sorted(_DTYPES)}")
-        arrays[name] = np.frombuffer(info["data"], dtype=dtype).reshape(info["shape"])
+        # safetensors (0.4 on) hands each tensor over as a bytearray of its own: the array is writable and
+        # keeps only that alive. Its stub says bytes, over which an array would be read-only: copied then.
+        data = info["data"]
+        buffer = data if isinstance(data, bytearray) else bytearray(data)
+        arrays[name] = np.frombuffer(buffer, dtype=dtype).reshape(info["shape"])
     return meta, arrays
 
 
