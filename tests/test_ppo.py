@@ -106,8 +106,47 @@ def test_a_time_limit_bootstraps_the_last_reward() -> None:
     assert rows is not None
     with torch.no_grad():
         v_final = worker.parameter.net.value(torch.from_numpy(obs[:1] * 2)).item()
-    assert rows["reward"][0, 4] == pytest.approx(-1.0 + resolved.gamma * v_final, rel=1e-5)
-    assert rows["reward"][1, 4] == -1.0 and rows["done"][0, 4] and not rows["done"][1, 4]
+    assert rows["bootstrap"][0, 4] == pytest.approx(resolved.gamma * v_final, rel=1e-5)
+    assert (rows["reward"] == -1.0).all()  # the env's rewards; the bootstrap goes apart (see the next test)
+    assert (rows["bootstrap"][1] == 0.0).all() and (rows["bootstrap"][0, :4] == 0.0).all()
+    assert rows["done"][0, 4] and not rows["done"][1, 4]
+
+
+def test_reward_normalization_scales_the_rewards_not_the_time_limit_bootstrap(monkeypatch: pytest.MonkeyPatch
+                                                                             ) -> None:
+    # V(final) is in the critic's units, which are already the normalized rewards': the learner divides the
+    # env's rewards by the return std and adds γ·V(final) after, as SB3 adds it to normalized rewards
+    spec = env_spec(EnvConfig("Pendulum-v1"))
+    worker, config = make_worker("Pendulum-v1")
+    resolved = config.resolved(spec)
+    assert resolved.normalize_reward and resolved.gamma is not None  # on by default for Box actions
+    with torch.no_grad():  # V = 10 for every observation
+        worker.parameter.net.critic_head.weight.zero_()
+        worker.parameter.net.critic_head.bias.fill_(10.0)
+    obs = np.ones((2, 3), np.float32)
+    for t in range(5):
+        worker.act(obs)
+        worker.observe(np.full(2, -1.0, np.float32), obs * 2, np.zeros(2, bool), np.array([t == 4, False]))
+    rows = worker.take()
+    assert rows is not None
+    buffer = config.make_buffer(spec)
+    buffer.add(rows)
+    learner = config.make_learner(spec, worker.parameter, buffer)
+    with torch.no_grad():  # a return std of 2 that these ten returns do not move
+        learner.return_rms.var.fill_(4.0)
+        learner.return_rms.count.fill_(1e12)
+    seen: list[np.ndarray] = []
+    real_gae = ppo.gae
+
+    def spy(reward: np.ndarray, *args: Any) -> tuple[np.ndarray, np.ndarray]:
+        seen.append(reward.copy())
+        return real_gae(reward, *args)
+
+    monkeypatch.setattr(ppo, "gae", spy)
+    assert learner.train() is not None
+    expected = np.full((2, 5), -1.0 / 2.0)
+    expected[0, 4] += resolved.gamma * 10.0  # not (-1 + γ·10) / 2
+    np.testing.assert_allclose(seen[0], expected, rtol=1e-4)
 
 
 def test_presets_follow_the_action_family() -> None:

@@ -230,7 +230,7 @@ def test_a_time_limit_bootstraps_from_the_state_after_the_step(algorithm: str) -
     with torch.no_grad():
         if algorithm == "ppo":
             value = parameter.net.step_outputs(torch.from_numpy(final[:1]), h[:1], c[:1])[1]
-            recorded, gamma = worker._reward[0], worker.gamma
+            recorded, gamma = worker._bootstrap[0], worker.gamma
         else:
             value = r2d2.unrescale(parameter.q.step(torch.from_numpy(final[:1]), h[:1], c[:1])[0].max(dim=1).values)
             recorded, gamma = worker._ring["reward"][0], config.gamma

@@ -44,6 +44,7 @@ from srl.rl.actor_critic import (
     check_actions,
     config_segment_schema,
     segment_observations,
+    segment_rewards,
     segment_states,
 )
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
@@ -276,7 +277,7 @@ class IMPALALearner(Learner):
             with torch.no_grad():
                 bootstrap = net.value(to_device(last_obs, dev))
         behaviour = to_device(segments["logprob"], dev)
-        rewards = to_device(segments["reward"], dev)
+        rewards = to_device(segment_rewards(segments), dev)  # the env's and a time limit's bootstrap
         discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
         with torch.no_grad():
             log_rhos = logprob.detach() - behaviour

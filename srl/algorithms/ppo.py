@@ -57,6 +57,7 @@ from srl.rl.actor_critic import (
     check_actions,
     config_segment_schema,
     segment_observations,
+    segment_rewards,
     segment_states,
 )
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
@@ -288,7 +289,8 @@ class PPOLearner(Learner):
         self.anneal.load_state(meta)
 
     def _scale_rewards(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
-        """Divide by the running std of discounted returns (accumulated within each segment)."""
+        """Divide the env's rewards by the running std of their discounted returns (accumulated within each
+        segment); the time-limit bootstrap joins them after (``segment_rewards``)."""
         gamma = float(self.config.gamma or 0.99)
         running = np.zeros(reward.shape[0], np.float64)
         returns = np.zeros_like(reward, dtype=np.float64)
@@ -319,9 +321,7 @@ class PPOLearner(Learner):
         lr, clip = self.lr * frac, config.clip_coef * frac
         self.optimizer.param_groups[0]["lr"] = lr
 
-        reward = segments["reward"]
-        if config.normalize_reward:
-            reward = self._scale_rewards(reward, segments["done"])
+        reward = segment_rewards(segments, self._scale_rewards if config.normalize_reward else None)
         values = segments["value"]
         observations, last_obs = segment_observations(segments, self.parameter.frames)
         recurrent = net.recurrent is not None

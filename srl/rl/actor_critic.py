@@ -11,11 +11,15 @@ segment per env every T steps, all acted with one params version) and
 own files. Must never: know about Redis or queues, or learn.
 
 A segment row: ``obs`` (T, *obs), ``action`` (T, ...), ``logprob`` (the
-behaviour policy's), ``value`` (the behaviour critic's), ``reward``, ``done``
-(the episode ended at that step), ``last_obs`` (the observation after the last
-step, to bootstrap from) and ``version``. A time limit is not a failure: the
-worker adds γ·V(final obs) to the last reward of a truncated episode (as SB3
-does) and marks it done.
+behaviour policy's), ``value`` (the behaviour critic's), ``reward`` (the env's),
+``bootstrap``, ``done`` (the episode ended at that step), ``last_obs`` (the
+observation after the last step, to bootstrap from) and ``version``. A time
+limit is not a failure: the worker records γ·V(final obs) as the ``bootstrap``
+of a truncated episode's last step (0 elsewhere) and marks it done; learners
+add it to that step's reward (``segment_rewards``). It stays apart from the
+reward because V is in the critic's units, which are the learner's rewards
+after any normalization: a learner that scales rewards scales the env's and
+adds the bootstrap after (as SB3 adds γ·V to normalized rewards).
 
 Stacked frames (Atari's 4) go once: instead of ``obs`` and ``last_obs`` a
 segment carries ``frames`` (T + S: the S frames of its first observation's
@@ -33,7 +37,7 @@ segment from it (``evaluate_sequence``, ``bootstrapped_values``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -142,6 +146,15 @@ def segment_states(segments: Mapping[str, np.ndarray], device: torch.device
             to_device(segments["state_reset"], device))
 
 
+def segment_rewards(segments: Mapping[str, np.ndarray],
+                    scale: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """The rewards ``(n, T)`` a learner learns from: the env's, through ``scale(reward, done)`` where the
+    learner normalizes them, plus the time-limit ``bootstrap``, added after: it is a value of the critic,
+    in the units of the rewards it learned from, so scaling it again would shrink it twice."""
+    reward = segments["reward"] if scale is None else scale(segments["reward"], segments["done"])
+    return (reward + segments["bootstrap"]).astype(np.float32)
+
+
 def bootstrapped_values(net: ActorCritic, obs: torch.Tensor, last_obs: torch.Tensor, h: torch.Tensor,
                         c: torch.Tensor | None, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """V over recurrent segments ``(n, T)`` and V(last_obs) ``(n,)``, one unroll over the T + 1
@@ -173,6 +186,7 @@ def _segment_schema(spec: EnvSpec, horizon: int, observations: dict[str, Column]
         "logprob": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "value": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "reward": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
+        "bootstrap": Column("float32", (horizon,), low=-VALUE_BOUND, high=VALUE_BOUND),
         "done": Column("bool", (horizon,)),
         "version": Column("int64", (), low=0),
     })
@@ -494,6 +508,7 @@ class SegmentWorker(Worker):
         self._logprob = np.zeros((self.T, num_envs), np.float32)
         self._value = np.zeros((self.T, num_envs), np.float32)
         self._reward = np.zeros((self.T, num_envs), np.float32)
+        self._bootstrap = np.zeros((self.T, num_envs), np.float32)
         self._done = np.zeros((self.T, num_envs), bool)
         self._t = 0
         self._version = 0
@@ -579,7 +594,7 @@ class SegmentWorker(Worker):
         if not self.training:
             return
         t = self._t
-        reward = reward.astype(np.float32).copy()
+        bootstrap = np.zeros(self.num_envs, np.float32)
         cut = truncated & ~terminated
         if cut.any():  # a time limit, not a failure: bootstrap from the final observation
             with torch.inference_mode():
@@ -590,8 +605,8 @@ class SegmentWorker(Worker):
                     final_value = self.parameter.net.step_outputs(final, self._h[index], c)[1]
                 else:
                     final_value = self.parameter.net.value(final)
-            reward[cut] += self.gamma * final_value.cpu().numpy()
-        self._reward[t], self._done[t] = reward, terminated | truncated
+            bootstrap[cut] = self.gamma * final_value.cpu().numpy()
+        self._reward[t], self._bootstrap[t], self._done[t] = reward, bootstrap, terminated | truncated
         self._t += 1
         if self._t == self.T:
             self._t = 0
@@ -609,6 +624,7 @@ class SegmentWorker(Worker):
                 "logprob": self._logprob.T.copy(),
                 "value": self._value.T.copy(),
                 "reward": self._reward.T.copy(),
+                "bootstrap": self._bootstrap.T.copy(),
                 "done": self._done.T.copy(),
                 "version": np.full(self.num_envs, self._version, np.int64),
                 **self._state_columns(),
