@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -13,6 +17,7 @@ import srl
 from srl.algorithms import UnknownAlgorithmError, config_class, dqn, r2d2
 from srl.base.config import ConfigError, config_from_dict, config_to_dict
 from srl.base.env import BoxActions, EnvConfig, EnvError, EnvSpec, MultiDiscreteActions, env_spec
+from srl.base.preprocessing import install_command
 from srl.base.rl import DataPath
 from srl.rl.blocks import to_device
 
@@ -134,6 +139,51 @@ def test_a_node_refuses_a_task_whose_reward_scale_no_client_settled() -> None:
 def test_misspelled_env_names_close_ids() -> None:
     with pytest.raises(EnvError, match="Pendulum-v1"):
         EnvConfig("Pendulm-v1").make()
+
+
+@pytest.fixture
+def env_needing_an_absent_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A registered env whose module imports one that is not installed, as gymnasium's MuJoCo envs
+    import mujoco and imageio."""
+    (tmp_path / "srl_test_env_with_a_dependency.py").write_text(
+        "import srl_test_absent_dependency  # noqa: F401\n\nclass Env:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env_id = "srl-test/NeedsAbsent-v0"
+    gym.register(env_id, entry_point="srl_test_env_with_a_dependency:Env")
+    try:
+        yield env_id
+    finally:
+        gym.registry.pop(env_id, None)
+
+
+def test_an_env_whose_dependency_is_missing_names_it_and_what_to_install(env_needing_an_absent_module: str
+                                                                         ) -> None:
+    with pytest.raises(EnvError) as refused:
+        _ = srl.Runner(env_needing_an_absent_module, dqn.Config()).spec
+    message = str(refused.value)
+    assert env_needing_an_absent_module in message and "'srl_test_absent_dependency'" in message
+    assert "pip install" in message and "Did you mean" not in message
+
+
+def test_a_registered_env_whose_module_is_missing_names_it() -> None:
+    env_id = "srl-test/ModuleAbsent-v0"
+    gym.register(env_id, entry_point="srl_test_absent_package.envs:Env")
+    try:
+        with pytest.raises(EnvError, match=r"ModuleAbsent-v0' needs the module 'srl_test_absent_package'.*pip install"):
+            EnvConfig(env_id).make()
+    finally:
+        gym.registry.pop(env_id, None)
+
+
+def test_mujoco_envs_say_to_install_srls_mujoco_extra() -> None:
+    # whichever of mujoco and imageio is absent, the command is the extra that brings both
+    for missing in ("mujoco", "imageio"):
+        assert install_command("InvertedPendulum-v5", missing) == "pip install 'srl[mujoco]'"
+    assert install_command("LunarLander-v3", "Box2D") == "pip install 'gymnasium[box2d]'"
+    if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("imageio") is None:
+        with pytest.raises(EnvError, match=r"'InvertedPendulum-v5' needs .*pip install 'srl\[mujoco\]'") as e:
+            _ = srl.Runner("InvertedPendulum-v5", dqn.Config()).spec
+        assert "Did you mean" not in str(e.value)
 
 
 def test_unsupported_space_says_which_space() -> None:

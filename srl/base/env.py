@@ -31,6 +31,7 @@ from srl.base.preprocessing import (
     TrainingSignal,
     atari_make_kwargs,
     check_preprocessing,
+    missing_dependency,
     register_known_envs,
     resolve_preprocessing,
     training_signal,
@@ -146,7 +147,8 @@ class EnvConfig:
         )
 
     def make(self, render_mode: str | None = None, allow_modules: Collection[str] | None = None) -> gym.Env:
-        """Build the env; an unknown id raises :class:`EnvError` naming close registered ids.
+        """Build the env; an unknown id raises :class:`EnvError` naming close registered ids, and an env
+        whose import lacks a module one naming the module and the command that installs it.
 
         ``allow_modules``: on a node, the modules a ``module:Env`` id may import (see
         :meth:`check_allowed`); None (a user's own process) allows any.
@@ -159,6 +161,8 @@ class EnvConfig:
             return wrap(gym.make(self.id, **extra, **kwargs), preprocessing)
         except PreprocessingError as e:
             raise EnvError(f"env {self.id!r}: {e}") from None
+        except (ImportError, gym.error.DependencyNotInstalled) as e:  # the id exists; a package it needs does not
+            raise EnvError(missing_dependency(self.id, e)) from e
         except gym.error.Error as e:
             known = list(gym.registry.keys())
             close = difflib.get_close_matches(self.id, known, n=3, cutoff=0.6)

@@ -3,7 +3,8 @@
 Owns: the fixed set of preprocessings a task may name (``PREPROCESSINGS``), which one an env id gets
 when the config names none (``resolve_preprocessing``), registering the env packages srl knows by id
 prefix (ALE's ``ALE/`` ids from ``ale-py``, ``MinAtar/`` ids from ``minatar``, srl's own ``srl/`` ids
-from ``srl.base.partial``), and the
+from ``srl.base.partial``), the command that installs what an env needs when its import fails
+(``install_command``, ``missing_dependency``), and the
 ``TrainingSignal``: what a worker sees instead of the env's own reward and end of episode while it
 trains (clipped rewards, a lost life as a terminal step). Must never: import a module or build a
 wrapper named by data; a name read from the board selects an entry of this file's table or is refused.
@@ -37,8 +38,54 @@ ATARI_FRAMES = 4
 ATARI_SCREEN = 84
 
 
+INSTALLS: tuple[tuple[str, str], ...] = (
+    ("gymnasium.envs.mujoco", "pip install 'srl[mujoco]'"),  # gymnasium[mujoco]: mujoco and imageio both
+    ("gymnasium.envs.box2d", "pip install 'gymnasium[box2d]'"),
+    ("ale_py", "pip install 'srl[atari]'"),
+    ("minatar", "pip install 'srl[minatar]'"),
+)
+"""module (an env's entry point's, or the missing one) -> the command that installs what its envs need"""
+MISSING_MODULES: dict[str, str] = {"mujoco": "gymnasium.envs.mujoco", "Box2D": "gymnasium.envs.box2d"}
+"""a missing module -> the package of envs it belongs to, where the env's entry point does not say"""
+
+
 class PreprocessingError(ValueError):
     """A preprocessing that does not exist or does not fit the env."""
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def install_command(env_id: str, missing: str | None) -> str:
+    """What to run so that ``env_id`` can be built, ``missing`` (a module) being what its import lacked:
+    the command for the env's family, known by its entry point's module or else by the missing module
+    (``INSTALLS``), or a pip install of the package that provides the missing module."""
+    entry = gym.registry.get(env_id)
+    entry_point = entry.entry_point if entry is not None else env_id
+    where = (entry_point if isinstance(entry_point, str) else getattr(entry_point, "__module__", "")).partition(":")[0]
+    top = (missing or "").partition(".")[0]
+    for module in (where, MISSING_MODULES.get(top, top)):
+        for package, command in INSTALLS:
+            if module and _within(module, package):
+                return command
+    return f"pip install the package that provides {top!r}" if top else "install the env's package"
+
+
+def missing_dependency(env_id: str, error: Exception) -> str:
+    """One line for an env whose import failed (``ImportError``, or gymnasium's ``DependencyNotInstalled``):
+    the env, the module missing, and the command that installs it (``install_command``)."""
+    cause: BaseException | None = error
+    missing: str | None = None
+    while cause is not None and missing is None:  # gymnasium re-raises an import's error with the module unnamed
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            missing = cause.name
+        cause = cause.__cause__
+    command = install_command(env_id, missing)
+    if missing is None:
+        return f"env {env_id!r} cannot import what it needs ({error}): {command}"
+    note = f" (gymnasium says: {error})" if isinstance(error, gym.error.DependencyNotInstalled) else ""
+    return f"env {env_id!r} needs the module {missing!r}, which is not installed here: {command}{note}"
 
 
 @dataclass(frozen=True)
@@ -79,14 +126,14 @@ def register_known_envs(env_id: str) -> None:
         except ImportError as e:
             raise PreprocessingError(
                 f"env {env_id!r} is an Atari game and needs ale-py (its wheel ships the ROMs): "
-                "pip install 'srl[atari]'") from e
+                f"{install_command(env_id, 'ale_py')}") from e
         gym.register_envs(ale_py)
     elif env_id.startswith("MinAtar/"):
         try:
             import minatar.gym
         except ImportError as e:
             raise PreprocessingError(f"env {env_id!r} is a MinAtar game and needs minatar: "
-                                     "pip install 'srl[minatar]'") from e
+                                     f"{install_command(env_id, 'minatar')}") from e
         minatar.gym.register_envs()
 
 
