@@ -399,6 +399,30 @@ def test_redis_gives_up_after_reconnect_timeout(private_redis: PrivateRedis, nam
         assert time.monotonic() - started < 5
 
 
+def test_a_redis_stream_keeps_every_unread_entry_however_many(namespace: str) -> None:
+    """What the stream holds is bounded by the actors' backpressure (``queue_capacity`` may be a million, and
+    each actor may put a read's worth past it), never by trimming: 12,000 entries put and not yet read, singly
+    and in pipelines, are all there, all read, and gone once acked."""
+    broker = _redis()
+    count = 12_000
+    # entries held a long while are not taken over again: this consumer holds them all until it acks
+    with broker.open(namespace, "producer") as producer, \
+            broker.open(namespace, "consumer", claim_min_idle_s=600.0, claim_interval_s=600.0) as consumer:
+        try:
+            producer.put(b"0")
+            for start in range(1, count - 1, 1_000):
+                producer.put_many([b"%d" % i for i in range(start, min(start + 1_000, count - 1))])
+            assert producer.put_many_then_backlog([b"%d" % (count - 1)]) == count
+            assert producer.depth() == count
+            got = drain(consumer, count, timeout=300, max_messages=4_096)
+            assert sorted(int(m.data) for m in got) == list(range(count))
+            consumer.ack_many(got)
+            consumer.send_acks()
+            assert producer.depth() == 0 and producer.backlog() == 0  # acked entries are deleted: no trim needed
+        finally:
+            consumer.destroy()
+
+
 def test_the_redis_backlog_leaves_out_what_the_trainer_read_and_a_put_learns_it_in_its_round_trip(
         private_redis: PrivateRedis, namespace: str) -> None:
     """Backpressure counts what waits for the trainer: entries read and not yet acked sit in its buffer (it

@@ -25,9 +25,10 @@ Features:
       at half the connection's ``socket_timeout``): an idle consumer sends about one command per
       wait, and an entry put meanwhile comes back at once (a sync learner waiting for its actors'
       segments);
-    * capped: XADD trims the stream to about ``max_len`` entries (MAXLEN ~), a
-      safety stop far above any queue capacity actors keep to (they wait at
-      ``capacity`` batches): only a flood that ignores backpressure is trimmed;
+    * never trimmed: XADD has no MAXLEN, as a trimmed entry would be experience lost and counted
+      nowhere; an acked entry is deleted at once (XDEL), so the stream holds only entries not yet
+      read or not yet acked, as many as the actors' backpressure lets them put (``queue_capacity``
+      plus what each actor has in transit), however large that is;
     * reconnect: a dropped connection (Redis restarted) is retried with backoff
       for ``reconnect_timeout_s``; a stream or group that vanished with it is
       created again; a read whose reply the connection took with it (the entries are this consumer's
@@ -48,7 +49,6 @@ Options (``open_queue(..., options={...})``):
     claim_interval_s     how often a consumer looks for such entries (min(10, claim_min_idle_s / 2))
     reconnect_timeout_s  how long to keep reconnecting before raising (60)
     max_message_bytes    largest payload put (256 MiB; Redis's proto-max-bulk-len is 512 MB)
-    max_len              entries kept at most (MAXLEN ~; default 10,000)
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 _ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *_TRANSIENT)
 # XCLAIM ... IDLE sets an entry's idle time: this makes it claimable by anyone at once
 _RELEASED_IDLE_MS = 10**10
-DEFAULT_MAX_LEN = 10_000
 # A read keeps an entry's id and field name beside its payload: the bytes allowed past the read limit
 _ENTRY_SLACK = 4096
 # Longest array a consumer's reply keeps: entries of one read (get_many reads at most this many),
@@ -273,7 +272,6 @@ class RedisStreamQueue(ExperienceQueue):
         claim_interval_s: float | None = None,
         reconnect_timeout_s: float = 60.0,
         max_message_bytes: int = 256 * MiB,
-        max_len: int = DEFAULT_MAX_LEN,
         max_read_bytes: int | None = None,
     ) -> None:
         self.params = params
@@ -286,7 +284,6 @@ class RedisStreamQueue(ExperienceQueue):
             claim_interval_s if claim_interval_s is not None else min(10.0, claim_min_idle_s / 2)
         )
         self.max_message_bytes = max_message_bytes
-        self.max_len = max(1, int(max_len))
         self.max_read_bytes = max_read_bytes
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
@@ -414,8 +411,7 @@ class RedisStreamQueue(ExperienceQueue):
     # ------------------------------------------------------------ producer
     def put(self, data: bytes) -> None:
         [payload] = self._payloads([data])
-        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: payload}, maxlen=self.max_len,
-                                                    approximate=True))
+        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: payload}))
 
     def put_many(self, items: Sequence[bytes]) -> None:
         self._put_many(items, then_backlog=False)
@@ -431,7 +427,7 @@ class RedisStreamQueue(ExperienceQueue):
         def send() -> int | None:
             pipe = self._client.pipeline(transaction=False)
             for data in items:
-                pipe.xadd(self.key, {_FIELD: data}, maxlen=self.max_len, approximate=True)
+                pipe.xadd(self.key, {_FIELD: data})
             if then_backlog:
                 pipe.execute_command("EVAL", _BACKLOG_LUA, 1, self.key, self.group)
             replies = pipe.execute(raise_on_error=False)
