@@ -22,6 +22,7 @@ from srl.runner.distribution.board import (
     TaskExistsError,
     TaskNotFoundError,
     TaskState,
+    count_token,
 )
 from srl.runner.distribution.client import summary_lines
 from srl.runner.distribution.node import LeaseGuard, NodeOptions, lease_kept, serve
@@ -431,6 +432,26 @@ def test_counters_sum_over_roles_and_stats_expire(client: redis.Redis, namespace
         wait_for(lambda: board.get_all_stats() == {}, 5, "the stats to expire", interval=0.01)
     finally:
         board.delete_task()
+
+
+def test_a_count_sent_again_with_its_token_adds_nothing(board: Board) -> None:
+    """A count's token is the same on each try of it: a retry after a lost reply adds nothing, a new count adds
+    (a fresh token, or none); the trainer's count of a read says "noted" to its retry, as the ack waits for."""
+    bound = board.bound(board.create_task(CONFIG, actor_num=1).task_id)
+    assert bound.claim_trainer("t", 60_000) is not None
+    sent = count_token()
+    for _ in range(2):
+        bound.incr_counters("actor:0", token=sent, sent_batches=2)
+    bound.incr_counters("actor:0", token=count_token(), sent_batches=1)
+    bound.incr_counters("actor:0", sent_batches=1)
+    bound.incr_counters("actor:0", sent_batches=1)
+    read = count_token()
+    assert [bound.note_received("t", {"received_batches": 3}, [("a", 0)], read) for _ in range(2)] == ["noted"] * 2
+    assert bound.note_received("t", {"received_batches": 1, "refused_batches": 1}, [], count_token()) == "noted"
+    assert bound.get_counters() == {"sent_batches": 5, "received_batches": 4, "refused_batches": 1}
+    assert board.prefix + "counted" in board.task_keys()
+    with pytest.raises(ValueError, match="count token"):
+        bound.incr_counters("actor:0", token="x" * 65, sent_batches=1)
 
 
 def test_event_log_is_capped(client: redis.Redis, namespace: str) -> None:

@@ -4,11 +4,14 @@ received counts actors read, and the lease kept while a run starts."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
 import srl
 from srl.base.env import EnvConfig
@@ -16,8 +19,10 @@ from srl.base.rollout import Rollout
 from srl.rl.memories.segments import SegmentBuffer
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.codec import BatchHeader
+from srl.runner.distribution.in_flight import InFlight
 from srl.runner.distribution.ingest import SeenBatches, StoppedWhileWaiting
-from srl.runner.distribution.queues import Message, open_queue
+from srl.runner.distribution.node import CounterDeltas
+from srl.runner.distribution.queues import ExperienceQueue, Message, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.task import build_task
 from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
@@ -240,6 +245,121 @@ def test_a_read_is_counted_on_the_board_before_it_is_acked(redis_url: str, names
         producer.close()
         queue.destroy()
         board.delete_task()
+
+
+def board_queue_url(scheme: str) -> str:
+    """The URL of a broker that does not tell its queue's depth (actors read it from the board's counts)."""
+    if scheme == "mqtt":
+        if not port_open("127.0.0.1", 1883):
+            broker_unavailable("Mosquitto", "127.0.0.1", 1883)
+        return "mqtt://127.0.0.1:1883"
+    emulator = os.environ.get("PUBSUB_EMULATOR_HOST", "127.0.0.1:8085")
+    host, _, port = emulator.rpartition(":")
+    if not port_open(host, int(port)):
+        broker_unavailable("Pub/Sub emulator", host, int(port))
+    return f"pubsub://srl-test?emulator_host={emulator}"
+
+
+def ingest_until(run: TrainerRun, queue: ExperienceQueue, done: Callable[[], bool], what: str) -> None:
+    """Let the trainer's ingest read until ``done()`` (the broker pushes what was put a moment later)."""
+    wait_for(lambda: run.ingest.ingest_once(queue) >= 0 and done(), 60, what, interval=0.0)
+
+
+@pytest.mark.parametrize("scheme", ["mqtt", "pubsub"])
+def test_refused_batches_give_their_place_in_the_queue_back(redis_url: str, namespace: str, scheme: str) -> None:
+    """On MQTT and Pub/Sub an actor reads the queue's depth from the board: the batches counted sent less those the
+    trainer took off the queue. A batch it refuses (here: rows that fail the schema's check) is taken off too, so
+    after more refusals than the queue's capacity the actors still have all their room, instead of waiting for
+    ever on batches nobody will receive."""
+    url = board_queue_url(scheme)
+    board, params, run, batch = trainer_run(redis_url, namespace, url, scheme, TrainerOptions(uid="t", secret=""))
+    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    in_flight = InFlight(producer, board, "actor:0", CounterDeltas())
+    assert in_flight.on_board
+    capacity = 3
+    nan_obs = np.full((8, 3), np.nan, np.float32)  # Pendulum's observations, all NaN: refused
+    queue = run.open_consumer()
+    try:
+        for seq in range(2 * capacity + 1):
+            assert in_flight.depth() < capacity, f"after {seq} refused batches the actor may not send"
+            producer.put_many([batch("a", seq, 0, obs=nan_obs)])
+            in_flight.sent(1, 8)
+            ingest_until(run, queue, lambda n=seq + 1: run.ingest.bad_messages >= n, "the trainer to read the batch")
+            run.ingest.settle_count()  # counted on the board, then acked
+            assert run.ingest.bad_messages == seq + 1 and run.ingest.received_batches == 0
+            assert in_flight.depth() == 0
+        counters = board.get_counters()
+        assert counters["sent_batches"] == counters["bad_messages"] == counters["refused_batches"] == 2 * capacity + 1
+    finally:
+        run.stop.set("test over")
+        producer.close()
+        queue.destroy()
+        board.delete_task()
+
+
+class ReplyLoss:
+    """A Redis client whose next script reply, once ``armed``, is lost: the script runs in Redis, then the
+    connection drops before the reply is read (a reset, a failover), and the caller sends the call again."""
+
+    def __init__(self, params: RedisParameters) -> None:
+        self.armed = False
+        self.lost = 0
+        self.client = params.connect()
+        loss = self
+        base: Any = self.client.connection_pool.connection_class
+
+        class Losing(base):  # type: ignore[misc, valid-type]
+            losing = False
+
+            def send_command(self, *args: Any, **kwargs: Any) -> None:
+                self.losing = loss.armed and str(args[0]).upper() in ("EVALSHA", "EVAL")
+                super().send_command(*args, **kwargs)
+
+            def read_response(self, *args: Any, **kwargs: Any) -> Any:
+                reply = super().read_response(*args, **kwargs)
+                if self.losing:
+                    self.losing = loss.armed = False
+                    loss.lost += 1
+                    self.disconnect()
+                    raise redis.ConnectionError("the reply was lost with the connection")
+                return reply
+
+        self.client.connection_pool.connection_class = Losing
+
+
+def test_a_count_whose_reply_was_lost_is_counted_once(redis_url: str, namespace: str) -> None:
+    """A count whose reply is lost after its script ran in Redis is sent again (redis-py's retry, then
+    ``with_retry``): the actor's count of the batches it sent and the trainer's count of a read still land once,
+    so the depth actors read on MQTT and Pub/Sub, and the run's accounts, stay exact."""
+    url = board_queue_url("mqtt")
+    board, params, run, batch = trainer_run(redis_url, namespace, url, "mqtt", TrainerOptions(uid="t", secret=""))
+    loss = ReplyLoss(params)
+    lossy = Board(loss.client, namespace).bound(board.task_id)
+    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    in_flight = InFlight(producer, lossy, "actor:0", CounterDeltas())
+    run.ingest.board = lossy
+    queue = run.open_consumer()
+    try:
+        producer.put_many([batch("a", 0, 0), batch("a", 1, 8)])
+        loss.armed = True
+        in_flight.sent(2, 16)
+        assert loss.lost == 1
+        counters = board.get_counters()
+        assert (counters["sent_batches"], counters["sent_transitions"]) == (2, 16)
+        assert in_flight.depth() == 2
+        loss.armed = True  # the trainer's count of its read
+        ingest_until(run, queue, lambda: run.ingest.received_batches >= 2, "the trainer to read both batches")
+        run.ingest.settle_count()
+        assert loss.lost == 2 and run.ingest.received_batches == 2
+        counters = board.get_counters()
+        assert (counters["received_batches"], counters["received_transitions"]) == (2, 16)
+        assert in_flight.depth() == 0
+    finally:
+        run.stop.set("test over")
+        producer.close()
+        queue.destroy()
+        board.delete_task()
+        loss.client.close()
 
 
 def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, namespace: str,

@@ -23,6 +23,8 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
     P lease:trainer   string owner uid, PX ttl
     P lease:actor:<i> string owner uid, PX ttl
     P counters        hash   role_id -> JSON of running totals
+    P counted         hash   role_id -> the token of the last count it added with one (a retried count
+                             whose reply was lost carries it again and adds nothing)
     P roles           set    role ids that ever wrote stats
     P stats:<role_id> string JSON of the latest stats, PX ttl
     P events          list   JSON events, newest first, capped by count; each text capped
@@ -468,23 +470,37 @@ local function add_counters(key, role, deltas_json)
 end
 """
 
-# KEYS: counters, task. ARGV: role_id, deltas_json, task id.
-_INCR_COUNTERS_LUA = _ADD_COUNTERS_LUA + """
+# Whether a count that carries ``token`` is still to be added, remembering it as its role's last: a
+# count sent again (with_retry, or redis-py's own retry) after its reply was lost carries the token of
+# the last count its role added, and adds nothing. '' = no token: always added. One writer at a time
+# counts with tokens under a role (an actor slot's holder, the trainer lease's holder).
+_FIRST_COUNT_LUA = """
+local function first_count(key, role, token)
+  if token == '' then return true end
+  if redis.call('HGET', key, role) == token then return false end
+  redis.call('HSET', key, role, token)
+  return true
+end
+"""
+
+# KEYS: counters, task, counted. ARGV: role_id, deltas_json, task id, token ('' = none).
+_INCR_COUNTERS_LUA = _ADD_COUNTERS_LUA + _FIRST_COUNT_LUA + """
 if task_is(KEYS[2], ARGV[3]) ~= 1 then return 0 end
-add_counters(KEYS[1], ARGV[1], ARGV[2])
+if first_count(KEYS[3], ARGV[1], ARGV[4]) then add_counters(KEYS[1], ARGV[1], ARGV[2]) end
 return 1
 """
 
 # The trainer's count of what one read brought, written before the read is acked, with the batches
 # of its last reads whose acks may not have reached the broker (its ledger): a trainer that takes over
 # counts their redelivered copies as duplicates, so nothing is counted twice or lost from the counts.
-# KEYS: trainer lease, counters, task, ledger. ARGV: uid, deltas_json ('' = none), ledger_json, task id.
-# Returns 1 written, 0 the lease is not this trainer's (do not ack: the next holder gets the batches),
-# -1 the task is gone or was replaced.
-_NOTE_RECEIVED_LUA = _ADD_COUNTERS_LUA + """
+# KEYS: trainer lease, counters, task, ledger, counted. ARGV: uid, deltas_json ('' = none), ledger_json,
+# task id, token ('' = none).
+# Returns 1 written (or written already: a retry), 0 the lease is not this trainer's (do not ack: the
+# next holder gets the batches), -1 the task is gone or was replaced.
+_NOTE_RECEIVED_LUA = _ADD_COUNTERS_LUA + _FIRST_COUNT_LUA + """
 if task_is(KEYS[3], ARGV[4]) ~= 1 then return -1 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] ~= '' then add_counters(KEYS[2], 'trainer', ARGV[2]) end
+if ARGV[2] ~= '' and first_count(KEYS[5], 'trainer', ARGV[5]) then add_counters(KEYS[2], 'trainer', ARGV[2]) end
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
 return 1
 """
@@ -713,6 +729,7 @@ class Board:
         self._feed_key = self.prefix + "params:feed"
         self._feed_usable = True  # False: this Redis user may not XREAD it, await_params polls
         self._counters_key = self.prefix + "counters"
+        self._counted_key = self.prefix + "counted"
         self._roles_key = self.prefix + "roles"
         self._events_key = self.prefix + "events"
         self._deadletters_key = self.prefix + "deadletters"
@@ -772,7 +789,7 @@ class Board:
     def task_keys(self) -> list[str]:
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
         keys = {self._task_key, self._epoch_key, self._params_key, self._feed_key, self._counters_key, self._roles_key,
-                self._events_key, self._deadletters_key, self._history_key, self._resume_key,
+                self._events_key, self._deadletters_key, self._history_key, self._resume_key, self._counted_key,
                 self._refusals_key, self._ledger_key, self._checkpoint_key, self._inference_key,
                 self.lease_key("trainer"), self.lease_key("inference")}
         try:
@@ -1265,12 +1282,16 @@ class Board:
 
     # -------------------------------------------------------------- counters
 
-    def incr_counters(self, role_id: str, **deltas: int | float) -> None:
-        """Add ``deltas`` (sent_batches=1, backpressure_wait_s=0.3, ...) to ``role_id``'s totals."""
+    def incr_counters(self, role_id: str, *, token: str = "", **deltas: int | float) -> None:
+        """Add ``deltas`` (sent_batches=1, backpressure_wait_s=0.3, ...) to ``role_id``'s totals.
+
+        ``token`` (a fresh :func:`count_token` per count, the same on each retry of it): a call whose reply
+        was lost and is sent again adds nothing the second time (the last count ``role_id`` added carried
+        it); '' adds every time."""
         deltas_json = _deltas_json(deltas)
         if deltas_json:
-            self._incr(keys=[self._counters_key, self._task_key],
-                       args=[_check_role(role_id), deltas_json, self.task_id])
+            self._incr(keys=[self._counters_key, self._task_key, self._counted_key],
+                       args=[_check_role(role_id), deltas_json, self.task_id, _check_token(token)])
 
     def get_role_counters(self) -> dict[str, dict[str, float]]:
         """Running totals per role id (records that are not JSON objects of numbers are skipped)."""
@@ -1294,14 +1315,15 @@ class Board:
         return totals
 
     def note_received(self, owner_uid: str, deltas: Mapping[str, int | float],
-                      ledger: list[tuple[str, int]]) -> Literal["noted", "not held", "not ours"]:
+                      ledger: list[tuple[str, int]], token: str = "") -> Literal["noted", "not held", "not ours"]:
         """The trainer's count of one read, before it acks the read, and its ledger: the ``(actor, seq)`` of
         the batches of its last reads whose acks may not have reached the broker yet. "not held": this
-        trainer does not hold the lease (do not ack); "not ours": the task is gone or was replaced."""
+        trainer does not hold the lease (do not ack); "not ours": the task is gone or was replaced.
+        ``token``: as :meth:`incr_counters`'s (a retry of a count that was added is "noted", adding nothing)."""
         ledger_json = json.dumps(ledger, separators=(",", ":"))
-        keys = [self.lease_key("trainer"), self._counters_key, self._task_key, self._ledger_key]
+        keys = [self.lease_key("trainer"), self._counters_key, self._task_key, self._ledger_key, self._counted_key]
         answer = int(self._note_received(keys=keys, args=[owner_uid, _deltas_json(deltas), ledger_json,
-                                                          self.task_id]))
+                                                          self.task_id, _check_token(token)]))
         return {1: "noted", 0: "not held"}.get(answer, "not ours")  # type: ignore[return-value]
 
     def get_ledgers(self) -> dict[str, list[tuple[str, int]]]:
@@ -1491,6 +1513,18 @@ def _check_role(role_id: str) -> str:
 
 def _stats_json(stats: Mapping[str, Any]) -> str:
     return json.dumps({**stats, "updated_at": time.time()}, separators=(",", ":"), default=str)
+
+
+def count_token() -> str:
+    """A fresh token for one count (:meth:`Board.incr_counters`, :meth:`Board.note_received`): made once per
+    count, outside the retry loop, so that each retry of the count carries it."""
+    return uuid.uuid4().hex
+
+
+def _check_token(token: str) -> str:
+    if not isinstance(token, str) or len(token) > 64:
+        raise ValueError(f"count token {token!r}: expected a str of at most 64 characters (count_token())")
+    return token
 
 
 def _deltas_json(deltas: Mapping[str, int | float] | None) -> str:

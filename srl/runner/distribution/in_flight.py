@@ -3,9 +3,11 @@
 Owns: :class:`InFlight`, the one place that knows some queues cannot tell their depth. A queue that can
 (Redis Streams: its entries not yet read; RabbitMQ: the queue's ready messages) is asked, and the sends
 are counted with the actor's heartbeat. One that cannot (MQTT, Pub/Sub) is measured on the board: batches sent minus
-batches received, so each actor counts its sends there at once, and the trainer counts each read before
-it acks it. Must never: be below the queue's real depth (actors would overfill it), or see a batch's
-bytes.
+the batches the trainer took off the queue (received, or refused: a refused batch is never received, and
+left in, each would hold a place for ever), so each actor counts its sends there at once, and the trainer
+counts each read before it acks it. Each count carries a token, so a count sent again after its reply was
+lost adds nothing. Must never: be below the queue's real depth (actors would overfill it), stay above it
+(actors would wait for ever), or see a batch's bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from srl.runner.distribution.board import Board
+from srl.runner.distribution.board import Board, count_token
 from srl.runner.distribution.node import CounterDeltas
 from srl.runner.distribution.queues import ExperienceQueue
 from srl.runner.distribution.retry import with_retry
@@ -40,13 +42,14 @@ class InFlight:
 
     def depth(self) -> int:
         """Batches waiting for the trainer: put and not yet read where the queue tells (a read batch waits in
-        the trainer's buffer, which has room for it), else put and not yet counted received; never below
-        the real number (callers retry a board that is away)."""
+        the trainer's buffer, which has room for it), else put and not yet counted received or refused;
+        never below the real number (callers retry a board that is away)."""
         depth = None if self.on_board else self.queue.backlog()
         if depth is not None:
             return depth
         counters = self.board.get_counters()
-        return int(counters.get("sent_batches", 0) - counters.get("received_batches", 0))
+        taken = counters.get("received_batches", 0) + counters.get("refused_batches", 0)
+        return int(counters.get("sent_batches", 0) - taken)
 
     def sent(self, batches: int, rows: int, *, should_stop: Callable[[], bool] | None = None) -> None:
         """Count ``batches`` of ``rows`` just put: at once on the board where they are the queue's depth for
@@ -54,5 +57,6 @@ class InFlight:
         if not self.on_board:
             self.counters.add(sent_batches=batches, sent_transitions=rows)
             return
-        with_retry(functools.partial(self.board.incr_counters, self.role_id, sent_batches=batches,
+        # one token for every try: a try whose reply was lost counted the batches already
+        with_retry(functools.partial(self.board.incr_counters, self.role_id, token=count_token(), sent_batches=batches,
                                      sent_transitions=rows), "counting a sent batch", should_stop=should_stop)

@@ -33,7 +33,7 @@ import numpy as np
 
 from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, DeadLetter
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, DeadLetter, count_token
 from srl.runner.distribution.codec import BatchFrame, Codec, DecodeError, join_frames, short
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.node import InTransit
@@ -297,9 +297,10 @@ class Ingest:
         self._ledger.append(taken)
         ledger = [key for read in self._ledger for key in read]
         uid = self.options.uid
+        token = count_token()  # the same on every try: a try whose reply was lost counted the read already
         while True:
             try:
-                answer = with_retry(lambda: self.board.note_received(uid, counts, ledger),
+                answer = with_retry(lambda: self.board.note_received(uid, counts, ledger, token),
                                     "counting received batches", should_stop=self.stop.is_set)
             except BoardUnreachableError:  # stopping while the board is away
                 answer = "not held"
@@ -413,8 +414,11 @@ class Ingest:
         self.duplicates += dups
         self.stale_rows += stale
         self.other_task_batches += other_task
+        # refused_batches: taken off the queue as received_batches are (actors on MQTT and Pub/Sub count both
+        # out of its depth); bad_messages also counts what other nodes refuse (params, inference requests)
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
-                "duplicates": dups, "stale_rows": stale, "other_task_batches": other_task}, taken
+                "refused_batches": bad, "duplicates": dups, "stale_rows": stale,
+                "other_task_batches": other_task}, taken
 
     def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
         """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
