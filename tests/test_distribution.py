@@ -59,6 +59,21 @@ print("EVALUATION", runner.evaluate(max_episodes=2))
 """
 
 
+def test_every_node_and_its_options_come_from_the_package() -> None:
+    """The package exports each node's entry point and its options, as the user's snippets import them:
+    the inference server's as the actor's and the trainer's (a lazy import: torch and grpc only when used)."""
+    import srl.runner.distribution as distribution
+    from srl.runner.distribution.inference import inference_run_forever
+    from srl.runner.distribution.options import InferenceOptions
+
+    assert distribution.inference_run_forever is inference_run_forever
+    assert distribution.InferenceOptions is InferenceOptions
+    assert {"actor_run_forever", "trainer_run_forever", "inference_run_forever", "ActorOptions", "TrainerOptions",
+            "InferenceOptions"} <= set(distribution.__all__)
+    for name in distribution.__all__:
+        assert getattr(distribution, name) is not None, name
+
+
 def test_three_snippets_as_separate_processes(redis_url: str, namespace: str, tmp_path: Path) -> None:
     procs = []
     try:

@@ -2,31 +2,36 @@
 
 ``RedisParameters`` says where the board lives; ``RabbitMQParameters``,
 ``MQTTParameters`` and ``GCPParameters`` move the experience queue elsewhere
-(None keeps it in the board's Redis). ``actor_run_forever`` and
-``trainer_run_forever`` serve tasks; ``Runner.train_distribution`` submits one.
-The two are imported when first used (they load torch; ``srl status`` does not).
+(None keeps it in the board's Redis). ``actor_run_forever``,
+``trainer_run_forever`` and ``inference_run_forever`` (central inference) serve
+tasks, with ``ActorOptions``, ``TrainerOptions`` and ``InferenceOptions``;
+``Runner.train_distribution`` submits one. The three are imported when first
+used (they load torch, the inference server grpc; ``srl status`` does not).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from srl.runner.distribution.options import ActorOptions, TrainerOptions
+from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
 from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
 from srl.runner.distribution.redis_parameters import RedisParameters
 
 if TYPE_CHECKING:
     from srl.runner.distribution.actor import actor_run_forever
+    from srl.runner.distribution.inference import inference_run_forever
     from srl.runner.distribution.trainer import trainer_run_forever
 
 __all__ = [
     "ActorOptions",
     "GCPParameters",
+    "InferenceOptions",
     "MQTTParameters",
     "RabbitMQParameters",
     "RedisParameters",
     "TrainerOptions",
     "actor_run_forever",
+    "inference_run_forever",
     "trainer_run_forever",
 ]
 
@@ -40,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from srl.runner.distribution.trainer import trainer_run_forever
 
         return trainer_run_forever
+    if name == "inference_run_forever":
+        from srl.runner.distribution.inference import inference_run_forever
+
+        return inference_run_forever
     raise AttributeError(f"module 'srl.runner.distribution' has no attribute {name!r}")
