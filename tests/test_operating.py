@@ -509,6 +509,38 @@ def test_progress_never_shows_more_batches_received_than_sent(redis_url: str, na
     board.delete_task()
 
 
+def test_a_progress_line_reads_every_slots_lease_at_once(tmp_path: Path) -> None:
+    """A progress line costs the same Redis commands for 8 actor slots as for 400 (every lease in one MGET):
+    at 1,000 slots and 20 ms to Redis, a read per slot would take 20 s a line, during which the client sees
+    neither the task's end nor its own timeout. Counted on a Redis of the test's own, which nothing else
+    talks to."""
+    from srl.runner.distribution.board import Board
+
+    config = srl.Runner("Pendulum-v1", tiny_config()).task_config()
+    with running(PrivateRedis()) as server:
+        client = redis.Redis.from_url(server.url)
+
+        def commands_for_a_line(actor_num: int) -> int:
+            board = Board(client, f"slots{actor_num}")
+            board = board.bound(board.create_task({**config, "actor_num": actor_num}).task_id)
+            board.set_active()
+            assert board.claim_lease("trainer", "trainer-x", 60_000)
+            for slot in range(0, actor_num, 2):  # half the slots held, half missing
+                assert board.claim_lease(f"actor:{slot}", f"actor-{slot}", 60_000)
+            status = board.get_status()
+            assert status is not None
+            before = int(client.info("stats")["total_commands_processed"])
+            lines = progress_lines(board, status, 1.0)
+            after = int(client.info("stats")["total_commands_processed"])
+            assert len(lines) == 2 + actor_num, lines
+            assert lines[2].startswith("  actor 0 actor-0:") and "actor 1: MISSING" in lines[3], lines[:4]
+            return after - before
+
+        few, many = commands_for_a_line(8), commands_for_a_line(400)
+        client.close()
+    assert many == few, f"a progress line took {few} commands for 8 actor slots and {many} for 400"
+
+
 # --------------------------------------------------------------------------- counts that add up
 @pytest.mark.slow
 @pytest.mark.parametrize("queue", [None, RABBITMQ_URL, "mqtt://127.0.0.1:1883"], ids=["redis", "amqp", "mqtt"])

@@ -933,7 +933,10 @@ def progress_lines(
             return f"  {label}: {waited} — {refusal.uid} refuses the task: {refusal.reason}"
         return f"  {label}: {waited} — start one: {hints.command(role)} (or {role}_run_forever(...))"
 
-    holder, _ = board.lease_holder("trainer")
+    # every lease in one MGET: a read per slot would cost a round trip each (1,000 slots at 20 ms: 20 s a line,
+    # during which the client would see neither the task's end nor its own timeout)
+    holders = board.lease_holders(["trainer", "inference", *(f"actor:{i}" for i in range(actor_num))])
+    holder, inference_holder, actor_holders = holders[0], holders[1], holders[2:]
     latest_version = trainer.params_version if trainer is not None else 0
     if holder is None and (not ended or trainer is None):
         lines.append(missing("trainer", trainer, "trainer"))
@@ -953,11 +956,10 @@ def progress_lines(
             f"{lag}{waiting}"
         )
     if config.get("inference") == "central":
-        lines.append(_inference_line(board, reports.inference, ended, missing))
+        lines.append(_inference_line(board, inference_holder, reports.inference, ended, missing))
     elastic = config.get("elastic_actors") is True
     free: list[int] = []
-    for i in range(actor_num):
-        holder, _ = board.lease_holder(f"actor:{i}")
+    for i, holder in enumerate(actor_holders):
         s = reports.actor(i)
         if holder is None and (not ended or s is None):
             if elastic:
@@ -996,10 +998,10 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _inference_line(board: Board, stats: InferenceStats | None, ended: bool,
+def _inference_line(board: Board, holder: str | None, stats: InferenceStats | None, ended: bool,
                     missing: Callable[[str, NodeStats | None, str], str]) -> str:
-    """The central inference server's line: who holds the lease, where it listens, how it batches."""
-    holder, _ = board.lease_holder("inference")
+    """The central inference server's line: who holds the lease (``holder``), where it listens, how it
+    batches."""
     if holder is None and (not ended or stats is None):
         return missing("inference", stats, "inference")
     stats = stats or InferenceStats()  # a holder that has not reported yet
