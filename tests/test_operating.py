@@ -77,6 +77,9 @@ def test_a_misspelled_setting_raises_with_the_closest_name() -> None:
      r"actor_options: lease_ttl \(0\.5s\) must be longer than heartbeat_interval"),
     ({"queue_capacity": 8, "rl_lr": "0.001"}, ValueError, r"lr must be a finite number in \(0, 1\], got '0\.001' "
                                                           r"\(a str\)"),
+    # one stream (and a server thread) per actor: more actors than a server streams would wait for ever
+    ({"inference": "central", "actor_num": 1021, "timeout": 0.5}, ValueError,
+     r"central inference serves at most 1020 actors .*, got actor_num=1021; .*envs_per_actor.*inference='local'"),
 ])
 def test_the_client_checks_its_arguments_before_writing_anything(
     redis_url: str, namespace: str, arguments: dict[str, object], error: type[Exception], says: str
@@ -92,6 +95,21 @@ def test_the_client_checks_its_arguments_before_writing_anything(
     with pytest.raises(error, match=says):
         runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), **kwargs)  # type: ignore[arg-type]
     assert board_for(redis_url, namespace).get_status() is None  # nothing was written
+
+
+def test_every_node_refuses_a_task_of_more_actors_than_central_inference_serves() -> None:
+    """A task written by hand (not through the client) with more actors than one inference server streams is
+    refused by the nodes that build it, with the same reason the client gives."""
+    import json
+
+    from srl.runner.distribution.task import MAX_CENTRAL_ACTORS, TaskConfigError, build_task
+    from tests.nodes import tiny_config
+
+    config = {**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "inference": "central"}
+    assert build_task(json.dumps({**config, "actor_num": MAX_CENTRAL_ACTORS})).actor_num == MAX_CENTRAL_ACTORS
+    with pytest.raises(TaskConfigError, match=rf"at most {MAX_CENTRAL_ACTORS} actors .*got actor_num="):
+        build_task(json.dumps({**config, "actor_num": MAX_CENTRAL_ACTORS + 1}))
+    assert build_task(json.dumps({**config, "inference": "local", "actor_num": 5000})).actor_num == 5000
 
 
 def test_bad_arguments_on_an_embedded_redis_start_nothing() -> None:

@@ -214,7 +214,7 @@ def train_distribution(
     runner.rl_config.validate()  # it may have changed since the Runner was made (config.lr = "0.001")
     if inference == "central":
         try:
-            check_central(runner.rl_config)
+            check_central(runner.rl_config, actor_num)
         except TaskConfigError as e:
             raise ValueError(str(e)) from None
     ensure_logging()

@@ -77,6 +77,7 @@ from srl.runner.distribution.sender import RowSender
 from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import InferenceStats
 from srl.runner.distribution.task import (
+    MAX_CENTRAL_ACTORS,
     TASK_GONE,
     TASK_REPLACED,
     StopFlag,
@@ -95,8 +96,9 @@ MAX_FAILED_BATCHES = 10
 FIRST_REQUEST_S = 10.0
 """seconds a new stream has to send its first request before the server closes it (an idle connection
 must not hold one of its handler threads)"""
-MAX_STREAMS = 1024
-"""actors one server serves at once (gRPC's synchronous server holds a thread per open stream)"""
+MAX_STREAMS = MAX_CENTRAL_ACTORS + 4
+"""streams one server serves at once (gRPC's synchronous server holds a thread per open stream): a task's
+actors (``MAX_CENTRAL_ACTORS`` at most, which the client and every node check) and a few spare"""
 _RUNS = itertools.count()
 
 

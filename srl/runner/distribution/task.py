@@ -25,6 +25,9 @@ from srl.runner.distribution.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, 
 
 MAX_QUEUE_CAPACITY = 1_000_000
 """most batches a task may allow in its queue"""
+MAX_CENTRAL_ACTORS = 1020
+"""most actor slots a task with central inference may have: its server holds a stream, and a thread, per actor
+(up to 1,024 streams, a few of them spare for an actor whose new stream opens while its old one closes)"""
 TASK_GONE = ("the task is gone from the board: deleted, or Redis restarted without persistence (run it with "
              "appendonly yes for long tasks)")
 """why a node stops when its task vanished"""
@@ -147,7 +150,7 @@ def build_task(
             raise TaskConfigError(f"task field 'inference' must be one of {list(INFERENCE_MODES)}, found "
                                   f"{short(repr(inference), 60)}")
         if inference == "central":
-            check_central(rl_config)
+            check_central(rl_config, actor_num)
         return TaskSpec(
             inference=inference,
             rl_config=rl_config,
@@ -174,8 +177,15 @@ def build_task(
 INFERENCE_MODES = ("local", "central")
 
 
-def check_central(rl_config: RLConfig) -> None:
-    """Raise TaskConfigError when ``rl_config``'s algorithm cannot act with central inference."""
+def check_central(rl_config: RLConfig, actor_num: int) -> None:
+    """Raise TaskConfigError when ``rl_config``'s algorithm cannot act with central inference, or one server
+    cannot serve ``actor_num`` actors (elastic or not: every slot may connect)."""
+    if actor_num > MAX_CENTRAL_ACTORS:
+        raise TaskConfigError(
+            f"central inference serves at most {MAX_CENTRAL_ACTORS} actors (its server holds a stream and a "
+            f"thread for each), got actor_num={actor_num}; run fewer actors with more envs each (envs_per_actor), "
+            "or inference='local'"
+        )
     if rl_config.data_path().sync:
         raise TaskConfigError(
             f"{rl_config.algorithm} with sync=True cannot run with central inference: its actors wait in "
