@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from srl.runner.distribution.board import TaskExistsError, TaskNotFoundError, Ta
 from srl.runner.distribution.client import progress_lines
 from srl.runner.distribution.credentials import CredentialsError
 from tests.conftest import broker_unavailable, port_open, running
-from tests.nodes import ClientThread, Node, board_for, start, tiny_config, wait_for
+from tests.nodes import ClientThread, Node, board_for, default_sigint, start, tiny_config, wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis
 
 SUBCOMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
@@ -139,7 +140,7 @@ def _client_process(tmp_path: Path, name: str, code: str) -> tuple[subprocess.Po
     log = tmp_path / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).parent.parent)
+                                cwd=Path(__file__).parent.parent, preexec_fn=default_sigint)
     return proc, log
 
 
@@ -390,6 +391,45 @@ def test_the_same_call_again_attaches_to_the_task_a_killed_client_left(
     with pytest.raises(TaskNotFoundError, match="to attach to"):
         again.train_distribution(RedisParameters(url=redis_url, task_name=namespace + "-none"),
                                  max_train_count=1500, attach=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_or_sigterm_on_an_attached_client_detaches_and_the_task_goes_on(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """Only the client that submitted a task ends it when interrupted (or ``srl stop``): a second client that
+    attached to watch it detaches on Ctrl-C or SIGTERM, and the submitter's run goes on to its budget."""
+    board = board_for(redis_url, namespace)
+    script = WATCHING_CLIENT.format(url=redis_url, ns=namespace, count=300)
+    submitter, submitter_log = _client_process(tmp_path, "submitter", script)
+    watchers: list[subprocess.Popen[bytes]] = []
+    try:
+        wait_for(lambda: (s := board.get_status()) is not None and s.status == TaskState.ACTIVE, 60, "the task")
+        interrupted, interrupted_log = _client_process(tmp_path, "interrupted", script)
+        terminated, terminated_log = _client_process(tmp_path, "terminated", script)
+        watchers = [interrupted, terminated]
+        for log in (interrupted_log, terminated_log):  # no node serves the task yet: it cannot end meanwhile
+            wait_for(lambda log=log: "MISSING" in log.read_text(), 60, "the attached client's progress lines")
+            assert "attaching to it" in log.read_text()
+        interrupted.send_signal(signal.SIGINT)
+        terminated.terminate()
+        interrupted.wait(timeout=60)
+        assert terminated.wait(timeout=60) == 143, terminated_log.read_text()
+        status = board.get_status()
+        assert status is not None and status.status == TaskState.ACTIVE, status
+        for log in (interrupted_log, terminated_log):
+            assert f"detaching from task {namespace!r}" in log.read_text(), log.read_text()
+            assert "srl stop --url" in log.read_text() and "ending task" not in log.read_text()
+        start(nodes, "trainer", redis_url, namespace, tmp_path)
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+        assert submitter.wait(timeout=300) == 0, submitter_log.read_text()
+    finally:
+        for proc in (submitter, *watchers):
+            if proc.poll() is None:
+                proc.kill()
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END and "max_train_count 300" in status.end_reason
+    assert "TRAIN COUNT" in submitter_log.read_text()
 
 
 # --------------------------------------------------------------------------- refusals on the board

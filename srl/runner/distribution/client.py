@@ -2,7 +2,8 @@
 
 Owns: ``train_distribution`` — writing the task to the board (refusing to
 clobber an active one unless told to), progress lines that say what the run
-waits for, Ctrl-C as "cancelled", loading the final params into the Runner,
+waits for, Ctrl-C as "cancelled" on the client that submitted the task (one
+that attached to watch it detaches), loading the final params into the Runner,
 and, on an embedded Redis, starting and stopping local actor and trainer
 processes. Must never: spin without telling the user what it waits for.
 """
@@ -199,8 +200,9 @@ def train_distribution(
         inference_options: InferenceOptions fields for a local inference server.
 
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
-    here as local processes and stopped at the end. Ctrl-C or SIGTERM ends the task as "cancelled"
-    and still loads the latest params. A FAILED task raises :class:`TaskFailedError`.
+    here as local processes and stopped at the end. Ctrl-C or SIGTERM on the client that submitted the task
+    ends it as "cancelled" and still loads the latest params; on a client that attached to it, it only
+    detaches (the task goes on; ``srl stop`` ends it). A FAILED task raises :class:`TaskFailedError`.
     """
     _check_arguments(redis_params, queue_params, actor_num=actor_num, max_train_count=max_train_count,
                      max_steps=max_steps, timeout=timeout, progress_interval=progress_interval,
@@ -231,6 +233,7 @@ def train_distribution(
     checkpoints: BoardCheckpoints | None = None
     board: Board | None = None
     submitted = False  # the task is ACTIVE and watched (or attached to)
+    attached = False  # watching a task another client submitted: an interrupt detaches, it does not cancel
     codec = Codec(secret=secret, task=resolved.task_name)
     try:
         with _sigterm_as_interrupt():
@@ -248,8 +251,9 @@ def train_distribution(
             }
             with_retry(unbound.ping, f"connecting to {resolved.describe()}", max_wait=10)
             config_json = json.dumps(task, separators=(",", ":"))
-            board = _attach(unbound, task, overwrite, attach)
-            attached = board is not None
+            watched = _attach(unbound, task, overwrite, attach)
+            attached = watched is not None
+            board = watched
             if board is None:
                 _check_queue(queue_params, resolved)  # a refused login or an unreachable broker: before submitting
                 status = unbound.create_task(config_json, overwrite=overwrite,
@@ -320,7 +324,9 @@ def train_distribution(
         raise
     except KeyboardInterrupt as interrupt:
         terminated = isinstance(interrupt, Terminated)
-        if board is not None:
+        if board is not None and attached:
+            _detach(board, resolved, "terminated (SIGTERM)" if terminated else "interrupted")
+        elif board is not None:
             logger.warning("%s: ending task %r as cancelled", "terminated (SIGTERM)" if terminated else "interrupted",
                            resolved.task_name)
             try:
@@ -345,6 +351,15 @@ def train_distribution(
         local_nodes.stop_all(procs)
         if isinstance(embedded, EmbeddedRedis):
             embedded.stop()
+
+
+def _detach(board: Board, redis_params: RedisParameters, why: str) -> None:
+    """An interrupted client that attached to a task leaves it running (another client submitted it). Its
+    runner keeps its weights: the same call again attaches anew and loads the final ones."""
+    logger.warning("%s: detaching from task %r, which goes on (its submitting client's Ctrl-C or `%s` ends it)",
+                   why, redis_params.task_name, NodeHints.of(redis_params).command("stop"))
+    with contextlib.suppress(Exception):  # a board that is away: the interrupt still ends this client
+        board.log_event("a client detached from the task", source="client")
 
 
 class Terminated(KeyboardInterrupt):
