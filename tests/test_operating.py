@@ -665,6 +665,29 @@ def test_a_remote_trainers_checkpoints_reach_the_log_dir_and_a_run_resumes_from_
     assert f"the checkpoint's replay memory is back: {rows} rows" in trainer.output()
 
 
+@pytest.mark.slow
+def test_train_distribution_goes_on_from_what_the_runner_trained_here(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """``runner.train(); runner.train_distribution()``: the trainer starts from the runner's weights, optimizer
+    state and counters (as from a checkpoint), the budget counts from there as a second ``train`` call's would,
+    and the runner ends with the run's totals, its own steps counted once."""
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    runner.train(max_train_count=300, progress_interval=None, checkpoint_interval=None)
+    local_steps, local_version = runner.env_steps, runner.parameter.version
+    assert runner.train_count == 300
+    runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), max_train_count=200,
+                              progress_interval=None)
+    assert f"resumed from a checkpoint: version {local_version}, train_count 300" in trainer.output()
+    board = board_for(redis_url, namespace)
+    status = board.get_status()
+    assert status is not None and "max_train_count 500" in status.end_reason, status
+    assert runner.train_count == status.train_count >= 500
+    assert runner.env_steps == int(board.get_counters()["env_steps"]) > local_steps
+
+
 # --------------------------------------------------------------------------- the command line
 def test_cli_errors_are_one_line_with_the_usual_exit_codes(redis_url: str, namespace: str, tmp_path: Path) -> None:
     from tests.queue_fixtures import closed_port

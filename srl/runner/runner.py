@@ -79,6 +79,7 @@ class Runner:
         self.episodes = 0
         self._train_count = 0  # loaded with weights, before a learner exists
         self._pending_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None  # for the next learner
+        self._own_weights = False  # trained here or loaded: a distributed run goes on from them
 
     # ---------------------------------------------------------------- pieces
     @property
@@ -169,6 +170,7 @@ class Runner:
                 self._learner.load_state_arrays(*self._pending_state)
                 self._pending_state = None
         learner, buffer = self._learner, self._buffer
+        self._own_weights = True
         run_log = RunLog(log_dir) if log_dir is not None else None
         log_every = progress_interval or 5.0
         next_log = time.perf_counter() + log_every
@@ -332,6 +334,15 @@ class Runner:
         return build_checkpoint(self.parameter, self._learner, self.task_config(), self.train_count, self.env_steps,
                                 self.episodes, self._pending_state)
 
+    def own_checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        """What this runner has to go on from, as a checkpoint's ``(meta, arrays)``: its weights, the trainer's
+        state and its counters, once it trained here or loaded weights (:meth:`load`, a distributed run's final
+        params); None while its weights are as built. ``train_distribution`` starts its trainer from it."""
+        if not self._own_weights:
+            return None
+        arrays, meta = self._checkpoint_contents()
+        return meta, arrays
+
     def load(self, path: str | os.PathLike[str]) -> None:
         """Load a checkpoint written by :meth:`save` (or by a distributed trainer): the weights, the
         counters, and the trainer's state for the next ``train`` when the file holds it."""
@@ -353,6 +364,7 @@ class Runner:
         """Replace the weights (``version``: the params version they are; ``train_count``: updates made)."""
         self.parameter.from_arrays(arrays)
         self.parameter.version = version
+        self._own_weights = True
         self._train_count = train_count
         if self._learner is not None:
             self._learner.train_count = train_count
@@ -386,7 +398,9 @@ class Runner:
         progress_interval: float | None = 5.0,
         **options: Any,
     ) -> None:
-        """Run this task across processes/machines; see ``srl.runner.distribution.client``."""
+        """Run this task across processes/machines; see ``srl.runner.distribution.client``. A runner that
+        trained here or loaded weights goes on from them, as :meth:`train` would: the trainer starts from its
+        weights, trainer state and counters, and the limits count from there."""
         from srl.runner.distribution.client import train_distribution
 
         train_distribution(

@@ -106,6 +106,8 @@ class Runner(Protocol):
 
     def save(self, path: str | os.PathLike[str]) -> None: ...
 
+    def own_checkpoint(self) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None: ...
+
     def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = ...) -> None: ...
 
     def set_parameter_arrays(self, arrays: dict[str, np.ndarray], version: int, train_count: int) -> None: ...
@@ -192,7 +194,9 @@ def train_distribution(
             here in the client (the trainer is not slowed), ``eval_episodes`` episodes each time.
         resume_from: a checkpoint file (or a log_dir holding checkpoints: the newest) to start from:
             weights, optimizer state, train_count and env steps go on; ``max_train_count`` and
-            ``max_steps`` count from there.
+            ``max_steps`` count from there. Without it, a runner that trained here (``runner.train()``) or
+            loaded weights (``runner.load``, an earlier distributed run) is started from in the same way;
+            a runner with its weights as built starts fresh.
         inference: "local" (each actor runs the network and fetches params) or "central" (SEED RL: an
             inference server, ``srl inference``, acts for every actor in batches; actors only step their
             envs and fetch no params). Local processes include the server; elsewhere start one with
@@ -222,7 +226,7 @@ def train_distribution(
     ensure_logging()
     runner.spec  # noqa: B018 - builds the env once: a misspelled env or unusable space fails here, not on a node
     runner.rl_config = runner.rl_config.settled(runner.env_config)  # here, so every node gets the same values
-    resume = _read_resume(runner, resume_from) if resume_from is not None else None
+    resume = _read_resume(runner, resume_from) if resume_from is not None else _own_resume(runner)
     if resume is not None:  # the budget counts from where the checkpoint got to
         max_train_count = None if max_train_count is None else runner.train_count + max_train_count
         max_steps = None if max_steps is None else runner.env_steps + max_steps
@@ -264,7 +268,9 @@ def train_distribution(
                     board.set_resume(_resume_blob(codec, runner, *resume))
                     board.incr_counters("client", env_steps=runner.env_steps, episodes=runner.episodes)
             elif resume is not None:
-                logger.warning("resume_from is not used: the client attached to a task that runs already")
+                logger.warning("%s not used: the client attached to a task that runs already, whose final "
+                               "params the runner takes", "resume_from is" if resume_from is not None
+                               else "this runner's own weights are")
             start_local = embedded is not None if local_processes is None else local_processes
             if start_local:
                 procs = local_nodes.start_all(resolved, queue_params, actor_num, secret, actor_options or {},
@@ -655,6 +661,17 @@ def _read_resume(runner: Runner, path: str | os.PathLike[str]) -> tuple[dict[str
     runner.load_checkpoint(meta, arrays, str(source))
     logger.info("resuming from %s: train_count %d, env steps %d", source, runner.train_count, runner.env_steps)
     return meta, arrays
+
+
+def _own_resume(runner: Runner) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """The checkpoint of what ``runner`` trained or loaded, to start the run from (None: weights as built):
+    the distributed run goes on from there, as another ``train`` call would, instead of training fresh weights
+    that replace the runner's at the end."""
+    own = runner.own_checkpoint()
+    if own is not None:
+        logger.info("starting from this runner's own weights: train_count %d, env steps %d (the limits count "
+                    "from there)", runner.train_count, runner.env_steps)
+    return own
 
 
 def _resume_blob(codec: Codec, runner: Runner, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
