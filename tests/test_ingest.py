@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -382,6 +383,66 @@ def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, name
     finally:
         board.delete_task()
     assert holders == ["t"]
+
+
+def ppo_trainer(redis_url: str, namespace: str, max_steps: int) -> tuple[Board, RedisParameters, TrainerRun]:
+    """The trainer's run (epoch 1, uid ``t1``) of a sync PPO task on Pendulum (its rewards normalized, its
+    learning rate and clip range annealed over ``max_steps``) on a fresh board."""
+    from srl.algorithms import ppo
+
+    config = ppo.Config(seed=0, envs_per_actor=1, segment_length=16)
+    config.hidden_block.set_mlp((16, 16))
+    runner = srl.Runner("Pendulum-v1", config)
+    params = RedisParameters(url=redis_url, task_name=namespace)
+    board = Board(params.connect(), namespace)
+    board = board.bound(board.create_task(json.dumps({**runner.task_config(), "actor_num": 1, "max_steps": max_steps,
+                                                      "queue": {"scheme": "redis"}})).task_id)
+    epoch = board.claim_trainer("t1", 60_000)
+    assert epoch is not None
+    return board, params, TrainerRun(board, params, None, build_task(*board.get_task_config_raw()), epoch,
+                                     TrainerOptions(uid="t1", secret=""))
+
+
+def successor_of(board: Board, params: RedisParameters, run: TrainerRun, **options: Any) -> TrainerRun:
+    """The run of the trainer (uid ``t2``) that takes the task over once ``run``'s trainer died."""
+    assert board.release_lease("trainer", run.options.uid)  # as its lease lapsing would
+    epoch = board.claim_trainer("t2", 60_000)
+    assert epoch == run.epoch + 1
+    return TrainerRun(board, params, None, run.task, epoch, TrainerOptions(uid="t2", secret="", **options))
+
+
+def test_a_trainer_taking_over_goes_on_with_the_runs_schedule_and_return_statistics(
+    redis_url: str, namespace: str
+) -> None:
+    """A standby that takes a PPO run over at 6,000 of its 10,000 env steps anneals the learning rate and the
+    clip range from 40% of their start, as the dead trainer would have, not from the start again; and it
+    scales rewards by the return statistics the run gathered, not by fresh ones."""
+    board, params, first = ppo_trainer(redis_url, namespace, max_steps=10_000)
+    try:
+        rms = first.learner.return_rms  # type: ignore[attr-defined]
+        rms.mean.fill_(0.5)
+        rms.var.fill_(4.0)
+        rms.count.fill_(6000.0)
+        board.incr_counters("actor-a", env_steps=6000)  # the run's env steps so far, as actors count them
+        first.gate.version = 7
+        first.publisher.request(first.learner.train_count)
+        first.publisher.flush()
+        assert first.publisher.published_version == 7
+        successor = successor_of(board, params, first, heartbeat_interval=0.2)
+        run = threading.Thread(target=successor.run, name="successor")
+        run.start()
+        try:
+            wait_for(lambda: (head := board.get_params_version()) and head[0] == 2, 60, "the successor's first params")
+        finally:
+            successor.stop.set("test over")
+            run.join(60)
+        learner = successor.learner
+        assert learner.anneal.advance(0, learner.train_count) == pytest.approx(0.4)  # type: ignore[attr-defined]
+        restored = learner.return_rms  # type: ignore[attr-defined]
+        assert (restored.mean.item(), restored.var.item(), restored.count.item()) == (0.5, 4.0, 6000.0)
+    finally:
+        first.stop.set("test over")
+        board.delete_task()
 
 
 def test_an_off_policy_trainer_cut_off_from_new_rows_stops_at_a_bounded_replay_ratio(

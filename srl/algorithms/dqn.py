@@ -776,7 +776,7 @@ class DQNLearner(Learner):
         self.nonfinite_losses = 0
         self._average_floor = 0.0
 
-    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
+    def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         """The greedy average spans at most the last quarter of the planned train steps (``max_train_count``,
         else ``max_steps / env_steps_per_train``)."""
         ratio = self.config.env_steps_per_train

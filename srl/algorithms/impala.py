@@ -18,11 +18,9 @@ how far behind (in versions and in train steps) what it learns from is, and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -244,14 +242,8 @@ class IMPALALearner(Learner):
         self.train_count = 0
         self.anneal = LinearAnneal()
 
-    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
-        self.anneal.plan(max_steps, max_train_count)
-
-    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return {}, self.anneal.state()
-
-    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-        self.anneal.load_state(meta)
+    def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
+        self.anneal.plan(max_steps, max_train_count, env_steps)
 
     def train(self) -> IMPALAStats | None:
         segments = self.buffer.take(self.config.batch_segments)

@@ -276,17 +276,23 @@ class PPOLearner(Learner):
         self.train_count = 0
         self.anneal = LinearAnneal()
 
-    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
+    def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         """The run's budget: the learning rate and the clip range anneal to 0 over ``max_steps`` env steps
-        (else over ``max_train_count`` gradient steps)."""
-        self.anneal.plan(max_steps, max_train_count)
+        (else over ``max_train_count`` gradient steps), from where the run is (``env_steps``)."""
+        self.anneal.plan(max_steps, max_train_count, env_steps)
 
     def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return torch_to_arrays({"return_rms": self.return_rms}), self.anneal.state()
+        return torch_to_arrays({"return_rms": self.return_rms}), {}
 
     def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         torch_from_arrays({"return_rms": self.return_rms}, dict(arrays))
-        self.anneal.load_state(meta)
+
+    def takeover_state(self) -> dict[str, Any]:
+        return {"return_rms": self.return_rms.state()}
+
+    def load_takeover_state(self, meta: Mapping[str, Any]) -> None:
+        if "return_rms" in meta:
+            self.return_rms.load_state(meta["return_rms"], "return_rms")
 
     def _scale_rewards(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
         """Divide the env's rewards by the running std of their discounted returns (accumulated within each

@@ -528,9 +528,11 @@ class Learner(ABC):
     def train(self) -> TrainStats | None:
         """One update (one or more gradient steps), or None when the buffer does not hold enough."""
 
-    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:  # noqa: B027 - optional
-        """The run's budget (env steps, gradient steps; None: not bounded), for schedules that anneal
-        over it (PPO's learning rate). Nothing by default."""
+    def plan(self, max_steps: int | None, max_train_count: int | None,  # noqa: B027 - optional
+             env_steps: int = 0) -> None:
+        """The run's budget (env steps, gradient steps; None: not bounded) and its ``env_steps`` so far (a
+        trainer that takes a run over, a ``train`` call after another), for schedules that anneal over it
+        (PPO's learning rate). Nothing by default."""
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """Every optimizer a checkpoint keeps, by the name its entries go under: ``optimizer`` alone by
@@ -569,6 +571,17 @@ class Learner(ABC):
 
     def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:  # noqa: B027
         """Restore ``extra_state``. Nothing by default."""
+
+    def takeover_state(self) -> dict[str, Any]:
+        """What a trainer taking the run over needs beyond the weights, ``train_count`` and the run's env steps
+        (``plan``): running statistics the updates scale by (PPO's return scale). Every params message
+        carries it in its meta, so it is small and JSON; the optimizer state and a replay memory travel only in
+        checkpoints. Nothing by default."""
+        return {}
+
+    def load_takeover_state(self, meta: Mapping[str, Any]) -> None:  # noqa: B027 - an optional hook
+        """Restore ``takeover_state`` read from the board (any value may come): ValueError if it does not
+        fit. Nothing by default."""
 
     def on_parameters_loaded(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """The parameter's weights were replaced (a checkpoint, or params restored from the board):

@@ -45,7 +45,6 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
-from srl.base.config import check_int
 from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
 from srl.base.rl import (
     Columns,
@@ -228,11 +227,36 @@ class RunningMeanStd(nn.Module):
     def normalize(self, x: torch.Tensor, clip: float = 10.0) -> torch.Tensor:
         return torch.clamp((x - self.mean.float()) / torch.sqrt(self.var.float() + 1e-8), -clip, clip)
 
+    def state(self) -> dict[str, Any]:
+        """The statistics as JSON numbers (exact: a float64 round-trips through JSON), for the small ones
+        a params message carries."""
+        return {"mean": self.mean.tolist(), "var": self.var.tolist(), "count": self.count.item()}
+
+    def load_state(self, state: Any, what: str) -> None:
+        """Load what ``state`` wrote; ValueError naming ``what`` when it does not fit these statistics (read
+        from the board: any value may come)."""
+        if not isinstance(state, Mapping) or set(state) != {"mean", "var", "count"}:
+            raise ValueError(f"{what}: expected an object of mean, var and count, got {str(state)[:80]!r}")
+        try:
+            mean, var, count = (np.asarray(state[k], np.float64) for k in ("mean", "var", "count"))
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{what}: mean, var and count must be numbers") from None
+        if mean.shape != tuple(self.mean.shape) or var.shape != mean.shape or count.shape != ():
+            raise ValueError(f"{what}: shapes {mean.shape}, {var.shape}, {count.shape}; these statistics have "
+                             f"{tuple(self.mean.shape)} and a scalar count")
+        if not (np.isfinite(mean).all() and np.isfinite(var).all() and (var >= 0).all()
+                and math.isfinite(float(count)) and float(count) > 0):
+            raise ValueError(f"{what}: the mean and var must be finite, the var not negative, the count positive")
+        self.mean.copy_(torch.from_numpy(mean))
+        self.var.copy_(torch.from_numpy(var))
+        self.count.fill_(float(count))
+
 
 class LinearAnneal:
-    """A linear decay over the run's budget: 1 at the start, ``floor`` at the end of ``max_steps`` env steps
-    (counted as the trainer consumes them), else of ``max_train_count`` gradient steps; 1 throughout when
-    neither is known. ``steps_seen`` travels in checkpoints, so a resumed run goes on where it was."""
+    """A linear decay over the run's budget: 1 at the start, ``floor`` at the end of ``max_steps`` env steps,
+    else of ``max_train_count`` gradient steps; 1 throughout when neither is known. The env steps are the
+    run's: where its owner says the run is when it plans (one process: the runner's count; a trainer: the
+    board's total, so one taking a run over goes on at the same fraction), then those consumed since."""
 
     def __init__(self, floor: float = 0.02) -> None:
         self.floor = floor
@@ -240,8 +264,10 @@ class LinearAnneal:
         self.max_steps: int | None = None
         self.max_train_count: int | None = None
 
-    def plan(self, max_steps: int | None, max_train_count: int | None) -> None:
+    def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
+        """The budget, and the run's ``env_steps`` so far."""
         self.max_steps, self.max_train_count = max_steps, max_train_count
+        self.steps_seen = max(0, int(env_steps))
 
     def advance(self, env_steps: int, train_count: int) -> float:
         """Count ``env_steps`` more consumed; the fraction now."""
@@ -251,14 +277,6 @@ class LinearAnneal:
         if self.max_train_count:
             return max(1.0 - train_count / self.max_train_count, self.floor)
         return 1.0
-
-    def state(self) -> dict[str, Any]:
-        return {"steps_seen": self.steps_seen}
-
-    def load_state(self, meta: Mapping[str, Any]) -> None:
-        steps = meta.get("steps_seen", 0)
-        check_int("steps_seen", steps, 0, 2**62)
-        self.steps_seen = int(steps)
 
 
 class ActorCritic(nn.Module):

@@ -182,7 +182,7 @@ class Runner:
         rates = _Rates(self.env_steps, learner.train_count)
         planned = (None if max_steps is None else self.env_steps + max_steps,
                    None if max_train_count is None else learner.train_count + max_train_count)
-        learner.plan(*planned)
+        learner.plan(*planned, self.env_steps)
         data_path = config.data_path()
         parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
         seed = continued_seed(config.seed, self.env_steps)

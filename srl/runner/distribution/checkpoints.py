@@ -1,8 +1,10 @@
 """What a trainer run starts from and what it leaves behind.
 
 Owns: :class:`TrainerCheckpoints`: at the start, the params on the board when this run takes over a task
-(``restore``: weights, version and train_count go on), or, for a new task, the checkpoint its client put on
-the board (``resume``: weights, optimizer state, counters and the replay memory when it holds one);
+(``restore``: the weights, version, train_count and the learner's ``takeover_state`` go on; the
+optimizer starts fresh), or, for a new task, the checkpoint its client put on the board (``resume``: weights,
+optimizer state, counters and the replay memory when it holds one), and the run's env steps so far
+(``run_env_steps``: schedules over the budget go on from them);
 while training and at the end, checkpoints under ``checkpoint_dir/<task>/`` and on the board, for a client
 with a log_dir wherever this trainer runs. Must never: trust what it reads (bounded, signed when a secret
 is set, every array checked against this network), or let a full disk or a board that is away stop
@@ -12,6 +14,7 @@ training.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +94,7 @@ class TrainerCheckpoints:
                 logger.info("no params on the board: starting from fresh weights")
             return
         try:
-            _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
+            meta, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
             self.parameter.from_arrays(arrays)
         except (DecodeError, ValueError) as e:
             logger.error("params on the board (epoch %d, version %d) cannot be restored: %s; starting fresh",
@@ -102,8 +105,26 @@ class TrainerCheckpoints:
             return
         self._at_version(record.version, record.train_count)
         self.learner.on_parameters_loaded()
+        takeover = meta.get("takeover", {})
+        try:
+            if not isinstance(takeover, dict):
+                raise ValueError(f"expected an object, got {short(repr(takeover), 40)}")
+            self.learner.load_takeover_state(takeover)
+        except (ValueError, TypeError) as e:  # the weights are good: only the statistics start again
+            logger.error("the learner state in the params on the board cannot be restored (%s); it starts fresh",
+                         short(e))
         logger.info("trainer at epoch %d restored the params of epoch %d version %d: train_count continues from %d",
                     self.epoch, record.epoch, record.version, record.train_count)
+
+    def run_env_steps(self) -> int:
+        """The run's env steps so far, as its actors (and a checkpoint it resumed from) counted them on the
+        board: a schedule over the run's budget goes on from there (0 when they cannot be read)."""
+        try:
+            steps = with_retry(self.board.get_counters, "reading the run's env steps").get("env_steps", 0.0)
+        except BoardError as e:
+            logger.error("the run's env steps cannot be read (%s); schedules count from 0", short(e))
+            return 0
+        return int(min(steps, 2**62)) if math.isfinite(steps) and steps > 0 else 0
 
     def resume(self) -> bool:
         """A new task (no params yet): start from the checkpoint the client put on the board, if any.

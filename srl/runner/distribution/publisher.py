@@ -1,7 +1,7 @@
 """The trainer process's params publication: the main thread hands weights over, the publish thread writes.
 
 Owns: :class:`Publisher`: encoding the learner's weights as params version ``gate.version`` (signed,
-with the epoch and train_count), the one pending blob the publish thread writes next (a newer one replaces
+with epoch, train_count, takeover state), the one pending blob the publish thread writes next (a newer one replaces
 an older one not yet written: versions that come faster than the board takes them are merged), when the
 next publication is due (``min_publish_interval``), and the run's last weights. Must never: write params
 without the trainer's epoch (``Board.publish_params`` fences every write), or give a version to two sets of
@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +59,7 @@ class Publisher:
         min_interval: float,
         take_lease_back: Callable[[], bool],
         float16: bool = False,
+        takeover_state: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.board = board
         self.codec = codec
@@ -70,6 +72,8 @@ class Publisher:
         self.take_lease_back = take_lease_back
         self.float16 = float16
         """publish float32 weights as float16 but the last version (``request_final``)"""
+        self.takeover_state = takeover_state
+        """what a trainer taking the run over needs beyond the weights (``Learner.takeover_state``)"""
         """called when the board refuses a write for a lapsed lease; True: held again, write once more"""
         self.wake = threading.Event()
         """set when a blob is pending: the publish thread writes it at once"""
@@ -95,12 +99,14 @@ class Publisher:
         self._last = time.monotonic()
         self.gate.published(version, train_count)
         arrays = self.parameter.to_arrays()
+        meta: dict[str, Any] = {"epoch": self.epoch, "version": version, "train_count": train_count,
+                                "algorithm": self.algorithm}
+        takeover = self.takeover_state()
+        if takeover:
+            meta["takeover"] = takeover
         if self.float16 and not final:
             arrays = half_precision(arrays)
-        blob = self.codec.encode_params(
-            arrays,
-            {"epoch": self.epoch, "version": version, "train_count": train_count, "algorithm": self.algorithm},
-        )
+        blob = self.codec.encode_params(arrays, meta)
         with self._lock:
             self._pending = (version, train_count, blob)
         self.wake.set()

@@ -133,7 +133,8 @@ class TrainerRun:
         self.learner = config.make_learner(self.spec, self.parameter, self.buffer, task.actor_num)
         self.gate = VersionGate(self.data_path)
         self.publisher = Publisher(board, self.codec, options.uid, epoch, self.parameter, config.algorithm, self.gate,
-                                   options.min_publish_interval, self._take_lease_back, options.params_float16)
+                                   options.min_publish_interval, self._take_lease_back, options.params_float16,
+                                   self.learner.takeover_state)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
                              task_tag(board.task_id), self.open_consumer, self._messages_expected,
                              self._read_window(max_rows))
@@ -441,6 +442,7 @@ class TrainerRun:
             self.task_started_at = status.started_at if status is not None else None
             self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
             self.checkpoints.restore(self.resumed)
+            self.env_steps_total = self.checkpoints.run_env_steps()
             self.ingest.skip_counted_redeliveries()
         self._train_base = self.learner.train_count
         board_threads = [threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True),
@@ -451,7 +453,7 @@ class TrainerRun:
             thread.start()
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.learner.train_count)
-        self.learner.plan(self.task.max_steps, self.task.max_train_count)
+        self.learner.plan(self.task.max_steps, self.task.max_train_count, self.env_steps_total)
         self.gate.version = max(self.gate.version, DataPath.FIRST_VERSION)
         self.publisher.request(self.learner.train_count)  # actors act with this trainer's weights from the start
         end_reason: str | None = None
