@@ -581,6 +581,22 @@ def test_a_params_blob_larger_than_the_network_is_not_fetched(task: Board) -> No
         task.get_params(max_bytes=4999)
 
 
+def test_the_float32_master_beside_float16_params_is_read_by_a_trainer_only_and_never_an_older_one(
+    task: Board,
+) -> None:
+    """A trainer that publishes float16 weights writes the same version's float32 ones beside them: nodes read
+    the blob, a trainer taking over the master; a version published without one leaves none behind."""
+    epoch = task.claim_trainer("t", 10_000)
+    assert epoch is not None and task.publish_params("t", epoch, 1, b"half 1", 10, master=b"full 1")
+    assert task.get_params() == ParamsRecord(epoch, 1, 10, b"half 1")
+    assert task.get_params_unless(None) == ((epoch, 1, 10), ParamsRecord(epoch, 1, 10, b"half 1"))
+    assert task.get_params(master=True) == ParamsRecord(epoch, 1, 10, b"full 1")
+    with pytest.raises(BoardDataError, match="6 bytes"):  # the master is bounded like any params read
+        task.get_params(max_bytes=5, master=True)
+    assert task.publish_params("t", epoch, 2, b"full 2", 20)  # the last version: float32 itself
+    assert task.get_params(master=True) == ParamsRecord(epoch, 2, 20, b"full 2")
+
+
 def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(board: Board,
                                                                            client: redis.Redis) -> None:
     task = board.bound(board.create_task(CONFIG, actor_num=1).task_id)  # nodes read as their task's

@@ -445,6 +445,37 @@ def test_a_trainer_taking_over_goes_on_with_the_runs_schedule_and_return_statist
         board.delete_task()
 
 
+def test_a_trainer_taking_over_from_float16_params_restores_the_float32_weights(
+    redis_url: str, namespace: str
+) -> None:
+    """With ``params_float16`` actors read float16 weights while the run goes on; a standby that takes the run
+    over goes on from the trainer's float32 weights, not from their float16 rounding."""
+    board, params, first, _ = trainer_run(redis_url, namespace, None, "redis",
+                                          TrainerOptions(uid="t1", secret="", params_float16=True))
+    try:
+        rng = np.random.default_rng(0)
+        weights = {k: (v + rng.normal(0, 1e-3, v.shape)).astype(v.dtype) if v.dtype == np.float32 else v
+                   for k, v in first.parameter.to_arrays().items()}
+        first.parameter.from_arrays(weights)
+        trained = first.parameter.to_arrays()
+        first.gate.version = 3
+        first.publisher.request(first.learner.train_count)
+        first.publisher.flush()
+        record = board.get_params()
+        assert record is not None and record.version == 3
+        _, sent = first.codec.decode_params(record.blob)
+        assert all(sent[k].dtype == np.float16 for k in trained if trained[k].dtype == np.float32)  # what actors read
+        successor = successor_of(board, params, first)
+        successor.checkpoints.restore(resumed=False)
+        assert successor.gate.version == 3
+        restored = successor.parameter.to_arrays()
+        rounded = [k for k in trained if not np.array_equal(restored[k], trained[k])]
+        assert not rounded, f"restored rounded weights: {rounded}"
+    finally:
+        first.stop.set("test over")
+        board.delete_task()
+
+
 def test_an_off_policy_trainer_cut_off_from_new_rows_stops_at_a_bounded_replay_ratio(
     redis_url: str, namespace: str
 ) -> None:

@@ -19,7 +19,8 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
                              config JSON + signature, params head (epoch, version, train_count),
                              the trainer's uid and epoch
     P epoch           string trainer epoch, INCR'd by the script that grants the trainer lease
-    P params          hash   epoch, version, train_count, blob, published_at
+    P params          hash   epoch, version, train_count, blob, published_at; master: the same version's
+                             float32 weights when blob's are float16 (a trainer taking over restores them)
     P lease:trainer   string owner uid, PX ttl
     P lease:actor:<i> string owner uid, PX ttl
     P counters        hash   role_id -> JSON of running totals
@@ -408,7 +409,8 @@ end
 return -1
 """
 
-# KEYS: trainer lease, epoch, params, task, params feed. ARGV: uid, epoch, version, train_count, blob, task id.
+# KEYS: trainer lease, epoch, params, task, params feed. ARGV: uid, epoch, version, train_count, blob, task id,
+# master ('' : none; a master of an older version never stays beside a newer blob).
 # The feed is a stream of one entry, the latest version: a node waiting for the next one blocks on it.
 _PUBLISH_PARAMS_LUA = _TASK_IS_LUA + """
 if task_is(KEYS[4], ARGV[6]) ~= 1 then return 0 end
@@ -421,21 +423,25 @@ local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', t[2])
 redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'version', ARGV[3], 'train_count', ARGV[4],
            'blob', ARGV[5], 'published_at', now, 'task', ARGV[6])
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], 'master', ARGV[7]) else redis.call('HDEL', KEYS[3], 'master') end
 redis.call('HSET', KEYS[4], 'params_epoch', ARGV[2], 'params_version', ARGV[3], 'train_count', ARGV[4])
 redis.call('XADD', KEYS[5], 'MAXLEN', '1', '*', 'epoch', ARGV[2], 'version', ARGV[3])
 return 1
 """
 
-# KEYS: params. ARGV: a version the caller holds ('' : none), max blob bytes (-1: any).
+# KEYS: params. ARGV: a version the caller holds ('' : none), max blob bytes (-1: any), '1': the master in
+# place of the blob when there is one (a trainer restoring).
 # The latest params in one round trip: the head always, the blob only when its version is not the one the
 # caller holds and it is within the caller's bound (its size is returned, so a huge forged blob never travels).
 _GET_PARAMS_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'version', 'train_count', 'task')
 if not h[1] or not h[2] or not h[3] then return false end
-local size = redis.call('HSTRLEN', KEYS[1], 'blob')
+local field = 'blob'
+if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], 'master') == 1 then field = 'master' end
+local size = redis.call('HSTRLEN', KEYS[1], field)
 local blob = false
 local limit = tonumber(ARGV[2])
-if h[2] ~= ARGV[1] and (limit < 0 or size <= limit) then blob = redis.call('HGET', KEYS[1], 'blob') end
+if h[2] ~= ARGV[1] and (limit < 0 or size <= limit) then blob = redis.call('HGET', KEYS[1], field) end
 return {h[1], h[2], h[3], h[4] or '', size, blob}
 """
 
@@ -1142,11 +1148,15 @@ class Board:
 
     # ---------------------------------------------------------------- params
 
-    def publish_params(self, owner_uid: str, epoch: int, version: int, blob: bytes, train_count: int) -> bool:
+    def publish_params(self, owner_uid: str, epoch: int, version: int, blob: bytes, train_count: int,
+                       master: bytes | None = None) -> bool:
         """Store params atomically; False (nothing written) unless ``owner_uid`` holds the trainer
-        lease and ``epoch`` is the current trainer epoch, not older than the stored params' epoch."""
+        lease and ``epoch`` is the current trainer epoch, not older than the stored params' epoch.
+        ``master``: the same version with float32 weights when ``blob``'s are float16, which only a trainer
+        taking over reads (``get_params(master=True)``)."""
         keys = [self.lease_key("trainer"), self._epoch_key, self._params_key, self._task_key, self._feed_key]
-        args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob, self.task_id]
+        args: list[str | bytes] = [owner_uid, str(epoch), str(version), str(train_count), blob, self.task_id,
+                                   master or b""]
         return bool(self._publish(keys=keys, args=args))
 
     def get_params_version(self) -> tuple[int, int] | None:
@@ -1163,10 +1173,14 @@ class Board:
         head = _int(epoch, "params_epoch"), _int(version, "params_version"), _int(train_count or 0, "train_count")
         return None if head[0] == 0 else head
 
-    def get_params(self, max_bytes: int | None = None) -> ParamsRecord | None:
+    def get_params(self, max_bytes: int | None = None, master: bool = False) -> ParamsRecord | None:
         """The latest params (one round trip); None before the first publish. ``max_bytes``: a larger blob is a
-        BoardDataError (its length is read first, in the same script, so a huge forged blob is never sent)."""
-        return self.get_params_unless(None, max_bytes)[1]
+        BoardDataError (its length is read first, in the same script, so a huge forged blob is never sent).
+        ``master``: the float32 weights the trainer published beside float16 ones, when it did (a trainer
+        taking over goes on from those)."""
+        answer = self._get_params(keys=[self._params_key], args=[*self._get_params_args(None, max_bytes),
+                                                                 "1" if master else ""])
+        return self._params_answer(answer, None, max_bytes)[1]
 
     def get_params_unless(self, held_version: int | None, max_bytes: int | None = None
                           ) -> tuple[tuple[int, int, int] | None, ParamsRecord | None]:

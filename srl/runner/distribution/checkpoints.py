@@ -1,7 +1,7 @@
 """What a trainer run starts from and what it leaves behind.
 
 Owns: :class:`TrainerCheckpoints`: at the start, the params on the board when this run takes over a task
-(``restore``: the weights, version, train_count and the learner's ``takeover_state`` go on; the
+(``restore``: the float32 weights, version, train_count and the learner's ``takeover_state`` go on; the
 optimizer starts fresh), or, for a new task, the checkpoint its client put on the board (``resume``: weights,
 optimizer state, counters and the replay memory when it holds one), and the run's env steps so far
 (``run_env_steps``: schedules over the budget go on from them);
@@ -84,8 +84,8 @@ class TrainerCheckpoints:
     def restore(self, resumed: bool) -> None:
         """Continue from the params on the board (a takeover or a restart); ``resumed``: this run started
         from a checkpoint instead."""
-        try:
-            record = with_retry(lambda: self.board.get_params(self.max_params_bytes), "reading params")
+        try:  # the float32 weights when the trainer published float16 ones: go on from those, not their rounding
+            record = with_retry(lambda: self.board.get_params(self.max_params_bytes, master=True), "reading params")
         except BoardError as e:
             logger.error("params on the board cannot be read (%s); starting from fresh weights", short(e))
             return

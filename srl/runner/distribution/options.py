@@ -161,7 +161,8 @@ class TrainerOptions(NodeOptions):
     this keeps a very fast trainer from writing params hundreds of times a second)"""
     params_float16: bool = False
     """publish float32 weights as float16 while the run goes on (half the bytes out of Redis per version, for
-    acting only); the run's last params and its checkpoints keep float32"""
+    acting only); the run's last params and its checkpoints keep float32, and each version's float32 weights
+    go beside the float16 ones for a trainer that takes the run over"""
     ingest_max_messages: int = 16
     """batches fetched from the queue per round trip (with the task's message size, this bounds
     the bytes one read may bring; a broker that pushes may hold twice as many unacked)"""

@@ -71,7 +71,8 @@ class Publisher:
         self.min_interval = min_interval
         self.take_lease_back = take_lease_back
         self.float16 = float16
-        """publish float32 weights as float16 but the last version (``request_final``)"""
+        """publish float32 weights as float16 but the last version (``request_final``); the float32 ones go
+        with them for a trainer that takes the run over (actors never read those)"""
         self.takeover_state = takeover_state
         """what a trainer taking the run over needs beyond the weights (``Learner.takeover_state``)"""
         """called when the board refuses a write for a lapsed lease; True: held again, write once more"""
@@ -79,7 +80,7 @@ class Publisher:
         """set when a blob is pending: the publish thread writes it at once"""
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # one write at a time, so the board's versions only go up
-        self._pending: tuple[int, int, bytes] | None = None
+        self._pending: tuple[int, int, bytes, bytes | None] | None = None
         self.published_version = 0
         """the newest version on the board (written by this run, or found there when it started)"""
         self.requested = (0, -1)
@@ -104,11 +105,13 @@ class Publisher:
         takeover = self.takeover_state()
         if takeover:
             meta["takeover"] = takeover
+        master = None
         if self.float16 and not final:
+            master = self.codec.encode_params(arrays, meta)  # a standby goes on from these, not their rounding
             arrays = half_precision(arrays)
         blob = self.codec.encode_params(arrays, meta)
         with self._lock:
-            self._pending = (version, train_count, blob)
+            self._pending = (version, train_count, blob, master)
         self.wake.set()
         return version
 
@@ -125,11 +128,11 @@ class Publisher:
                 pending, self._pending = self._pending, None
             if pending is None:
                 return
-            version, train_count, blob = pending
+            version, train_count, blob, master = pending
             try:
-                ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
+                ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count, master)
                 if not ok and self.take_lease_back():
-                    ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count)
+                    ok = self.board.publish_params(self.uid, self.epoch, version, blob, train_count, master)
             except BaseException:
                 with self._lock:
                     if self._pending is None:  # keep it for the next try, unless a newer one came
