@@ -277,6 +277,7 @@ def test_a_new_trainer_gets_a_warmup_of_rows_from_a_rate_limited_actor() -> None
     config = dqn.Config(warmup_size=1000)
     actor.data_path = config.data_path()
     actor.task = SimpleNamespace(actor_num=2, rl_config=config)  # type: ignore[assignment]
+    actor._stepping = 2
     actor.options = SimpleNamespace(batch_size=64)  # type: ignore[assignment]
     actor.max_rows = 10_000
     actor.env_steps = 0

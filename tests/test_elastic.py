@@ -14,7 +14,7 @@ import srl
 from srl.algorithms import ppo
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import Board, TaskState
-from tests.nodes import ClientThread, Node, board_for, start, wait_for
+from tests.nodes import ClientThread, Node, board_for, start, tiny_config, wait_for
 from tests.partitions import train_count
 
 pytestmark = pytest.mark.slow
@@ -74,3 +74,35 @@ def test_elastic_actors_must_be_a_bool_on_the_client_and_in_the_task() -> None:
     task = {**runner.task_config(), "actor_num": 2, "elastic_actors": "yes"}
     with pytest.raises(TaskConfigError, match="'elastic_actors' must be true or false"):
         build_task(json.dumps(task))
+
+
+def test_replay_with_a_warmup_and_elastic_actors_trains_with_any_number_of_actors_there(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """DQN (a warmup, then a replay ratio) with up to 16 actors: one actor there fills the warmup alone, a
+    second that comes later paces with it, and the one left after the first leaves goes on alone. Each
+    actor's allowance is its share among the actors there (not among the 16 slots), and starts over from
+    where it stands when they change, so what those that left did not send is made up by those still there."""
+    board = board_for(redis_url, namespace)
+    # a trainer that trains no further ahead of the rows than the replay ratio says: no slack of its own
+    start(nodes, "trainer", redis_url, namespace, tmp_path, "--train-ahead", "1")
+    first = start(nodes, "actor", redis_url, namespace, tmp_path)
+    client = ClientThread(srl.Runner("CartPole-v1", tiny_config()), RedisParameters(url=redis_url, task_name=namespace),
+                          actor_num=16, max_train_count=10**9, elastic_actors=True)
+    client.start()
+    # one actor of up to sixteen: the warmup (200 rows) is its alone, then the replay ratio's env steps
+    # (far enough that a share of it taken back when the second comes would be more than the slack)
+    wait_for(lambda: train_count(board) >= 600, 240, "train steps with one actor of sixteen")
+    second = start(nodes, "actor", redis_url, namespace, tmp_path)
+    wait_for(lambda: _slot_of(board, second, 16) == 1, 60, "the actor that came to take the next free slot")
+    wait_for(lambda: (s := board.get_all_stats().get("actor:1")) is not None and s.get("sent_batches", 0) > 0,
+             120, "rows from the actor that came")
+    joined_at = train_count(board)
+    wait_for(lambda: train_count(board) >= joined_at + 1000, 240, "train steps with both actors")
+    first.stop()  # it leaves (and lets its slot go): the one still there goes on alone
+    wait_for(lambda: board.lease_holder("actor:0")[0] is None, 30, "the slot to be free")
+    left_at = train_count(board)
+    wait_for(lambda: train_count(board) >= left_at + 1000, 240, "train steps after an actor left")
+    assert board.end_task("END", "the elastic test is over")
+    client.join(120)
+    assert not client.is_alive() and client.error is None, client.error

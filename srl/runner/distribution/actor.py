@@ -174,7 +174,10 @@ class ActorRun:
         this actor's ``env_steps`` then (:meth:`_budget_spent`)"""
         self._stepping = self.task.actor_num
         """the actors supposed to step, this one among them: every slot, or with elastic actors the slots held
-        at the last heartbeat near the budget"""
+        at the last look (:meth:`_look_at_actors`); the rate limit shares the replay ratio's env steps among
+        them, and the budget supposes each took as many steps as this one"""
+        self._holders: tuple[str | None, ...] | None = None
+        """elastic actors: who held each slot at the last look (None: not looked yet)"""
         self._beat_now = threading.Event()  # wakes the heartbeat: the budget's last steps to count, or a stop
         self.stop.add_hook(self._beat_now.set)
         self.episodes = 0
@@ -206,9 +209,16 @@ class ActorRun:
         share = max(1.0, self.task.actor_num / TOTAL_ASKERS)
         beats = 0
         near = False  # the budget is near (it only comes nearer)
+        paced = self.data_path.env_steps_per_train is not None
+
+        def cadence() -> int:
+            # elastic actors under a replay ratio look who is there every this many beats: every beat while
+            # few are, so that the board answers about TOTAL_ASKERS such looks a heartbeat however many come
+            return math.ceil(max(1.0, self._stepping / TOTAL_ASKERS))
 
         def beat() -> None:
             nonlocal last, beats, near
+            turn = beats
             now = time.monotonic()
             if now - last[1] >= opts.heartbeat_interval / 2:  # not over the short beats near the budget: bursty
                 self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
@@ -226,9 +236,8 @@ class ActorRun:
             # heartbeat on): every actor counts its steps more often, so that what each supposes of the others
             # (their steps since their last count) is a short time's worth
             near = near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num)
-            if near and hb.total is not None and self.task.elastic_actors:
-                held = self.board.held_leases(self.task.actor_num)
-                self._stepping = max(1, sum(name.startswith("actor:") for name in held))
+            if self.task.elastic_actors and ((near and hb.total is not None) or (paced and turn % cadence() == 0)):
+                self._look_at_actors()
             if hb.task_status is None:
                 self.task_gone = True
                 self.stop.set(TASK_GONE)
@@ -300,6 +309,23 @@ class ActorRun:
         self.counters.add(env_steps=steps - self._steps_counted)
         self._steps_counted = steps
         return steps
+
+    def _look_at_actors(self) -> None:
+        """Elastic actors: who holds the task's slots now (one MGET). Their count is the actors supposed to
+        step. When they changed, this actor's rate limit starts over from where it stands, with its share of
+        a warmup among those there: the shares of the replay ratio were cut for as many actors as there
+        were, so a newcomer's share taken from what the others had been allowed, or what one that left was
+        allowed and did not send, would leave the trainer short of rows, and every actor waiting, for ever."""
+        holders = tuple(self.board.lease_holders([f"actor:{i}" for i in range(self.task.actor_num)]))
+        there = max(1, sum(holder is not None for holder in holders))
+        with self._head_lock:
+            changed = self._holders is not None and holders != self._holders
+            self._holders, self._stepping = holders, there
+            if changed and self.data_path.env_steps_per_train is not None:
+                self._rebase_allowance = True
+        if changed:
+            logger.info("%d actor(s) of up to %d there now: the rate limit starts over from here with a "
+                        "warmup's share among them", there, self.task.actor_num)
 
     # ------------------------------------------------------------ the step budget
     def _budget_spent(self) -> bool:
@@ -498,14 +524,16 @@ class ActorRun:
     # ------------------------------------------------------------ rate limit
     def _allowed_steps(self) -> float:
         """Env steps this actor may have taken by now: its share of the warmup plus the replay ratio's
-        env steps per train step the trainer made since this actor started, plus one batch of slack (so
-        the warmup's last transitions are not stuck in an unsent batch) and the steps its envs take before
-        their rows come (R2D2's overlapping sequences)."""
+        env steps per train step the trainer made since this actor started (or the trainer, or the elastic
+        actors there, changed), plus one batch of slack (so the warmup's last transitions are not stuck in
+        an unsent batch) and the steps its envs take before their rows come (R2D2's overlapping sequences).
+        The share is among the actors supposed to step: every slot, or with elastic actors those held (one
+        actor of a maximum of sixteen fills the warmup alone)."""
         trained = max(0, self.latest_train_count)
         if self._trained_base is None or self._rebase_allowance:
             self._rebase_allowance = False
             self._trained_base, self._steps_base = trained, self.env_steps
-        share = self.data_path.env_steps_allowed(trained - self._trained_base) / self.task.actor_num
+        share = self.data_path.env_steps_allowed(trained - self._trained_base) / self._stepping
         return (self._steps_base + share + self._batch_rows()
                 + self.data_path.first_rows_steps(self.task.rl_config.envs_per_actor))
 
