@@ -121,6 +121,31 @@ def test_sigkilled_actor_is_replaced_by_a_standby_within_ttl(
     client.join(30)
 
 
+def test_an_actor_restarted_under_its_fixed_uid_is_a_new_sender(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """An actor process restarted with the same ``--uid`` (a pod named by its StatefulSet, a unit file) numbers
+    its batches from seq 0 again: its batches must not be taken for the first process's, already received."""
+    runner = srl.Runner("CartPole-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=10**9)
+    client.start()
+    board = board_for(redis_url, namespace)
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    first = start(nodes, "actor", redis_url, namespace, tmp_path, "--uid", "actor-fixed")
+    wait_for(lambda: board.get_counters().get("received_batches", 0) >= 20, 120, "batches from the first actor")
+    first.stop()  # its final report says how many batches it sent: the trainer receives them all
+    sent = wait_for(lambda: (s := board.get_all_stats().get("actor:0")) is not None and s["sent_batches"], 30,
+                    "the first actor's final report")
+    wait_for(lambda: board.get_counters().get("received_batches", 0) >= sent, 60, "the first actor's batches")
+    start(nodes, "actor", redis_url, namespace, tmp_path, "--uid", "actor-fixed")
+    counters = wait_for(lambda: c if ((c := board.get_counters()).get("duplicates", 0) > 0
+                                      or c.get("received_batches", 0) >= sent + 20) else None, 120,
+                        "batches from the restarted actor, received or taken as duplicates")
+    assert counters.get("duplicates", 0) == 0, counters
+    board.end_task(TaskState.END, "test over")
+    client.join(30)
+
+
 def test_sigkilled_trainer_is_replaced_and_train_count_goes_on(
     redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
 ) -> None:

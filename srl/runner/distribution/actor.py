@@ -21,7 +21,6 @@ The loop::
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -59,7 +58,7 @@ from srl.runner.distribution.params_cache import ParamsCache, default_directory,
 from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle
-from srl.runner.distribution.sender import RowSender
+from srl.runner.distribution.sender import RowSender, sender_name
 from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import ActorStats
 from srl.runner.distribution.task import (
@@ -73,9 +72,6 @@ from srl.runner.distribution.task import (
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.actor")
-
-_RUNS = itertools.count()
-"""runs of actors in this process"""
 
 ONE_TRIP_PARAMS_BYTES = 1 << 20
 """params up to this size are fetched with their version, in one round trip, by an actor waiting for the next
@@ -117,9 +113,7 @@ class ActorRun:
         config.check_spec(self.spec)
         self.params_cache: ParamsCache | None = None
         """the params this machine's actors share (None: each fetches its own)"""
-        # (sender, seq) names a batch for the trainer's dedupe: seq starts again with each run, so each run
-        # of this process (a slot taken back, the next task) sends under a name of its own
-        self.sender = f"{options.uid}.{next(_RUNS)}"
+        self.sender = sender_name(options.uid)  # (sender, seq) names a batch for the trainer's dedupe
         self.task_tag = task_tag(board.task_id)
         self.rows: RowSender | None = None
         self.inference: InferenceClient | None = None

@@ -29,7 +29,6 @@ The loop, per actor and on the server::
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import socket
@@ -73,7 +72,7 @@ from srl.runner.distribution.options import InferenceOptions
 from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.retry import Throttle
-from srl.runner.distribution.sender import RowSender
+from srl.runner.distribution.sender import RowSender, sender_name
 from srl.runner.distribution.staged import StagedParams
 from srl.runner.distribution.stats import InferenceStats
 from srl.runner.distribution.task import (
@@ -99,7 +98,6 @@ must not hold one of its handler threads)"""
 MAX_STREAMS = MAX_CENTRAL_ACTORS + 4
 """streams one server serves at once (gRPC's synchronous server holds a thread per open stream): a task's
 actors (``MAX_CENTRAL_ACTORS`` at most, which the client and every node check) and a few spare"""
-_RUNS = itertools.count()
 
 
 class InferenceLostError(ConnectionError):
@@ -258,7 +256,7 @@ class InferenceRun:
         self.rows = RowSender(
             open_queue(queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params),
             board, "inference", self.codec, self.schema, max_message_rows(task), task.queue_capacity,
-            f"{options.uid}.{next(_RUNS)}", self.task_tag, self.stop, self.counters,
+            sender_name(options.uid), self.task_tag, self.stop, self.counters,
         )
         self.max_batch = options.max_batch_envs or self.envs * task.actor_num
         self._sessions: dict[int, _Session] = {}

@@ -1,8 +1,9 @@
 """Rows to the experience queue: what an actor, and an inference server acting for actors, both do.
 
 Owns: :class:`RowSender` — cutting rows into messages the queue and the codec take, naming each batch
-(sender, seq) for the trainer's dedupe, backpressure (wait while the queue holds ``capacity`` batches),
-resending what a broker refused or could not take, and counting what went. With ``ahead`` > 0 a
+(sender, seq) for the trainer's dedupe (:func:`sender_name`: a name no earlier run or process had),
+backpressure (wait while the queue holds ``capacity`` batches), resending what a broker refused or
+could not take, and counting what went. With ``ahead`` > 0 a
 sending thread does the broker's part (the depth read, the put): the caller hands it encoded batches and
 waits only when ``ahead`` of them are still unsent, and the thread puts every batch waiting, as far as
 the queue has room, in one call, so a long round trip to the broker costs a pipeline, not two round
@@ -13,10 +14,13 @@ ack or read anything.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 
@@ -35,6 +39,26 @@ from srl.runner.distribution.task import StopFlag
 logger = logging.getLogger("srl.sender")
 
 _QUEUE_AWAY: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, QueueError)
+
+
+_RUNS = itertools.count()
+"""runs of senders in this process"""
+_incarnation: tuple[int, str] = (os.getpid(), uuid.uuid4().hex[:12])
+"""this process (its pid, a fork's new one) and a random name for it"""
+
+
+def sender_name(uid: str) -> str:
+    """A name to send batches under, none other had: ``<uid>.<incarnation>-<run>``.
+
+    The trainer dedupes by ``(sender, seq)``, and a :class:`RowSender` numbers its batches from seq 0,
+    so a run of this process (a slot taken back, the next task) needs a name of its own, and so does this
+    process among those that ran under the same ``uid`` before it: a node restarted with a fixed ``--uid``
+    (a pod's name, a unit file's) would else have its first batches taken for its predecessor's and
+    dropped as duplicates. The uid is what precedes the last dot (central inference reads it so)."""
+    global _incarnation
+    if _incarnation[0] != os.getpid():  # a forked child is another process: another name
+        _incarnation = (os.getpid(), uuid.uuid4().hex[:12])
+    return f"{uid}.{_incarnation[1]}-{next(_RUNS)}"
 
 
 def _no_wait() -> None:
