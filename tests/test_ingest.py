@@ -236,11 +236,6 @@ def test_a_read_is_counted_on_the_board_before_it_is_acked(redis_url: str, names
         assert board.get_counters()["received_batches"] == 8
         ledger = board.get_ledgers()["t"]  # the last three reads, by (actor, seq)
         assert sorted(ledger) == [("a", 2), ("a", 4), ("a", 6), ("b", 2), ("b", 4), ("b", 6)]
-        # a trainer that takes over takes those as duplicates when they come again
-        successor = TrainerRun(board, params, url, run.task, run.epoch, TrainerOptions(uid="t2", secret=""))
-        successor.ingest.skip_counted_redeliveries()
-        seen = successor.ingest.seen
-        assert not seen.is_new("a", 6) and seen.is_new("a", 8) and seen.is_new("a", 0)
     finally:
         run.stop.set("test over")
         producer.close()
@@ -361,6 +356,52 @@ def test_a_count_whose_reply_was_lost_is_counted_once(redis_url: str, namespace:
         queue.destroy()
         board.delete_task()
         loss.client.close()
+
+
+def test_a_trainer_that_takes_over_takes_the_rows_its_killed_predecessor_counted_but_did_not_ack(
+    redis_url: str, namespace: str
+) -> None:
+    """A trainer killed between counting a read and acking it: the read comes again to the trainer that takes
+    over, which adds its rows (the killed one's buffer went with it) and counts its batches as redelivered, not
+    as received twice; one more copy of them is a duplicate."""
+    board, params, run, batch = trainer_run(redis_url, namespace, None, "redis", TrainerOptions(uid="t", secret=""))
+    producer = open_queue(None, namespace=namespace, role="producer", redis_params=params)
+    producer.put_many([batch("a", 0, 0), batch("b", 0, 8)])
+    queue = run.open_consumer()
+    successor_queue = None
+    try:
+        messages = queue.get_many(2, timeout=5)
+        assert len(messages) == 2
+        run.ingest._count(*run.ingest._ingest(messages))  # in the buffer, counted on the board; the trainer
+        queue.close()  # dies before it acks the read: its unacked entries go back to the queue
+        assert board.get_counters()["received_batches"] == 2 and sorted(board.get_ledgers()["t"]) == [("a", 0),
+                                                                                                      ("b", 0)]
+        board.release_lease("trainer", "t")
+        epoch = board.claim_trainer("t2", 60_000)
+        assert epoch is not None
+        successor = TrainerRun(board, params, None, run.task, epoch, TrainerOptions(uid="t2", secret=""))
+        successor.ingest.recall_counted_batches()
+        producer.put_many([batch("a", 1, 16), batch("a", 0, 0)])  # a new batch, and a copy of a counted one
+        successor_queue = successor.open_consumer()
+        ingest = successor.ingest
+
+        def all_in() -> bool:
+            ingest.ingest_once(successor_queue)
+            return ingest.received_batches + ingest.redelivered_batches + ingest.duplicates >= 4
+
+        wait_for(all_in, 60, "the redelivered read, the new batch and the copy")
+        ingest.settle_count()
+        assert (ingest.received_batches, ingest.redelivered_batches, ingest.duplicates) == (1, 2, 1)
+        assert len(successor.buffer) == 24 and ingest.received_transitions == 8  # every row, counted once
+        counters = board.get_counters()
+        assert (counters["received_batches"], counters["redelivered_batches"], counters["duplicates"]) == (3, 2, 1)
+        assert successor_queue.depth() == 0
+    finally:
+        run.stop.set("test over")
+        producer.close()
+        if successor_queue is not None:
+            successor_queue.destroy()
+        board.delete_task()
 
 
 def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, namespace: str,

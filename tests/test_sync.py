@@ -17,7 +17,7 @@ from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import TaskState
 from srl.runner.distribution.codec import BatchHeader, Codec
 from srl.runner.distribution.queues import open_queue
-from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, start, wait_for
+from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, start, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +109,50 @@ def test_a_sigkilled_actor_mid_segment_does_not_stall_the_run(
     assert client.error is None, client.error
     status = board.get_status()
     assert status is not None and status.status == TaskState.END
+    assert board.get_counters().get("bad_messages", 0) == 0
+
+
+def test_a_sigkilled_trainer_after_taking_a_versions_segments_does_not_stall_the_run(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """The trainer is SIGKILLed once it has counted (and acked) every segment of the version on the board, while
+    it trains on them, before it publishes the next: those segments are gone with it. The standby that takes
+    the lease publishes a version newer than every actor's segments, so each acts again, and the run ends."""
+    config = ppo.Config(seed=0, envs_per_actor=4, epochs=1000)  # an update of seconds: the kill lands inside it
+    runner = srl.Runner("CartPole-v1", config)
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
+                          max_train_count=4 * 1000)
+    client.start()
+    board = board_for(redis_url, namespace)
+    first = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    wait_for(lambda: lease_holder_pid(board, "trainer") == first.proc.pid, 60, "the first trainer's lease")
+    standby = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    wait_for(lambda: "standing by" in standby.output(), 60, "the second trainer to stand by")
+    for _ in range(2):
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+    wait_for(lambda: (s := board.get_status()) and s.params_version >= 2, 120, "an update")
+
+    def segments_taken() -> int | None:
+        """The version on the board once every actor's segments of it are counted (2 actors x 4 envs), while
+        the trainer trains on them."""
+        before = board.get_status()
+        received = board.get_counters().get("received_transitions", 0)
+        after = board.get_status()
+        if before is None or after is None or before.params_version != after.params_version:
+            return None
+        return after.params_version if received >= 8 * after.params_version else None
+
+    version = wait_for(segments_taken, 120, "a version's segments all taken")
+    sigkill(first.proc.pid)
+    wait_for(lambda: lease_holder_pid(board, "trainer") == standby.proc.pid, 30, "the standby to take the lease")
+    client.join(240)
+    assert not client.is_alive(), (
+        f"the run did not end after the trainer was killed holding version {version}'s segments: "
+        f"status {board.get_status()}, trainer stats {board.get_all_stats().get('trainer')}")
+    assert client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END and status.params_epoch == 2
+    assert status.params_version > version + 1  # the standby moved every actor on, and trained on
     assert board.get_counters().get("bad_messages", 0) == 0
 
 

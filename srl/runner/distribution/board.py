@@ -32,7 +32,7 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
     P deadletters     list   JSON notes of refused messages (source, reason, size), capped
     P refusals        hash   node uid -> JSON {role, reason, ts}: nodes that refuse the task, and why
     P ledger          hash   trainer uid -> JSON [[actor, seq], ...]: batches it counted and may not
-                             have acked yet (a trainer that takes over skips their redeliveries)
+                             have acked yet (a trainer that takes over takes their redeliveries, uncounted)
     P history         list   JSON rows of scalars, one per progress interval, capped
     P resume          string the checkpoint a new task starts from (a signed PARAMS message)
     P checkpoint      hash   train_count, blob: the trainer's latest checkpoint (a signed PARAMS message)
@@ -498,7 +498,7 @@ return 1
 
 # The trainer's count of what one read brought, written before the read is acked, with the batches
 # of its last reads whose acks may not have reached the broker (its ledger): a trainer that takes over
-# counts their redelivered copies as duplicates, so nothing is counted twice or lost from the counts.
+# takes their redelivered copies without counting them again, so nothing is counted twice or lost from the counts.
 # KEYS: trainer lease, counters, task, ledger, counted. ARGV: uid, deltas_json ('' = none), ledger_json,
 # task id, token ('' = none).
 # Returns 1 written (or written already: a retry), 0 the lease is not this trainer's (do not ack: the

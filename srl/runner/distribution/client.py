@@ -1128,7 +1128,7 @@ def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     return (f"batches: sent {sent}, received {received} + refused {refused} + still queued {queued}: {-missing} "
             "more than the actors counted as sent (an actor stopped before reporting its last sends, or a trainer "
             "died between counting a read and acking it: those batches count as received and as still queued "
-            "until the next trainer takes them as duplicates)")
+            "until the next trainer takes them again)")
 
 
 def _queue_depth(queue_params: Any, redis_params: RedisParameters) -> int | None:

@@ -5,8 +5,13 @@ open each message (frame, signature, size bounds, the task it belongs to), dedup
 (:class:`SeenBatches`), make the rows of the good ones as one block per layout, check them against the
 algorithm's schema, apply the version policy (:class:`~srl.runner.distribution.versions.VersionGate`),
 insert them, count the read on the board with a ledger of the last reads, then ack it. Must never: ack a
-read before its rows are in the buffer and its count is on the board, or let one message stop it
-(whatever a message does, it is counted, noted with its source, acked and skipped).
+read before its rows are in the buffer and its count is on the board, let one message stop it
+(whatever a message does, it is counted, noted with its source, acked and skipped), or count a batch twice.
+
+At least once, counted once: a batch that a killed trainer counted but had not acked (its ledger on the
+board names it) comes again to the trainer that takes over, which adds its rows (the killed one's buffer went
+with it) and counts it as redelivered, not as received again. What the killed trainer had acked is gone
+with its buffer.
 
 The loop (the thread's ``run``)::
 
@@ -57,6 +62,8 @@ MAX_INITIAL_PRIORITY = 1e6
 LEDGER_READS = 3
 """reads whose batches a trainer names in its ledger: the one it counts, and the two before, whose acks
 may still be on their way to the broker (Redis sends an ack with the next read; AMQP does not wait)"""
+Key = tuple[str, int]
+"""a batch's name: its sender and seq"""
 
 
 class SeenBatches:
@@ -184,8 +191,11 @@ class Ingest:
         self.data_arrived = threading.Event()
         """set after each read: the main thread, waiting for rows to train on, looks again"""
         # the (actor, seq) of the batches of the last reads, counted on the board before their acks: a
-        # trainer that takes over after this one dies counts their redeliveries as duplicates
-        self._ledger: deque[list[tuple[str, int]]] = deque(maxlen=LEDGER_READS)
+        # trainer that takes over after this one dies takes their redeliveries without counting them again
+        self._ledger: deque[list[Key]] = deque(maxlen=LEDGER_READS)
+        self._counted_before: set[Key] = set()
+        """batches the trainers before this run counted and may not have acked (their ledgers): one that comes
+        again is taken (counted as redelivered), once"""
         # a read's count is written in this thread while the ingest reads the next one; acked once written
         self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srl-trainer-count")
         self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue]] = deque()
@@ -193,6 +203,7 @@ class Ingest:
         self.received_transitions = 0
         self.bad_messages = 0
         self.duplicates = 0
+        self.redelivered_batches = 0
         self.other_task_batches = 0
         self.stale_rows = 0
         self.last_bad = ""
@@ -225,23 +236,21 @@ class Ingest:
     def bad_reported(self, count: int) -> None:
         self._bad_reported = max(self._bad_reported, count)
 
-    def skip_counted_redeliveries(self) -> None:
+    def recall_counted_batches(self) -> None:
         """Batches that trainers before this one counted, and may not have acked before they died, come
-        again: mark them seen, so they count as duplicates here, not as received twice."""
+        again: their rows are taken (they went with the dead trainer's buffer), but they are counted as
+        redelivered, not as received twice."""
         try:
             ledgers = with_retry(self.board.get_ledgers, "reading the trainers' ledgers")
         except BoardError as e:
             logger.warning("the trainers' ledgers cannot be read (%s): batches a dead trainer counted may be "
                            "counted again", short(e))
             return
-        marked = 0
         for taken in ledgers.values():  # this process's own earlier run too: this run starts a new SeenBatches
-            for actor_id, seq in taken:
-                self.seen.mark(actor_id, seq)
-                marked += 1
-        if marked:
-            logger.info("%d batch(es) an earlier trainer counted are taken as duplicates if they come again",
-                        marked)
+            self._counted_before.update(taken)
+        if self._counted_before:
+            logger.info("%d batch(es) an earlier trainer counted are taken without being counted again if they "
+                        "come again", len(self._counted_before))
 
     def ingest_once(self, queue: ExperienceQueue) -> int:
         """One step of the ingest path: read what the buffer has room for, decode, validate and insert; the
@@ -285,10 +294,10 @@ class Ingest:
             self._counting.popleft()
             queue.ack_many(messages)
 
-    def _count(self, counts: dict[str, float], taken: list[tuple[str, int]]) -> None:
+    def _count(self, counts: dict[str, float], taken: list[Key]) -> None:
         """Count a read on the board before it is acked (one round trip), with the ledger of the last reads.
-        Killed between the two, this trainer leaves the read counted and named: the next trainer counts its
-        redelivery as duplicates. Counted after the ack, a killed trainer would lose the read from the
+        Killed between the two, this trainer leaves the read counted and named: the next trainer takes its
+        redelivery without counting it again. Counted after the ack, a killed trainer would lose the read from the
         counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
         from these counts, so they see room as soon as it is made."""
         if counts.get("bad_messages"):  # their notes are on the board by the time the count says they came
@@ -354,7 +363,7 @@ class Ingest:
             self._counting.clear()
             self._counter.shutdown(wait=True)
 
-    def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[tuple[str, int]]]:
+    def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[Key]]:
         """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
         board and the ``(actor, seq)`` of the batches received. Never raises for a message.
 
@@ -366,7 +375,7 @@ class Ingest:
         """
         bad = dups = other_task = 0
         opened: list[Opened] = []
-        taking: set[tuple[str, int]] = set()  # (sender, seq) in this read: a copy of one is a duplicate
+        taking: set[Key] = set()  # (sender, seq) in this read: a copy of one is a duplicate
         for message in messages:
             try:
                 if message.refused:
@@ -390,8 +399,8 @@ class Ingest:
                 self._note_bad(message, e)
         blocks, unfit = self._valid_blocks(opened)
         bad += unfit
-        received = rows = stale = 0
-        taken: list[tuple[str, int]] = []
+        received = rows = stale = redelivered = 0
+        taken: list[Key] = []
         for block, columns, priorities in blocks:
             try:
                 kept, refused = self._accept_and_add(block, columns, priorities)
@@ -402,9 +411,17 @@ class Ingest:
                 for message, _ in block:
                     self._note_bad(message, e)
                 continue
+            again = self._counted_again(block[0][1])  # a block is all of one kind (_valid_blocks)
             for _, frame in block:
-                self.seen.mark(frame.header.actor_id, frame.header.seq)
-                taken.append((frame.header.actor_id, frame.header.seq))
+                key = (frame.header.actor_id, frame.header.seq)
+                self.seen.mark(*key)
+                if again:  # the trainer that counted it has it in its ledger, not in a buffer
+                    self._counted_before.discard(key)
+                else:
+                    taken.append(key)
+            if again:
+                redelivered += len(block)
+                continue
             received += len(block)
             rows += kept
             stale += refused
@@ -413,20 +430,25 @@ class Ingest:
         self.bad_messages += bad
         self.duplicates += dups
         self.stale_rows += stale
+        self.redelivered_batches += redelivered
         self.other_task_batches += other_task
         # refused_batches: taken off the queue as received_batches are (actors on MQTT and Pub/Sub count both
         # out of its depth); bad_messages also counts what other nodes refuse (params, inference requests)
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
-                "refused_batches": bad, "duplicates": dups, "stale_rows": stale,
+                "refused_batches": bad, "duplicates": dups, "stale_rows": stale, "redelivered_batches": redelivered,
                 "other_task_batches": other_task}, taken
+
+    def _counted_again(self, frame: BatchFrame) -> bool:
+        """Whether a trainer before this run counted this batch (its redelivery is not counted again)."""
+        return bool(self._counted_before) and (frame.header.actor_id, frame.header.seq) in self._counted_before
 
     def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
         """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
         columns and whether priorities come), each made in one copy per column; and how many did not
         fit (noted as bad)."""
-        groups: dict[bytes, list[Opened]] = {}
-        for item in opened:
-            groups.setdefault(item[1].layout, []).append(item)
+        groups: dict[tuple[bytes, bool], list[Opened]] = {}
+        for item in opened:  # a batch counted before is counted apart: never in a block with new ones
+            groups.setdefault((item[1].layout, self._counted_again(item[1])), []).append(item)
         blocks: list[Block] = []
         unfit = 0
         for group in groups.values():

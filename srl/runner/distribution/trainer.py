@@ -14,6 +14,7 @@ The loop::
 
     epoch = claim_trainer()                      # SET NX PX + INCR, atomically
     checkpoints.resume() or checkpoints.restore()  # a client's checkpoint, or the board's params: train_count goes on
+    gate.first_version(board's)                  # sync: one past it (a killed trainer may have taken its segments)
     ingest thread: get_many → decode(schema) → dedupe → gate (version policy) → buffer.add → count → ack
                    (a full buffer is not read into: the queue fills and actors wait)
     board thread:  heartbeat (renew lease, stats, the task's state)
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 
 from srl.base.env import allowed_env_modules, env_spec
-from srl.base.rl import Buffer, DataPath, seed_everything
+from srl.base.rl import Buffer, seed_everything
 from srl.base.schema import Schema
 from srl.runner.distribution.board import Board, actor_slot
 from srl.runner.distribution.checkpoints import TrainerCheckpoints
@@ -443,8 +444,13 @@ class TrainerRun:
             self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
             self.checkpoints.restore(self.resumed)
             self.env_steps_total = self.checkpoints.run_env_steps()
-            self.ingest.skip_counted_redeliveries()
+            self.ingest.recall_counted_batches()
         self._train_base = self.learner.train_count
+        on_board = self.publisher.published_version
+        first = self.gate.first_version(on_board)  # before the ingest starts: no row is taken at the old one
+        if self.data_path.sync and 0 < on_board < first:
+            logger.info("sync: the trainer before this one may have taken version %d's segments and died training on "
+                        "them; its weights go out again as version %d, so that every actor acts again", on_board, first)
         board_threads = [threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True),
                          threading.Thread(target=self._publish_loop, name="srl-trainer-publish", daemon=True)]
         self.ingest.start()
@@ -454,7 +460,6 @@ class TrainerRun:
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
                     self.device, self.learner.train_count)
         self.learner.plan(self.task.max_steps, self.task.max_train_count, self.env_steps_total)
-        self.gate.version = max(self.gate.version, DataPath.FIRST_VERSION)
         self.publisher.request(self.learner.train_count)  # actors act with this trainer's weights from the start
         end_reason: str | None = None
         next_local = time.monotonic() + opts.checkpoint_interval if opts.checkpoint_dir else math.inf

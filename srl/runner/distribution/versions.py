@@ -108,6 +108,22 @@ class VersionGate:
         self.waiting_for: list[int] = []
         """sync: the actor slots whose segments of this version have not come"""
 
+    def first_version(self, on_board: int) -> int:
+        """Set and return the version this run's first weights are published as, ``on_board`` being the newest
+        the board (or a checkpoint) has: at least the learner's first. Sync: one past the board's. A trainer
+        that restores version v from the board cannot tell whether the one before it took v's segments: it
+        may have read and acked all of them and died training on them (they are gone with it), or none.
+        Every actor that sent its segment of v waits for a newer version, so publishing v again would leave
+        them waiting for ever; v + 1 (the same weights) moves every actor on. What this costs is at most one
+        round of segments acted with v that come after it: refused as stale, counted. Called before the
+        ingest starts, so that no row of the old version is taken at the new one."""
+        version = max(self.version, DataPath.FIRST_VERSION)
+        if self.data_path.sync and on_board >= version:
+            version = on_board + 1
+        with self.lock:
+            self.version = version
+        return version
+
     def keep(self, versions: np.ndarray) -> np.ndarray | None:
         """Which rows the data path accepts at the current version (None: all of them)."""
         path = self.data_path
