@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,9 +16,11 @@ from srl.algorithms import ppo
 from srl.base.env import EnvConfig
 from srl.base.rollout import Rollout
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.board import Board, TaskState
 from srl.runner.distribution.codec import BatchHeader, Codec
 from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.task import build_task
+from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
 from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, start, wait_for
 
 pytestmark = pytest.mark.slow
@@ -35,6 +39,46 @@ def segments_of(config: ppo.Config, version: int) -> dict[str, np.ndarray]:
     assert rows is not None
     rows["version"][:] = version
     return rows
+
+
+def test_a_sync_update_copies_encodes_and_signs_its_params_outside_the_gate_lock(
+    redis_url: str, namespace: str
+) -> None:
+    """After a sync update the trainer moves the version under the gate's lock (no row of the old version slips
+    in), but copies the weights off the device, encodes and signs them after letting go of it: the ingest
+    thread, which takes that lock for each read, is not held back by a publication."""
+    config = ppo.Config(seed=0, envs_per_actor=4)
+    runner = srl.Runner("CartPole-v1", config)
+    params = RedisParameters(url=redis_url, task_name=namespace)
+    board = Board(params.connect(), namespace)
+    board = board.bound(board.create_task(json.dumps({**runner.task_config(), "actor_num": 1})).task_id)
+    options = TrainerOptions(uid="t", secret="")
+    epoch = board.claim_trainer(options.uid, 60_000)
+    assert epoch is not None
+    run = TrainerRun(board, params, None, build_task(*board.get_task_config_raw()), epoch, options)
+    try:
+        run.gate.version = version = 1  # the first weights' version, as the run's start sets it
+        run.buffer.add(segments_of(config, version))  # one segment per env of the one actor: an update's worth
+        lock = run.gate.lock
+        held_while: dict[str, bool] = {}
+        to_arrays, encode_params = run.parameter.to_arrays, run.publisher.codec.encode_params
+
+        def copy_off_the_device() -> dict[str, np.ndarray]:
+            held_while["copying the weights"] = lock.locked()
+            return to_arrays()
+
+        def encode_and_sign(*args: Any, **kwargs: Any) -> bytes:
+            held_while["encoding and signing them"] = lock.locked()
+            return encode_params(*args, **kwargs)
+
+        run.parameter.to_arrays = copy_off_the_device  # type: ignore[method-assign]
+        run.publisher.codec.encode_params = encode_and_sign  # type: ignore[method-assign]
+        assert run._update()
+        assert run.publisher.requested[0] == version + 1 and run.gate.version == version + 1
+        assert held_while == {"copying the weights": False, "encoding and signing them": False}
+    finally:
+        run.stop.set("test over")
+        board.delete_task()
 
 
 def test_sync_ppo_trains_in_lockstep_and_refuses_stale_segments(

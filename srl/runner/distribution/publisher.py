@@ -4,8 +4,9 @@ Owns: :class:`Publisher`: encoding the learner's weights as params version ``gat
 with epoch, train_count, takeover state), the one pending blob the publish thread writes next (a newer one replaces
 an older one not yet written: versions that come faster than the board takes them are merged), when the
 next publication is due (``min_publish_interval``), and the run's last weights. Must never: write params
-without the trainer's epoch (``Board.publish_params`` fences every write), or give a version to two sets of
-weights.
+without the trainer's epoch (``Board.publish_params`` fences every write), give a version to two sets of
+weights, or copy, encode or sign weights under the gate's lock (the ingest waits on it: a large network's
+copy off the device and its signature would hold every read back).
 
 The calls::
 
@@ -93,12 +94,16 @@ class Publisher:
 
     def request(self, train_count: int, final: bool = False) -> int:
         """Hand the learner's weights, as params version ``gate.version``, to the publish thread (as float16
-        with ``float16``, unless ``final``)."""
-        version = self.gate.version
+        with ``float16``, unless ``final``). The main thread's, called without ``gate.lock``: the gate notes
+        the publication under it, and the weights (which only the main thread changes) are copied, encoded
+        and signed after, while the ingest goes on."""
+        gate = self.gate
+        with gate.lock:  # the arrivals and the lag the ingest thread writes under it
+            version = gate.version
+            gate.published(version, train_count)
         self.parameter.version = version
         self.requested = (version, train_count)
         self._last = time.monotonic()
-        self.gate.published(version, train_count)
         arrays = self.parameter.to_arrays()
         meta: dict[str, Any] = {"epoch": self.epoch, "version": version, "train_count": train_count,
                                 "algorithm": self.algorithm}

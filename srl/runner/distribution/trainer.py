@@ -405,12 +405,14 @@ class TrainerRun:
             needed = path.update_segments(max(1, len(slots)), self.task.rl_config.envs_per_actor)
             if not gate.sync_ready(len(self.buffer), needed, slots):
                 return False
-            with gate.lock:  # no row of the old version slips in between training and publishing
+            with gate.lock:  # no row of the old version slips in between training and moving the version
                 stats = learner.train()
                 if stats is not None:
                     gate.version = path.next_version(gate.version, learner.train_count)
-                    self.publisher.request(learner.train_count)
                     gate.updated()
+            if stats is not None:  # no row of the new version comes before its params are out, so none is
+                # taken before the publication resets who delivered (under the lock)
+                self.publisher.request(learner.train_count)
         else:
             stats = None if self._ahead_of_data() else learner.train()
             if stats is not None:
