@@ -145,6 +145,193 @@ def test_a_training_worker_sees_clipped_rewards_and_lost_lives_while_episodes_co
     assert sum(watcher.terminated) == 1
 
 
+# ------------------------------------------------------------------ ale-py's vector env
+class Steps(Worker):
+    """Acts at random in E envs and keeps what it is told, env by env."""
+
+    def __init__(self, num_envs: int, n_actions: int, training: bool = False) -> None:
+        self.num_envs, self.training = num_envs, training
+        self.rng = np.random.default_rng(0)
+        self.n_actions = n_actions
+        self.rewards: list[list[float]] = [[] for _ in range(num_envs)]
+        self.terminated: list[list[bool]] = [[] for _ in range(num_envs)]
+        self.resets: list[tuple[list[int], np.ndarray]] = []
+        self.acted: list[np.ndarray] = []
+        self.next: list[np.ndarray] = []
+
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        self.resets.append(([int(i) for i in env_ids], obs.copy()))
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        self.acted.append(obs.copy())
+        return self.rng.integers(self.n_actions, size=len(obs))
+
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        self.next.append(next_obs.copy())
+        for i in range(self.num_envs):
+            self.rewards[i].append(float(reward[i]))
+            self.terminated[i].append(bool(terminated[i]))
+
+    def pending(self) -> int:
+        return 0
+
+    def take(self) -> None:
+        return None
+
+
+def test_ale_games_with_several_envs_run_on_ale_py_s_vector_env_unless_asked_otherwise() -> None:
+    from gymnasium.vector import SyncVectorEnv
+
+    from srl.base.ale_vector import AleVectorEnv
+    from srl.base.rollout import resolve_vectorization
+
+    pong = EnvConfig(PONG)
+    assert resolve_vectorization(pong, "auto", 2) == "ale"
+    assert resolve_vectorization(pong, "auto", 1) == "sync"  # one env: gymnasium's, as before
+    assert resolve_vectorization(pong, "ale", 1) == "ale"
+    assert resolve_vectorization(pong, "sync", 8) == "sync"  # the way back to gymnasium's wrappers
+    assert resolve_vectorization(EnvConfig(PONG, preprocessing="none"), "auto", 8) == "sync"
+    assert resolve_vectorization(EnvConfig(PONG, mode=0), "auto", 8) == "sync"  # a setting it does not have
+    assert resolve_vectorization(EnvConfig("CartPole-v1"), "auto", 8) == "sync"
+    with pytest.raises(EnvError, match=r"not one of ale-py's games.*use 'sync'"):
+        resolve_vectorization(EnvConfig("CartPole-v1"), "ale", 2)
+    with pytest.raises(EnvError, match="has no setting for mode"):
+        resolve_vectorization(EnvConfig(PONG, mode=0), "ale", 2)
+    with pytest.raises(EnvError, match="vectorization must be one of"):
+        resolve_vectorization(pong, "threads", 2)
+    dqn.Config(vectorization="ale").validate()
+    with pytest.raises(ValueError, match="vectorization must be one of"):
+        dqn.Config(vectorization="threads").validate()
+    # both paths: the same spec, observations of the same shape and dtype, a reset's stack copies of one frame
+    spaces = {}
+    for vectorization, kind in (("auto", AleVectorEnv), ("sync", SyncVectorEnv)):
+        with Rollout(pong, Steps(2, 6), num_envs=2, seed=0, vectorization=vectorization) as rollout:
+            assert isinstance(rollout.envs, kind)
+            assert rollout.vectorization == ("ale" if kind is AleVectorEnv else "sync")
+            spaces[vectorization] = rollout.spec
+            first = rollout.obs.copy()
+            assert (first.dtype, first.shape) == (np.uint8, (2, 4, 84, 84))
+            assert (first == first[:, -1:]).all() and first.any()
+            rollout.step()
+            np.testing.assert_array_equal(rollout.obs[:, :3], first[:, 1:])  # each stack slides by one frame
+            assert rollout.obs.dtype == np.uint8
+    assert spaces["auto"] == spaces["sync"] and spaces["auto"].frame_stack == 4
+    # a frame limit: 40 frames are 10 agent steps of 4 frames, counted after the no-op start
+    with Rollout(EnvConfig(BREAKOUT, max_episode_steps=40), Steps(2, 4), num_envs=2, seed=0) as rollout:
+        assert rollout.vectorization == "ale"
+        cut: list = []
+        while not cut:
+            cut = rollout.step()
+    assert [e.length for e in cut] == [10, 10][:len(cut)]
+
+
+@pytest.mark.slow
+def test_ale_py_s_vector_env_gives_gymnasium_s_stacks_rewards_and_episode_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # without no-op starts and sticky actions both paths are deterministic: the same actions give the same game
+    import gymnasium as gym
+
+    from srl.base import ale_vector
+
+    monkeypatch.setattr(ale_vector, "NOOP_MAX", 0)
+    settings = ale_vector.ale_vector_kwargs(BREAKOUT, "atari", {"repeat_action_probability": 0.0})
+    assert isinstance(settings, dict)
+    vector = ale_vector.AleVectorEnv(settings, 1)
+    env = gym.wrappers.FrameStackObservation(gym.wrappers.AtariPreprocessing(
+        gym.make(BREAKOUT, frameskip=1, repeat_action_probability=0.0), noop_max=0), 4)
+    try:
+        obs, info = vector.reset(seed=0)
+        expected, expected_info = env.reset(seed=0)
+        np.testing.assert_array_equal(obs[0], expected)
+        assert info["lives"][0] == expected_info["lives"]
+        rng = np.random.default_rng(0)
+        for step in range(5000):
+            action = int(rng.integers(4))
+            obs, reward, terminated, truncated, info = vector.step(np.array([action]))
+            expected, expected_reward, expected_terminated, expected_truncated, expected_info = env.step(action)
+            assert (reward[0], terminated[0], truncated[0]) == (expected_reward, expected_terminated,
+                                                                expected_truncated), step
+            assert reward.dtype == np.float32
+            if terminated[0]:
+                assert info["lives"][0] == 5  # same-step autoreset: the next game's lives, as gymnasium's vector env
+                np.testing.assert_array_equal(info["final_obs"][0], expected)  # the game's last stack, whole
+                assert info["_final_obs"][0]
+                np.testing.assert_array_equal(obs[0], env.reset(seed=1)[0])  # and at once the next game's first
+                break
+            np.testing.assert_array_equal(obs[0], expected)
+            assert info["lives"][0] == expected_info["lives"]
+        else:
+            raise AssertionError("a game of Breakout at random did not end in 5000 steps")
+    finally:
+        vector.close()
+        env.close()
+
+
+@pytest.mark.slow
+def test_on_ale_py_s_vector_env_scores_are_raw_sums_and_each_env_restarts_alone() -> None:
+    from srl.rl.memories.frames import check_stacks
+
+    worker = Steps(3, 4)
+    ended: list = []
+    with Rollout(EnvConfig(BREAKOUT), worker, num_envs=3, seed=1) as rollout:
+        assert rollout.vectorization == "ale"
+        while len(ended) < 4:
+            episodes = rollout.step()
+            starting = np.zeros(3, bool)
+            starting[[e.env_index for e in episodes]] = True
+            check_stacks(worker.acted[-1], rollout.obs, starting)  # what sending each frame once relies on
+            ended += episodes
+    # every env's rewards: the episodes' scores are the sums of the raw rewards, their lengths the steps
+    begun = [0, 0, 0]
+    step_of: list[int] = []
+    for resets in worker.resets[1:]:  # the first is the start of every env
+        assert len(resets[0]) < 3  # an ended env is reset alone
+    for episode in ended:
+        i = episode.env_index
+        rewards = worker.rewards[i][begun[i]:begun[i] + episode.length]
+        assert episode.total_reward == sum(rewards) and worker.terminated[i][begun[i] + episode.length - 1]
+        assert not any(worker.terminated[i][begun[i]:begun[i] + episode.length - 1])  # evaluating: one end a game
+        begun[i] += episode.length
+        step_of.append(begun[i])
+    assert len(set(step_of)) > 1  # the envs ended at different steps, each on its own
+    # rewards stay unclipped: an alien of Space Invaders is worth 5 to 30 points
+    invaders = Steps(2, 6)
+    with Rollout(EnvConfig("ALE/SpaceInvaders-v5"), invaders, num_envs=2, seed=0, vectorization="ale") as rollout:
+        while not any(r > 1 for rewards in invaders.rewards for r in rewards) and rollout.env_steps < 4000:
+            rollout.step()
+    assert any(r > 1 for rewards in invaders.rewards for r in rewards)
+    # a training worker sees the training signal: clipped rewards and a terminal step at each of 5 lost lives
+    trainee = Steps(3, 4, training=True)
+    with Rollout(EnvConfig(BREAKOUT), trainee, num_envs=3, seed=1) as rollout:
+        games: list = []
+        while not games:
+            games = rollout.step()
+    i, length = games[0].env_index, games[0].length
+    assert set(trainee.rewards[i]) <= {0.0, 1.0} and sum(trainee.terminated[i][:length]) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ppo", "dqn"])
+def test_pong_trains_in_one_process_on_ale_py_s_vector_env(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import srl.base.rollout
+    from srl.base.ale_vector import AleVectorEnv
+
+    built: list[int] = []
+
+    class Counted(AleVectorEnv):
+        def __init__(self, settings: dict, num_envs: int) -> None:
+            built.append(num_envs)
+            super().__init__(settings, num_envs)
+
+    monkeypatch.setattr(srl.base.rollout, "AleVectorEnv", Counted)
+    config: ppo.Config | dqn.Config = (
+        ppo.Config(envs_per_actor=4, segment_length=32, epochs=1, minibatches=2, seed=1) if algorithm == "ppo"
+        else small_dqn(envs_per_actor=4, env_steps_per_train=8.0))
+    runner = srl.Runner(PONG, config)
+    runner.train(max_steps=400)
+    assert runner.env_steps >= 400 and built[0] == 4
+    assert runner.train_count > 0
+
+
 # ------------------------------------------------------------------ encoders
 def test_encoders_are_chosen_from_the_observation() -> None:
     pong, minatar, cartpole = (env_spec(EnvConfig(i)) for i in (PONG, MINATAR, "CartPole-v1"))

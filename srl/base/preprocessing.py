@@ -19,7 +19,8 @@ and Sample Factory apply it: up to 30 no-op starts, frame skip 4 with the max of
 84x84 grey, a stack of the last 4 frames (shape (4, 84, 84), uint8), and for training only reward
 clipping to its sign and a lost life as a terminal step. The env's own sticky actions
 (``repeat_action_probability`` 0.25 in v5 ids, Machado et al. 2018) are kept; pass
-``repeat_action_probability=0.0`` to turn them off.
+``repeat_action_probability=0.0`` to turn them off. Several envs of an ALE game run on ale-py's C++ vector
+env with the same preprocessing instead of these wrappers (``srl.base.ale_vector``, chosen by ``Rollout``).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from torch.distributions import Categorical, Normal
 
 from srl.base.config import Settings, check_int
 from srl.base.env import EnvConfig, EnvSpec
+from srl.base.rollout import VECTORIZATIONS
 from srl.base.schema import Schema
 
 Columns = dict[str, np.ndarray]
@@ -155,9 +156,11 @@ class RLConfig(Settings, ABC):
     envs_per_actor: int = 1
     """envs each actor (and Runner.train) steps at once, one batched inference for all of them; an env
     whose episode ends is reset alone"""
-    vectorization: str = "sync"
-    """how those envs run: "sync" (one process, in turn; best for fast envs) or "async" (a process
-    per env; pays off when one env step costs milliseconds)"""
+    vectorization: str = "auto"
+    """how those envs run: "sync" (gymnasium's, one process, in turn; best for fast envs), "async"
+    (gymnasium's, a process per env; pays off when one env step costs milliseconds), "ale" (ale-py's C++
+    vector env, for ALE games under the atari preprocessing) or "auto" (the default: "ale" where that
+    fits and the envs are two or more, else "sync"); "sync" falls back to gymnasium's Atari wrappers"""
     device: str = "auto"
     """torch device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ..."""
     torch_threads: int = 1
@@ -193,8 +196,9 @@ class RLConfig(Settings, ABC):
         check_int("torch_threads", self.torch_threads, 1, 256)
         if self.seed is not None:
             check_int("seed", self.seed, 0, 2**63 - 1)
-        if self.vectorization not in ("sync", "async"):
-            raise ValueError(f"vectorization must be 'sync' or 'async', got {str(self.vectorization)[:40]!r}")
+        if self.vectorization not in VECTORIZATIONS:
+            raise ValueError(f"vectorization must be one of {list(VECTORIZATIONS)}, "
+                             f"got {str(self.vectorization)[:40]!r}")
         if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {str(self.device)[:40]!r}")
 

@@ -1,7 +1,9 @@
 """The env step loop, written once: E envs (a gymnasium vector env) driven by one worker.
 
-Owns: ``Rollout`` — building the vector env (sync by default; async, one
-process per env, where the env itself is slow) with same-step autoreset (an
+Owns: ``Rollout`` — building the vector env (``VECTORIZATIONS``: for ALE games
+under the Atari preprocessing with several envs ale-py's own C++ vector env by
+default, ``srl.base.ale_vector``; otherwise gymnasium's, sync by default or
+async, one process per env, where the env itself is slow) with same-step autoreset (an
 env whose episode ends is reset at once and alone: the others never notice),
 turning observations into what algorithms see, asking the worker for all E
 actions at once (batched inference), telling it what happened (the final
@@ -31,9 +33,16 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
+from srl.base.ale_vector import AleVectorEnv, ale_vector_kwargs
 from srl.base.env import EnvConfig, EnvError, EnvSpec, ObsTransform, make_spec
+from srl.base.preprocessing import PreprocessingError
 
-Vectorization = Literal["sync", "async"]
+Vectorization = Literal["auto", "sync", "async", "ale"]
+VECTORIZATIONS = ("auto", "sync", "async", "ale")
+"""how a Rollout's envs run: "auto" is "ale" for an ALE game under the atari preprocessing with two envs or
+more (where ale-py's vector env takes its settings) and "sync" otherwise; "sync" and "async" are
+gymnasium's vector envs over gymnasium's wrappers (in turn in this process, or a process per env); "ale"
+is ale-py's C++ ``AtariVectorEnv`` (``srl.base.ale_vector``)"""
 MAX_ENVS = 4096
 
 
@@ -48,6 +57,22 @@ class Episode:
 
 def _make_env(config: EnvConfig, allow_modules: Collection[str] | None) -> gym.Env:
     return config.make(allow_modules=allow_modules)
+
+
+def resolve_vectorization(env_config: EnvConfig, vectorization: str, num_envs: int) -> str:
+    """The vector env ``vectorization`` means for these envs (see ``VECTORIZATIONS``): "auto" resolved,
+    "ale" refused with the reason where ale-py's vector env cannot run this env."""
+    if vectorization not in VECTORIZATIONS:
+        raise EnvError(f"vectorization must be one of {list(VECTORIZATIONS)}, got {str(vectorization)[:40]!r}")
+    if vectorization in ("sync", "async"):
+        return vectorization
+    settings = ale_vector_kwargs(env_config.id, env_config.resolved_preprocessing(), env_config.kwargs)
+    if vectorization == "ale" and isinstance(settings, str):
+        raise EnvError(f"vectorization 'ale' cannot run {env_config!r}: {settings}; use 'sync' (gymnasium's "
+                       "wrappers) for it")
+    if vectorization == "auto" and (isinstance(settings, str) or num_envs < 2):
+        return "sync"
+    return "ale"
 
 
 class _Spaces:
@@ -75,7 +100,7 @@ class Rollout:
         worker: Any,
         num_envs: int = 1,
         seed: int | None = None,
-        vectorization: str = "sync",
+        vectorization: str = "auto",
         allow_modules: Collection[str] | None = None,
     ) -> None:
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 1 <= num_envs <= MAX_ENVS:
@@ -89,13 +114,20 @@ class Rollout:
                 f"pass num_envs=config.envs_per_actor ({built_for}), or set envs_per_actor={num_envs} before "
                 "making the worker")
         env_config.check_allowed(allow_modules)
+        self.vectorization = resolve_vectorization(env_config, vectorization, num_envs)
+        """the vector env these envs run in: "sync", "async" or "ale" (``VECTORIZATIONS``)"""
         fns = [functools.partial(_make_env, env_config, allow_modules) for _ in range(num_envs)]
-        if vectorization == "sync":
-            self.envs: gym.vector.VectorEnv = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-        elif vectorization == "async":
-            self.envs = AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, context="fork")
+        if self.vectorization == "ale":
+            settings = ale_vector_kwargs(env_config.id, "atari", env_config.kwargs)
+            assert isinstance(settings, dict)  # resolve_vectorization chose "ale" only for such envs
+            try:
+                self.envs: gym.vector.VectorEnv = AleVectorEnv(settings, num_envs)
+            except PreprocessingError as e:
+                raise EnvError(f"env {env_config.id!r}: {e}") from None
+        elif self.vectorization == "sync":
+            self.envs = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
         else:
-            raise EnvError(f"vectorization must be 'sync' or 'async', got {vectorization!r}")
+            self.envs = AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, context="fork")
         try:
             self.spec: EnvSpec = make_spec(
                 _Spaces(self.envs.single_observation_space, self.envs.single_action_space),  # type: ignore[arg-type]
