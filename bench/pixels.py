@@ -3,6 +3,7 @@
     python bench/pixels.py                      # every table
     python bench/pixels.py --only wire,replay   # some of them
     python bench/pixels.py --steps 4000         # more env steps per measurement
+    python bench/pixels.py --only vector --steps 20000   # one actor's envs: gymnasium's path against ale-py's
 
 Tables (Pong with the standard Atari preprocessing: 4 stacked 84x84 grey frames, uint8):
 
@@ -15,6 +16,11 @@ Tables (Pong with the standard Atari preprocessing: 4 stacked 84x84 grey frames,
           the 1M-transition size it would reserve.
   actor   env steps/s of an actor's work (act, n-step rows, initial priorities, zstd encoding; no broker)
           against the same envs and CNN policy stepped bare (greedy, nothing kept), E = 8.
+  vector  env steps/s of one actor's envs on one core (the process pinned to one CPU; torch, OpenCV and
+          ale-py's vector env on one thread each), ``--envs`` envs, gymnasium's path (``AtariPreprocessing`` +
+          ``FrameStackObservation`` in a ``SyncVectorEnv``, ``vectorization="sync"``) against ale-py's C++
+          ``AtariVectorEnv`` (``vectorization="ale"``, the default for ALE games with several envs): random
+          actions (the env path alone), then the Nature CNN acting greedily (an actor's inference).
   params  bytes one params version of the Nature CNN takes, and what a version costs Redis (bytes out) when
           16 or 64 actors of one machine each fetch it, against the machine's params cache (one fetch per
           machine). Needs Redis on 127.0.0.1:6379.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -37,6 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 import redis
 import torch
@@ -45,7 +53,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from srl.algorithms import dqn
-from srl.base.env import EnvConfig, env_spec
+from srl.base.env import DiscreteActions, EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.rl.memories import MemoryConfig
 from srl.runner.distribution.board import Board
@@ -179,6 +187,57 @@ def actor(steps: int) -> None:
           f"| {results['sending'] / results['bare']:.2f} |")
 
 
+class RandomActions:
+    """A worker that acts uniformly at random and keeps nothing: the env path alone."""
+
+    training = False
+
+    def __init__(self, num_envs: int, n_actions: int) -> None:
+        self.num_envs = num_envs
+        self.n_actions = n_actions
+        self.rng = np.random.default_rng(0)
+
+    def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
+        pass
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        return self.rng.integers(self.n_actions, size=len(obs))
+
+    def observe(self, reward: np.ndarray, next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        pass
+
+
+def vector(steps: int, envs: int) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})  # one core: ale-py's C++ thread shares it with Python
+    torch.set_num_threads(1)
+    cv2.setNumThreads(1)
+    print(f"\n## vector: env steps/s of one actor on one core (CPU {cpu}), {PONG}, {envs} envs, one thread\n")
+    spec = env_spec(EnvConfig(PONG))
+    n_actions = spec.actions.n if isinstance(spec.actions, DiscreteActions) else 0
+    print("| actions | gymnasium's wrappers (sync) | ale-py's vector env (ale) | ale ÷ sync |")
+    print("|---|---|---|---|")
+    for name in ("random", "Nature CNN"):
+        rates = {}
+        for vectorization in ("sync", "ale"):
+            if name == "random":
+                worker: Any = RandomActions(envs, n_actions)
+            else:
+                cfg = config(envs, True)
+                cfg.epsilon = 0.0  # every action from the network
+                worker = cfg.make_worker(spec, cfg.make_parameter(spec, torch.device("cpu")), 0, 1, 0)
+                worker.training = False
+            with Rollout(EnvConfig(PONG), worker, envs, seed=0, vectorization=vectorization) as rollout:
+                for _ in range(20):
+                    rollout.step()
+                start, t0 = rollout.env_steps, time.perf_counter()
+                while rollout.env_steps - start < steps:
+                    rollout.step()
+                rates[vectorization] = (rollout.env_steps - start) / (time.perf_counter() - t0)
+        print(f"| {name} | {rates['sync']:,.0f} steps/s | {rates['ale']:,.0f} steps/s "
+              f"| {rates['ale'] / rates['sync']:.2f} |")
+
+
 def fetch_params(board: Board, cache: ParamsCache | None, head: tuple[int, int], max_bytes: int) -> None:
     """What an actor does when the version on the board moves to ``head``."""
     get = partial(board.get_params, max_bytes)
@@ -233,8 +292,9 @@ def params(versions: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="wire,replay,actor,params")
+    parser.add_argument("--only", default="wire,replay,actor,vector,params")
     parser.add_argument("--steps", type=int, default=3000, help="env steps per measurement")
+    parser.add_argument("--envs", type=int, default=8, help="envs of the actor in the vector table")
     parser.add_argument("--replay-capacity", type=int, default=100_000)
     parser.add_argument("--versions", type=int, default=5, help="params versions fetched per measurement")
     args = parser.parse_args()
@@ -245,6 +305,8 @@ def main() -> int:
         replay(args.steps, args.replay_capacity)
     if "actor" in parts:
         actor(args.steps)
+    if "vector" in parts:
+        vector(args.steps, args.envs)
     if "params" in parts:
         params(args.versions)
     return 0
