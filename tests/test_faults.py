@@ -1,0 +1,60 @@
+"""A sample of bench/faults.py's fault matrix, different for every commit: at least one cell per built
+fault and one per algorithm, drawn from the commit hash (``SRL_FAULTS_SEED`` where there is no git), so
+a failing cell fails here with the command that replays it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import broker_unavailable, port_open, require_tool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import faults
+
+pytestmark = pytest.mark.slow
+
+
+def sample_seed() -> int:
+    """The commit's hash as a number (a run of the same commit draws the same cells and moments)."""
+    if seed := os.environ.get("SRL_FAULTS_SEED"):
+        return int(seed)
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return int(head[:8], 16)
+
+
+SEED = sample_seed()
+SAMPLE = faults.ci_sample(SEED)
+BROKER_PORTS = {"amqp": ("RabbitMQ", 5672), "mqtt": ("Mosquitto", 1883), "pubsub": ("Pub/Sub emulator", 8085)}
+
+
+def test_the_sample_covers_every_built_fault_and_every_algorithm() -> None:
+    built = {c.fault for c in faults.all_cells() if faults.runnable(c) and not c.known_failing()}
+    assert {c.fault for c in SAMPLE} == built
+    algorithms = {a.removesuffix("-central") for a, spec in faults.ALGORITHMS.items() if not spec.not_applicable}
+    assert {c.algorithm.removesuffix("-central") for c in SAMPLE} == algorithms
+    assert any(faults.ALGORITHMS[c.algorithm].central for c in SAMPLE)
+    assert not any(c.known_failing() or not faults.runnable(c) for c in SAMPLE)
+
+
+@pytest.mark.parametrize("cell", SAMPLE, ids=[c.name for c in SAMPLE])
+def test_a_cell_of_the_fault_matrix_ends_with_nothing_lost(cell: faults.Cell) -> None:
+    require_tool("redis-server", "a private Redis for each cell")
+    if cell.queue in BROKER_PORTS:
+        what, port = BROKER_PORTS[cell.queue]
+        if not port_open("127.0.0.1", port):
+            broker_unavailable(what, "127.0.0.1", port)
+    if cell.fault == "broker-restart" and cell.queue == "mqtt":
+        require_tool("mosquitto", "a private Mosquitto to restart")
+    result = faults.run_cell(cell, SEED)
+    assert result.verdict == "pass", (f"{result.row()}\n  accounts: {result.accounts}\n  logs: {result.logs}\n"
+                                      f"  replay: {faults.replay_command(cell, SEED)}")
