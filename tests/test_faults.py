@@ -38,8 +38,8 @@ BROKER_PORTS = {"amqp": ("RabbitMQ", 5672), "mqtt": ("Mosquitto", 1883), "pubsub
 
 
 def test_the_sample_covers_every_built_fault_and_every_algorithm() -> None:
-    built = {c.fault for c in faults.all_cells() if faults.runnable(c) and not c.known_failing()}
-    assert {c.fault for c in SAMPLE} == built
+    built = {c.fault for c in faults.all_cells() if faults.runnable(c) and not c.known_failing()} - {"none"}
+    assert built <= {c.fault for c in SAMPLE}
     algorithms = {a.removesuffix("-central") for a, spec in faults.ALGORITHMS.items() if not spec.not_applicable}
     assert {c.algorithm.removesuffix("-central") for c in SAMPLE} == algorithms
     assert any(faults.ALGORITHMS[c.algorithm].central for c in SAMPLE)
