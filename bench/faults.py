@@ -102,9 +102,9 @@ class Algorithm:
 
 ALGORITHMS: dict[str, Algorithm] = {
     "dqn": Algorithm("CartPole-v1", lambda: tiny_config(), 600),
-    "ppo": Algorithm("CartPole-v1", lambda: ppo.Config(envs_per_actor=2, segment_length=32, seed=0), 30),
+    "ppo": Algorithm("CartPole-v1", lambda: ppo.Config(envs_per_actor=2, segment_length=32, seed=0), 120),
     "ppo-async": Algorithm("CartPole-v1", lambda: ppo.Config(sync=False, envs_per_actor=2, segment_length=32,
-                                                             seed=0), 60),
+                                                             seed=0), 200),
     "impala": Algorithm("CartPole-v1", lambda: impala.Config(envs_per_actor=2, segment_length=8, seed=0), 150),
     "r2d2": Algorithm("CartPole-v1", _small_r2d2, 200),
     "sac": Algorithm("Pendulum-v1", _small_sac, 1500),

@@ -56,5 +56,6 @@ def test_a_cell_of_the_fault_matrix_ends_with_nothing_lost(cell: faults.Cell) ->
     if cell.fault == "broker-restart" and cell.queue == "mqtt":
         require_tool("mosquitto", "a private Mosquitto to restart")
     result = faults.run_cell(cell, SEED)
-    assert result.verdict == "pass", (f"{result.row()}\n  accounts: {result.accounts}\n  logs: {result.logs}\n"
+    # "pass (the run ended before ...)": the run reached its budget with the fault in it, on its own
+    assert result.verdict.startswith("pass"), (f"{result.row()}\n  accounts: {result.accounts}\n  logs: {result.logs}\n"
                                       f"  replay: {faults.replay_command(cell, SEED)}")
