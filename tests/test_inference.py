@@ -472,7 +472,8 @@ def _central_run(nodes: list[Any], redis_url: str, namespace: str, tmp_path: Any
     client = ClientThread(srl.Runner("CartPole-v1", config), RedisParameters(url=redis_url, task_name=namespace),
                           actor_num=2, max_train_count=max_train_count, local_processes=False, inference="central")
     client.start()
-    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 60,
+    # the budget covers five processes starting (each imports torch): minutes on a loaded 2-core machine
+    wait_for(lambda: board.get_all_stats().get("inference", {}).get("agent_steps", 0) > 200, 300,
              "the server to act for the actors")
     return server, board, client
 
