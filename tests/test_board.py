@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -27,9 +28,20 @@ from srl.runner.distribution.board import (
 from srl.runner.distribution.client import summary_lines
 from srl.runner.distribution.node import LeaseGuard, NodeOptions, lease_kept, serve
 from srl.runner.distribution.redis_parameters import RedisParameters
+from tests.conftest import running
 from tests.nodes import tiny_config, wait_for
+from tests.queue_fixtures import PrivateRedis
 
 CONFIG = json.dumps({"algorithm": "dqn", "fields": {"batch_size": 32}})
+
+
+@pytest.fixture()
+def private_client() -> Iterator[redis.Redis]:
+    """A Redis of the test's own, for counting commands: the shared one also serves other tests' nodes."""
+    with running(PrivateRedis()) as server:
+        c = redis.Redis.from_url(server.url)
+        yield c
+        c.close()
 
 
 @pytest.fixture()
@@ -381,7 +393,9 @@ def test_other_board_format_is_a_clear_error(board: Board, client: redis.Redis) 
             read()
 
 
-def test_heartbeat_is_one_round_trip_and_reports_task(board: Board, client: redis.Redis) -> None:
+def test_heartbeat_is_one_round_trip_and_reports_task(private_client: redis.Redis, namespace: str) -> None:
+    client = private_client  # commands are counted server-wide: on a Redis nothing else talks to
+    board = Board(client, namespace)
     board.create_task(CONFIG, actor_num=1)
     epoch = board.claim_trainer("t", 10_000)
     assert epoch is not None and board.publish_params("t", epoch, 7, b"p", 3)
@@ -597,8 +611,10 @@ def test_the_float32_master_beside_float16_params_is_read_by_a_trainer_only_and_
     assert task.get_params(master=True) == ParamsRecord(epoch, 2, 20, b"full 2")
 
 
-def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(board: Board,
-                                                                           client: redis.Redis) -> None:
+def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(private_client: redis.Redis,
+                                                                           namespace: str) -> None:
+    client = private_client  # calls are counted server-wide: on a Redis nothing else talks to
+    board = Board(client, namespace)
     task = board.bound(board.create_task(CONFIG, actor_num=1).task_id)  # nodes read as their task's
     assert task.get_params_unless(None) == (None, None)  # nothing published yet
     epoch = task.claim_trainer("t", 10_000)
