@@ -36,15 +36,23 @@ def tiny_config(**changes: Any) -> dqn.Config:
     return config
 
 
+WAIT_FLOOR_S = 120.0
+"""the least any wait_for waits before it fails: a budget bounds a failing test, it never asks for speed,
+and a loaded 2-core machine (processes importing torch, other suites running) takes a minute where an idle
+one takes a second. A passing wait returns as soon as its condition holds, whatever the budget."""
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout`` (at least
+    ``WAIT_FLOOR_S``)."""
+    timeout = max(timeout, WAIT_FLOOR_S)
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
 
 

@@ -224,7 +224,7 @@ def test_depth(broker: Broker, namespace: str) -> None:
             if broker.name == "redis":
                 assert producer.depth() == 5  # the acks wait for the consumer's next command
             consumer.send_acks()
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 60  # a budget for a loaded machine, not a speed
             while producer.depth() != 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert producer.depth() == 0

@@ -121,7 +121,7 @@ def test_a_reset_aborts_open_connections_and_new_ones_work(echo: int) -> None:
     with WanProxy("127.0.0.1", echo) as proxy:
         with connect(proxy) as sock:
             round_trip(sock)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60  # a budget for a loaded machine, not a speed
             while proxy.open_connections < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert proxy.reset() == 1
@@ -273,7 +273,7 @@ def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_c
             sender.close()  # sends what the thread still holds
             assert sender.sent_batches == 3
             got = []
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # a budget for a loaded machine, not a speed
             while len(got) < 3 and time.monotonic() < deadline:
                 got += consumer.get_many(3 - len(got), timeout=0.5)
             assert [codec.decode_batch(m.data, schema)[0].seq for m in got] == [0, 1, 2]
