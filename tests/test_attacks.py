@@ -200,6 +200,8 @@ def test_unbuildable_configs_fail_the_task_and_the_nodes_live_on(
         ({**base, "actor_num": 10**7}, "actor_num"),
         ({**base, "rl_config": {**base["rl_config"], "hidden_block": {"layer_sizes": [16384] * 16}}}, "layer sizes"),
         ({**base, "rl_config": {**base["rl_config"], "lr": "1e400"}}, "lr"),
+        ({**base, "actor_num": 10**400}, "integer of 401 digits"),  # math.isfinite would raise OverflowError
+        ({**base, "rl_config": {**base["rl_config"], "lr": 10**400}}, "integer of 401 digits"),
     ]
     def forge(config: dict) -> None:
         """A valid task, then its config replaced with one HSET (what an intruder does)."""
@@ -232,6 +234,46 @@ def test_unbuildable_configs_fail_the_task_and_the_nodes_live_on(
     assert status is not None and status.status != TaskState.FAILED, status.end_reason
     board.end_task("END", "test over")
     ok_board.end_task("END", "test over")
+
+
+def test_numbers_no_reader_could_hold_in_every_record_leave_the_run_and_its_client_going(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """A 400-digit integer (and 1e400) written into every kind of board record mid-run: the client's progress
+    lines, history and summary, the nodes' heartbeats and ``srl status`` skip what they cannot hold as a data
+    error, and the run ends as it would have."""
+    from srl.cli import main
+
+    huge = "1" + "0" * 400
+    runner = srl.Runner("Pendulum-v1", tiny_config())
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), max_train_count=600,
+                          progress_interval=0.2)
+    client.start()
+    trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
+    actor = start(nodes, "actor", redis_url, namespace, tmp_path)
+    board = board_for(redis_url, namespace)
+    wait_for(lambda: not client.is_alive() or ((s := board.get_status()) and s.train_count >= 100), 120,
+             "training to be under way")
+    p, r = board.prefix, board.client
+    for n in (huge, "1e400"):
+        r.hset(p + "counters", "intruder", f'{{"env_steps": {n}, "received_batches": {n}}}')
+        r.set(p + "stats:intruder", f'{{"updated_at": {time.time()}, "loss": {n}, "train_count": {n}}}')
+        r.sadd(p + "roles", "intruder")
+        r.lpush(p + "events", f'{{"ts": {n}, "level": "ERROR", "text": "forged"}}')
+        r.lpush(p + "history", f'{{"train_count": {n}, "env_steps": {n}}}')
+        r.hset(p + "refusals", "intruder", f'{{"role": "trainer", "reason": "forged", "ts": {n}}}')
+        r.lpush(p + "deadletters", f'{{"ts": {n}, "source": "forged", "reason": "x", "size": {n}}}')
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    assert main(["status", "--host", host, "--port", port, "--task-name", namespace, "--events", "5",
+                 "--dead-letters", "5"]) == 0
+    client.join(240)
+    assert not client.is_alive(), "the run did not end"
+    assert client.error is None, f"the client crashed: {client.error!r}"
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END, status
+    assert trainer.alive() and actor.alive()
+    for node in (trainer, actor):
+        assert "Traceback" not in node.output() and "crashed" not in node.output()
 
 
 def test_a_redis_pause_longer_than_the_old_retry_limit(tmp_path: Path, nodes: list[Node]) -> None:

@@ -587,6 +587,87 @@ def test_malformed_records_are_board_data_errors_not_crashes(task: Board, client
     assert [e.text for e in task.get_events()][-1:] == ["ok"]
 
 
+HUGE = "1" + "0" * 400
+"""a JSON integer of 401 digits: Python reads it, and math.isfinite (a float) raises OverflowError on it"""
+HOSTILE_NUMBERS = [HUGE, "-" + HUGE, "1e400", "NaN", "-Infinity"]
+
+
+def test_huge_and_non_finite_numbers_in_any_record_are_data_errors_not_crashes(
+        task: Board, client: redis.Redis) -> None:
+    """A number no reader could hold, written into an entry of each of the board's lists and hashes, is a data
+    error: it reads as missing (an event's time 0, a dead letter's size 0, a stats field None), and an entry
+    that cannot stand without it (a refusal's time, the time stats were written) is skipped; the rest is read,
+    never an OverflowError, and never a number that is not finite."""
+    p = task.prefix
+    now = time.time()
+    for i, n in enumerate(HOSTILE_NUMBERS):
+        client.hset(p + "counters", f"intruder{i}", f'{{"env_steps": {n}}}')
+        client.set(p + f"stats:intruder{i}", f'{{"updated_at": {now}, "loss": {n}, "uid": "i{i}"}}')
+        client.set(p + f"stats:late{i}", f'{{"updated_at": {n}}}')
+        client.sadd(p + "roles", f"intruder{i}", f"late{i}")
+        client.lpush(p + "events", f'{{"ts": {n}, "level": "INFO", "text": "forged {i}"}}')
+        client.lpush(p + "history", f'{{"train_count": {n}, "i": {i}}}')
+        client.hset(p + "refusals", f"intruder{i}", f'{{"role": "actor", "reason": "forged", "ts": {n}}}')
+        client.lpush(p + "deadletters", f'{{"ts": {n}, "source": "forged {i}", "reason": "x", "size": {n}}}')
+        client.hset(p + "ledger", f"intruder{i}", f'[["a", {n}], ["b", 3]]')
+    task.incr_counters("actor:0", env_steps=21, episodes=2)
+    task.put_stats("actor:0", {"loss": 0.5})
+    task.note_refusal("good-node", "trainer", "a good refusal")
+
+    assert task.get_role_counters()["actor:0"] == {"env_steps": 21, "episodes": 2}
+    assert task.get_counters() == {"env_steps": 21, "episodes": 2}
+    stats = task.get_all_stats()
+    assert set(stats) == {"actor:0", *(f"intruder{i}" for i in range(len(HOSTILE_NUMBERS)))}
+    assert all(stats[f"intruder{i}"]["loss"] is None for i in range(len(HOSTILE_NUMBERS)))
+    events = task.get_events()
+    assert [e.text for e in events] == [f"forged {i}" for i in range(len(HOSTILE_NUMBERS))]
+    assert all(e.ts == 0.0 for e in events)
+    assert task.get_history() == [{"train_count": None, "i": i} for i in range(len(HOSTILE_NUMBERS))]
+    assert [r.uid for r in task.get_refusals()] == ["good-node"]
+    assert [(d.source, d.ts, d.size) for d in task.get_dead_letters()] == [
+        (f"forged {i}", 0.0, 0) for i in range(len(HOSTILE_NUMBERS))]
+    ledgers = task.get_ledgers()
+    assert len(ledgers) == len(HOSTILE_NUMBERS) and all(ledger == [("b", 3)] for ledger in ledgers.values())
+    status = task.get_status()
+    assert status is not None
+    summary_lines(task, status, elapsed=1.0)  # the client's reading of all of it
+
+
+@pytest.mark.parametrize("number", HOSTILE_NUMBERS)
+def test_a_task_config_holding_a_number_no_field_could_hold_fails_the_task_with_a_reason(
+        board: Board, number: str) -> None:
+    """``build_task`` refuses the config (a data error: TaskConfigError), and ``serve`` ends the task FAILED
+    saying why, rather than the node ending on an OverflowError."""
+    from srl.runner.distribution.task import TaskConfigError, build_task
+
+    config = {**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "actor_num": 1, "timeout": 60.0,
+              "queue": {"scheme": "redis", "capacity": 8}}
+
+    def forged(*path: str) -> str:
+        """The config with the number at ``path``, as an intruder writes it (JSON text: no Python float)."""
+        copy = json.loads(json.dumps(config))
+        inner = copy
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = "NUMBER"
+        return json.dumps(copy).replace('"NUMBER"', number)
+
+    for path in (("actor_num",), ("max_train_count",), ("timeout",), ("queue", "capacity"), ("rl_config", "lr"),
+                 ("rl_config", "memory", "capacity"), ("rl_config", "seed"), ("env", "kwargs", "g")):
+        with pytest.raises(TaskConfigError):
+            build_task(forged(*path))
+    board.create_task(json.dumps(config))
+    board.client.hset(board.prefix + "task", "config", forged("actor_num"))
+    board.set_active()
+    serve("actor", board, "here", NodeOptions(uid="a", run_once=True), None,
+          claim=lambda task_board, task: task_board.claim_actor_slot("a", 1, 60_000),
+          lease_name=lambda slot: f"actor:{slot}", standby_note=lambda task_board, task: "",
+          build_run=lambda task_board, task, slot: pytest.fail("a forged task was built"))
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.FAILED, status
+    assert "cannot build the task" in status.end_reason, status.end_reason
+
+
 def test_a_params_blob_larger_than_the_network_is_not_fetched(task: Board) -> None:
     epoch = task.claim_trainer("t", 10_000)
     assert epoch is not None and task.publish_params("t", epoch, 1, b"x" * 5000, 1)
@@ -811,3 +892,4 @@ def test_a_write_that_outlasts_the_socket_timeout_says_how_to_raise_it(caplog: p
     with caplog.at_level("WARNING", logger="srl.retry"):
         assert with_retry(publish, "publishing params") == "published"
     assert "Timeout writing to socket" in caplog.text and "'socket_timeout'" in caplog.text
+

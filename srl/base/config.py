@@ -169,7 +169,9 @@ def check_int(name: str, value: object, low: int, high: int) -> None:
 
 def check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
     """Raise ValueError unless ``value`` is a finite number in [low, high] ((low, high] with ``low_open``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # an int is finite whatever its size (math.isfinite would raise OverflowError on one beyond a float's range)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (isinstance(value, int)
+                                                                             or math.isfinite(value))
     if ok and (value < low or value > high or (low_open and value == low)):  # type: ignore[operator]
         ok = False
     if not ok:

@@ -10,8 +10,10 @@ is deleted with the task), do get-then-set on anything shared (leases are one
 ``SET NX PX``, renewals and parameter writes are compare-and-set scripts),
 block (every call is a bounded number of round trips), or trust what it reads:
 whoever can write to this Redis may have written anything. Every value read is
-parsed with bounds; a malformed record raises :class:`BoardDataError` (a
-:class:`BoardError`), never a stray ``ValueError`` or ``OverflowError``.
+parsed with bounds by the one bounded reader (``board_values``); a malformed
+field raises :class:`BoardDataError` (a :class:`BoardError`), never a stray
+``ValueError`` or ``OverflowError``, and a malformed entry of a list or hash
+(counters, stats, events, history, refusals, dead letters) is skipped.
 
 Keys (``P`` = ``srl:{<task_name>}:``)::
 
@@ -61,7 +63,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import random
 import re
 import sys
@@ -74,6 +75,8 @@ from typing import Any, Literal
 
 import redis
 
+from srl.runner.distribution import board_values
+from srl.runner.distribution.board_values import BoardValueError, finite
 from srl.runner.distribution.retry import TRANSIENT_ERRORS
 
 logger = logging.getLogger("srl.board")
@@ -111,7 +114,7 @@ _LEASE_NAME = re.compile(r"trainer|inference|actor:(0|[1-9][0-9]{0,5})")
 _ADDRESS = re.compile(r"[A-Za-z0-9._\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
 _COUNTER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _SCAN_COUNT = 500
-_MAX_INT = 2**63 - 1
+_MAX_INT = board_values.MAX_INT
 
 
 def _srl_version() -> str:
@@ -645,13 +648,9 @@ def _str(value: bytes | str) -> str:
 def _int(value: Any, name: str, low: int = 0, high: int = _MAX_INT) -> int:
     """A board field as an int in [low, high]; BoardDataError otherwise."""
     try:
-        raw = value.decode() if isinstance(value, bytes) else value
-        number = int(raw) if not isinstance(raw, float) else None
-    except (ValueError, TypeError, UnicodeDecodeError):
-        number = None
-    if number is None or not low <= number <= high:
-        raise BoardDataError(f"board field {name!r} holds {_text(value, 40)!r}; expected an integer in {low}..{high}")
-    return number
+        return board_values.integer(value, f"board field {name!r}", low, high)
+    except BoardValueError as e:
+        raise BoardDataError(str(e)) from None
 
 
 def _opt_int(value: Any, name: str, high: int = _MAX_INT) -> int | None:
@@ -659,14 +658,11 @@ def _opt_int(value: Any, name: str, high: int = _MAX_INT) -> int | None:
 
 
 def _float(value: Any, name: str, low: float = 0.0, high: float = 1e12) -> float:
+    """A board field as a finite float in [low, high]; BoardDataError otherwise."""
     try:
-        raw = value.decode() if isinstance(value, bytes) else value
-        number = float(raw)
-    except (ValueError, TypeError, OverflowError, UnicodeDecodeError):
-        number = math.nan
-    if not (math.isfinite(number) and low <= number <= high):
-        raise BoardDataError(f"board field {name!r} holds {_text(value, 40)!r}; expected a number in {low}..{high:g}")
-    return number
+        return board_values.number(value, f"board field {name!r}", low, high)
+    except BoardValueError as e:
+        raise BoardDataError(str(e)) from None
 
 
 def _opt_float(value: Any, name: str, high: float = 1e12) -> float | None:
@@ -678,14 +674,15 @@ def _field(value: int | float | None) -> str:
 
 
 def _json_object(raw: bytes | str | None, limit: int) -> dict[str, Any] | None:
-    """``raw`` as a JSON object, or None when it is missing, too large or not one."""
-    if raw is None or len(raw) > limit:
+    """``raw`` as a JSON object, or None when it is missing, too large or not one (an entry the readers of lists
+    and hashes skip); a number in it that no reader could hold (not finite, beyond a float's range) reads as
+    null."""
+    if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
+        return board_values.json_object(raw, "a board entry", limit)
+    except BoardValueError:
         return None
-    return value if isinstance(value, dict) else None
 
 
 def _server_time(sec: Any, usec: Any) -> float:
@@ -890,7 +887,8 @@ class Board:
             raise ValueError(f"task config must be a JSON object, found {type(parsed).__name__}")
         if len(config_json) > MAX_CONFIG_BYTES:
             raise ValueError(f"task config is {len(config_json)} bytes; the most a node reads is {MAX_CONFIG_BYTES}")
-        actor_num = int(parsed.get("actor_num", 1)) if actor_num is None else int(actor_num)
+        actor_num = _limit(parsed, "actor_num", actor_num, int)
+        actor_num = 1 if actor_num is None else actor_num
         max_train_count = _limit(parsed, "max_train_count", max_train_count, int)
         max_steps = _limit(parsed, "max_steps", max_steps, int)
         timeout = _limit(parsed, "timeout", timeout, float)
@@ -1314,10 +1312,7 @@ class Board:
             counters = _json_object(value, MAX_STATS_BYTES)
             if counters is None:
                 continue
-            out[_str(role)[:128]] = {
-                str(k)[:64]: float(v) for k, v in counters.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            }
+            out[_str(role)[:128]] = {str(k)[:64]: v for k, raw in counters.items() if (v := finite(raw)) is not None}
         return out
 
     def get_counters(self) -> dict[str, float]:
@@ -1344,11 +1339,11 @@ class Board:
         """Each trainer's ledger (see :meth:`note_received`); malformed entries are skipped."""
         out: dict[str, list[tuple[str, int]]] = {}
         for uid, raw in self.client.hgetall(self._ledger_key).items():
-            if raw is None or len(raw) > LEDGER_BYTES:
+            if raw is None:
                 continue
             try:
-                entries = json.loads(raw)
-            except (ValueError, RecursionError):
+                entries = board_values.json_record(raw, "a ledger", LEDGER_BYTES)
+            except BoardValueError:
                 continue
             if isinstance(entries, list):
                 out[_str(uid)[:128]] = [
@@ -1380,12 +1375,12 @@ class Board:
         found = []
         for uid, value in raw.items():
             item = _json_object(value, 4 * EVENT_TEXT_LIMIT)
-            ts = item.get("ts") if item is not None else None
-            if item is None or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            ts = finite(item.get("ts")) if item is not None else None
+            if item is None or ts is None:
                 continue
-            if max_age_s is None or now - float(ts) <= max_age_s:
+            if max_age_s is None or now - ts <= max_age_s:
                 found.append(Refusal(_str(uid)[:128], str(item.get("role", ""))[:16],
-                                     str(item.get("reason", ""))[:EVENT_TEXT_LIMIT], float(ts)))
+                                     str(item.get("reason", ""))[:EVENT_TEXT_LIMIT], ts))
         return sorted(found, key=lambda r: r.ts)
 
     # ----------------------------------------------------------------- stats
@@ -1410,10 +1405,10 @@ class Board:
             stats = _json_object(raw, MAX_STATS_BYTES)
             if stats is None:
                 continue
-            updated = stats.get("updated_at", 0.0)
-            if not isinstance(updated, (int, float)) or isinstance(updated, bool) or not math.isfinite(updated):
+            updated = finite(stats.get("updated_at", 0.0))
+            if updated is None:
                 continue
-            if max_age_s is None or now - float(updated) <= max_age_s:
+            if max_age_s is None or now - updated <= max_age_s:
                 found[role] = stats
         return found
 
@@ -1435,9 +1430,8 @@ class Board:
             item = _json_object(raw, 4 * EVENT_TEXT_LIMIT)
             if item is None:
                 continue
-            ts = item.get("ts")
             events.append(Event(
-                ts=float(ts) if isinstance(ts, (int, float)) and math.isfinite(ts) else 0.0,
+                ts=finite(item.get("ts")) or 0.0,
                 level=str(item.get("level", ""))[:16],
                 text=str(item.get("text", ""))[:EVENT_TEXT_LIMIT],
                 source=str(item.get("source", ""))[:128],
@@ -1477,7 +1471,7 @@ class Board:
             for key, value in item.items():
                 if value is None or (isinstance(value, str) and len(value) <= 200):
                     row[key] = value
-                elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                elif finite(value) is not None:
                     row[key] = value
             rows.append(row)
         return rows
@@ -1489,12 +1483,12 @@ class Board:
             item = _json_object(raw, 4096)
             if item is None:
                 continue
-            ts, size = item.get("ts"), item.get("size")
+            size = item.get("size")
             letters.append(DeadLetter(
-                ts=float(ts) if isinstance(ts, (int, float)) and math.isfinite(ts) else 0.0,
+                ts=finite(item.get("ts")) or 0.0,
                 source=str(item.get("source", ""))[:300],
                 reason=str(item.get("reason", ""))[:300],
-                size=int(size) if isinstance(size, int) else 0,
+                size=size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else 0,
             ))
         return letters
 
@@ -1504,13 +1498,9 @@ def _limit(config: Mapping[str, Any], name: str, value: Any, kind: type[int] | t
     value = config.get(name) if value is None else value
     if value is None:
         return None
-    try:
-        number = kind(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"task {name} must be a number or None, found {value!r}") from e
-    if not (math.isfinite(number) and 0 <= number <= _MAX_INT):
-        raise ValueError(f"task {name} must be a finite number >= 0, found {value!r}")
-    return number
+    if kind is int:
+        return board_values.integer(value, f"task {name}")
+    return board_values.number(value, f"task {name}", 0.0, float(_MAX_INT))
 
 
 def _ttl(ttl_ms: int) -> int:

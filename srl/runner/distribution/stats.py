@@ -13,11 +13,11 @@ reads as its default, ``extra`` keeps finite numbers only.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from srl.runner.distribution.board import Board, actor_slot
+from srl.runner.distribution.board_values import finite
 
 StatsT = TypeVar("StatsT", bound="NodeStats")
 
@@ -57,29 +57,19 @@ class NodeStats:
             value = _fitting(record[f.name], annotation)
             if value is not None or annotation.endswith("| None"):
                 values[f.name] = value
-        extra = {str(k)[:64]: float(v) for k, v in list(record.items())[:_EXTRA_LIMIT + len(names)]
-                 if k not in names and _number(v) is not None}
+        extra = {str(k)[:64]: number for k, v in list(record.items())[:_EXTRA_LIMIT + len(names)]
+                 if k not in names and (number := finite(v)) is not None}
         return cls(**values, extra=extra)
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond a float's range
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _fitting(value: Any, annotation: str) -> Any:
     """``value`` as the field's type (annotations are strings: ``from __future__ import annotations``),
     or None when it does not fit."""
     if annotation.startswith("int"):
-        number = _number(value)
+        number = finite(value)
         return int(number) if number is not None and number.is_integer() else None
     if annotation.startswith("float"):
-        return _number(value)
+        return finite(value)
     if annotation == "str":
         return value[:_TEXT_LIMIT] if isinstance(value, str) else None
     return None

@@ -8,8 +8,6 @@ allow, or accept a field it cannot bound.
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -20,7 +18,9 @@ from srl.base.config import ConfigError, config_from_dict
 from srl.base.env import EnvConfig, EnvError
 from srl.base.rl import RLConfig
 from srl.rl.networks import check_module_allowed
-from srl.runner.distribution.board import MAX_ACTORS
+from srl.runner.distribution import board_values
+from srl.runner.distribution.board import MAX_ACTORS, MAX_CONFIG_BYTES
+from srl.runner.distribution.board_values import BoardValueError
 from srl.runner.distribution.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, short
 
 MAX_QUEUE_CAPACITY = 1_000_000
@@ -71,17 +71,15 @@ class TaskSpec:
         return capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else 8
 
 
-def _bounded(data: dict[str, Any], key: str, kind: type, high: float, default: Any = None) -> Any:
+def _bounded(data: dict[str, Any], key: str, kind: type[int] | type[float], high: int | float,
+             default: Any = None) -> Any:
+    """``data[key]`` (else ``default``) as ``kind`` in 0..high, or None; TaskConfigError otherwise."""
     value = data.get(key, default)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and isinstance(value, int)
-    if not ok or not (math.isfinite(value) and 0 <= value <= high):
-        raise TaskConfigError(
-            f"task field {key!r} must be a number in 0..{high:g} or null, found {short(repr(value), 60)}"
-        )
+    if board_values.finite(value) is None or (kind is int and not isinstance(value, int)) or not 0 <= value <= high:
+        raise TaskConfigError(f"task field {key!r} must be {'an integer' if kind is int else 'a number'} in "
+                              f"0..{high:g} or null, found {board_values.shown(value)}")
     return kind(value)
 
 
@@ -103,12 +101,11 @@ def build_task(
             codec.check_config_signature(config_json, signature)
         except DecodeError as e:
             raise TaskTrustError(str(e)) from None
-    try:
-        data = json.loads(config_json)
-    except (ValueError, RecursionError) as e:
-        raise TaskConfigError(f"task config is not JSON: {short(e)}") from None
-    if not isinstance(data, dict):
-        raise TaskConfigError(f"task config must be a JSON object, found {type(data).__name__}")
+    try:  # the one bounded reader: a number no field could hold (1e400, a 400-digit integer) refuses it here
+        data = board_values.json_config(config_json, "task config", MAX_CONFIG_BYTES)
+    except BoardValueError as e:
+        raise TaskConfigError(f"{short(e, 300)}; a client of this srl writes finite numbers within 64 bits only") \
+            from None
     try:
         algorithm = data["algorithm"]
         if not isinstance(algorithm, str):
@@ -170,7 +167,7 @@ def build_task(
         ) from None
     except TaskConfigError:
         raise
-    except (ConfigError, UnknownAlgorithmError, EnvError, ValueError, TypeError) as e:
+    except (ConfigError, UnknownAlgorithmError, EnvError, ValueError, TypeError, ArithmeticError, RecursionError) as e:
         raise TaskConfigError(f"cannot build the task's config: {short(e, 400)}") from None
 
 
