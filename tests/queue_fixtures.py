@@ -7,14 +7,19 @@ its pid.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import redis
 
 from tests.conftest import port_open
 
@@ -146,3 +151,61 @@ class PrivateMosquitto(PrivateServer):
             f"persistence_location {self.dir}/\n"
         )
         return ["mosquitto", "-c", str(conf)]
+
+
+@contextlib.contextmanager
+def redis_refusing(admin: redis.Redis, refusal: str) -> Iterator[None]:
+    """Make the Redis behind ``admin`` answer ``refusal`` (OOM, READONLY, BUSY) to what it would refuse so
+    (writes; with BUSY, everything) until the block ends: as it does when full, demoted to a replica by a
+    failover, or stuck in a slow script."""
+    busy: threading.Thread | None = None
+    if refusal == "OOM":
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+    elif refusal == "READONLY":
+        admin.execute_command("REPLICAOF", "127.0.0.1", closed_port())  # a primary that never answers
+    else:
+        admin.config_set("lua-time-limit", 100)
+        stuck = redis.Redis(port=admin.get_connection_kwargs()["port"])
+
+        def spin() -> None:
+            with contextlib.suppress(redis.ResponseError):  # "Script killed by user": how it ends
+                stuck.eval("while true do end", 0)
+
+        busy = threading.Thread(target=spin, daemon=True)
+        busy.start()
+
+        def refused() -> bool:
+            try:
+                admin.ping()
+            except redis.ResponseError as e:
+                return str(e).startswith("BUSY")
+            return False
+
+        deadline = time.monotonic() + 30
+        while not refused():  # the script runs, and for longer than lua-time-limit
+            if time.monotonic() > deadline:
+                raise RuntimeError("Redis never said BUSY")
+            time.sleep(0.02)
+    try:
+        yield
+    finally:
+        if refusal == "OOM":
+            admin.config_set("maxmemory", 0)
+        elif refusal == "READONLY":
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+        elif busy is not None:
+            deadline = time.monotonic() + 30
+            while busy.is_alive() and not _killed_a_script(admin) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            busy.join(30)
+
+
+def _killed_a_script(admin: redis.Redis) -> bool:
+    try:
+        admin.script_kill()
+    except redis.ResponseError as e:  # NOTBUSY: no script runs (yet)
+        if "NOTBUSY" not in str(e):
+            raise
+        return False
+    return True

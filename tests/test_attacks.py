@@ -257,6 +257,7 @@ def test_numbers_no_reader_could_hold_in_every_record_leave_the_run_and_its_clie
     p, r = board.prefix, board.client
     for n in (huge, "1e400"):
         r.hset(p + "counters", "intruder", f'{{"env_steps": {n}, "received_batches": {n}}}')
+        r.hset(p + "counters", "actor:0", f'{{"env_steps": {n}, "sent_batches": {n}}}')  # the actor's own totals
         r.set(p + "stats:intruder", f'{{"updated_at": {time.time()}, "loss": {n}, "train_count": {n}}}')
         r.sadd(p + "roles", "intruder")
         r.lpush(p + "events", f'{{"ts": {n}, "level": "ERROR", "text": "forged"}}')

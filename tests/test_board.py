@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -633,6 +634,31 @@ def test_huge_and_non_finite_numbers_in_any_record_are_data_errors_not_crashes(
     summary_lines(task, status, elapsed=1.0)  # the client's reading of all of it
 
 
+def test_a_counters_entry_that_is_not_finite_never_fails_the_heartbeat(task: Board, client: redis.Redis) -> None:
+    """cjson reads 1e400 or a 400-digit integer as inf, and then cannot encode the totals again: the role's own
+    forged total is started over (its other totals kept), and a forged role is no part of a total, so every
+    heartbeat goes on adding counters and renewing the lease."""
+    p = task.prefix
+    client.hset(p + "counters", "actor:0", f'{{"env_steps": {HUGE}, "episodes": 2, "bad": 1e400, "worse": NaN}}')
+    for i, n in enumerate(HOSTILE_NUMBERS):
+        client.hset(p + "counters", f"intruder{i}", f'{{"env_steps": {n}}}')
+    client.hset(p + "counters", "near-max", '{"env_steps": 1.7e308}')  # one more would be inf
+    assert task.claim_actor_slot("a", 3, 10_000) == 0
+    for _ in range(3):  # every later heartbeat too, not just the first
+        beat = task.heartbeat("actor:0", "a", 10_000, "actor:0", {"env_steps": 7}, {"env_steps": 7},
+                              total_of="env_steps")
+        assert beat.lease_held
+    assert beat.total == 1.7e308  # what can be summed of the forged totals, never inf
+    client.hdel(p + "counters", "near-max")
+    assert task.heartbeat("actor:0", "a", 10_000, "actor:0", None, None, total_of="env_steps").total == 21
+    assert task.get_role_counters()["actor:0"] == {"env_steps": 21, "episodes": 2}
+    task.incr_counters("near-max", env_steps=1.7e308)
+    task.incr_counters("near-max", env_steps=1.7e308)  # a total beyond a double's range starts over
+    assert task.get_role_counters()["near-max"] == {"env_steps": 1.7e308}
+    with pytest.raises(ValueError, match="finite"):
+        task.incr_counters("actor:0", env_steps=math.inf)
+
+
 @pytest.mark.parametrize("number", HOSTILE_NUMBERS)
 def test_a_task_config_holding_a_number_no_field_could_hold_fails_the_task_with_a_reason(
         board: Board, number: str) -> None:
@@ -892,4 +918,58 @@ def test_a_write_that_outlasts_the_socket_timeout_says_how_to_raise_it(caplog: p
     with caplog.at_level("WARNING", logger="srl.retry"):
         assert with_retry(publish, "publishing params") == "published"
     assert "Timeout writing to socket" in caplog.text and "'socket_timeout'" in caplog.text
+
+
+def _redis_servers() -> list[str]:
+    from tests.queue_fixtures import redis_server_binaries
+
+    return redis_server_binaries()
+
+
+@pytest.mark.parametrize("binary", _redis_servers())
+def test_redis_refusing_for_a_while_is_named_and_waited_out(binary: str, caplog: pytest.LogCaptureFixture) -> None:
+    """OOM, READONLY and BUSY, from a command or a script (Redis 6 wraps a script's in another error), are
+    waited out like an outage: a heartbeat is "away", not a crashed thread, and a retried call goes on once
+    Redis answers again, having said what it waits for."""
+    from srl.runner.distribution.board import BOARD_AWAY
+    from srl.runner.distribution.node import BoardWork
+    from srl.runner.distribution.retry import with_retry
+    from srl.runner.distribution.task import StopFlag
+    from tests.queue_fixtures import PrivateRedis, redis_refusing
+
+    server = PrivateRedis(binary)
+    server.start()
+    try:
+        board = Board(RedisParameters(url=server.url).connect(), "refusing")
+        task = board.bound(board.create_task(CONFIG, actor_num=1).task_id)
+        assert task.claim_actor_slot("a", 1, 60_000) == 0
+        admin = redis.Redis(port=server.port)
+
+        def write_stats() -> None:  # a script whose first write is one a full Redis refuses (Redis 6 checks only that)
+            task.put_stats("actor:0", {"loss": 1.0})
+
+        def log_after(refusal: str) -> Callable[[], None]:
+            return lambda: done.append(with_retry(lambda: str(task.log_event(f"after {refusal}")), "logging an event"))
+
+        for refusal in ("OOM", "READONLY", "BUSY"):
+            done: list[str] = []
+            stop = StopFlag()
+            with redis_refusing(admin, refusal), caplog.at_level("WARNING"):
+                with pytest.raises(BOARD_AWAY) as caught:
+                    write_stats()
+                error = caught.value
+                assert getattr(error, "code", "") == refusal and str(error).startswith(refusal), error
+                assert BoardWork("actor a", stop).run(write_stats, "heartbeat") == "away" and not stop.is_set()
+                waiting = threading.Thread(target=log_after(refusal), daemon=True)
+                waiting.start()
+                wait_for(lambda: f"Redis refuses with {refusal}" in caplog.text, 60,  # noqa: B023
+                         f"the wait for {refusal} to be logged")
+                assert waiting.is_alive()
+            waiting.join(60)
+            assert done == ["None"], f"the call did not go on after {refusal}"
+            assert f"board refusing with {refusal}" in caplog.text
+            write_stats()
+        assert [e.text for e in task.get_events()][-3:] == ["after OOM", "after READONLY", "after BUSY"]
+    finally:
+        server.cleanup()
 

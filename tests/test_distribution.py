@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 import srl
 from srl.runner.distribution import RedisParameters
@@ -285,6 +287,55 @@ def test_redis_restart_mid_run_the_run_continues(tmp_path: Path, nodes: list[Nod
         assert client.error is None, client.error
         status = board.get_status()
         assert status is not None and status.status == TaskState.END and status.train_count >= 1500
+    finally:
+        kill_all(nodes)
+        server.cleanup()
+
+
+@pytest.mark.parametrize("refusal", ["OOM", "READONLY", "BUSY"])
+def test_redis_refusing_for_a_while_mid_run_the_run_continues(
+    refusal: str, tmp_path: Path, nodes: list[Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis that refuses for a while (full, a replica after a failover, a slow script) is waited out like
+    an outage by the nodes and the client, which name it; the run goes on once it answers again."""
+    from tests.queue_fixtures import PrivateRedis, redis_refusing
+
+    server = PrivateRedis()
+    server.start()
+    try:
+        url, ns = server.url, "refusing"
+        runner = srl.Runner("Pendulum-v1", tiny_config())
+        client = ClientThread(runner, RedisParameters(url=url, task_name=ns), max_train_count=1500,
+                              progress_interval=0.5)
+        board = board_for(url, ns)
+        with caplog.at_level("WARNING"):
+            client.start()
+            trainer = start(nodes, "trainer", url, ns, tmp_path)
+            actor = start(nodes, "actor", url, ns, tmp_path)
+            wait_for(lambda: not client.is_alive() or ((s := board.get_status()) and s.train_count >= 200), 120,
+                     "training to be under way")
+            admin = redis.Redis(port=server.port)
+
+            def everyone_met_it() -> bool:
+                """The client and both nodes said they met the refusal, or something ended (today's defect)."""
+                if not client.is_alive() or not trainer.alive() or not actor.alive():
+                    return True
+                with contextlib.suppress(redis.RedisError):
+                    if (s := admin.hget(f"srl:{{{ns}}}:task", "status")) is not None and s != b"ACTIVE":
+                        return True
+                return refusal in caplog.text and refusal in trainer.output() and refusal in actor.output()
+
+            with redis_refusing(admin, refusal):
+                wait_for(everyone_met_it, 120, f"the client and the nodes to meet {refusal}")
+            client.join(240)
+        assert not client.is_alive(), "the run did not end"
+        assert client.error is None, f"the client crashed: {client.error!r}"
+        status = board.get_status()
+        assert status is not None and status.status == TaskState.END, status
+        assert status.train_count >= 1500
+        assert trainer.alive() and actor.alive(), "a node ended on a refusal"
+        for output in (trainer.output(), actor.output(), caplog.text):
+            assert "Traceback" not in output and refusal in output
     finally:
         kill_all(nodes)
         server.cleanup()

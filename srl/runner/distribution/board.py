@@ -459,8 +459,13 @@ return 1
 """
 
 # Adds the JSON object of deltas to the JSON totals of a role in a hash; a stored value that is
-# not a JSON object of numbers (damaged, or written by someone else) is started over.
+# not a JSON object of numbers (damaged, or written by someone else) is started over, and so is a
+# total that is not a finite number (cjson reads 1e400 or a 400-digit integer as inf, and then
+# cannot encode the totals again: every later write of the role's counters would fail).
 _ADD_COUNTERS_LUA = _TASK_IS_LUA + """
+local function finite(value)
+  return type(value) == 'number' and value == value and value > -math.huge and value < math.huge
+end
 local function add_counters(key, role, deltas_json)
   local totals = {}
   local current = redis.call('HGET', key, role)
@@ -468,12 +473,14 @@ local function add_counters(key, role, deltas_json)
     local ok, decoded = pcall(cjson.decode, current)
     if ok and type(decoded) == 'table' then
       for name, value in pairs(decoded) do
-        if type(name) == 'string' and type(value) == 'number' then totals[name] = value end
+        if type(name) == 'string' and finite(value) then totals[name] = value end
       end
     end
   end
   for name, delta in pairs(cjson.decode(deltas_json)) do
-    totals[name] = (totals[name] or 0) + delta
+    local total = (totals[name] or 0) + delta
+    if not finite(total) then total = delta end
+    totals[name] = total
   end
   redis.call('HSET', key, role, cjson.encode(totals))
 end
@@ -573,7 +580,7 @@ if ARGV[8] ~= '' then
   total = 0
   for _, value in ipairs(redis.call('HVALS', KEYS[4])) do
     local ok, decoded = pcall(cjson.decode, value)
-    if ok and type(decoded) == 'table' and type(decoded[ARGV[8]]) == 'number' then
+    if ok and type(decoded) == 'table' and finite(decoded[ARGV[8]]) and finite(total + decoded[ARGV[8]]) then
       total = total + decoded[ARGV[8]]
     end
   end
@@ -1141,7 +1148,8 @@ class Board:
             train_count=_int(train_count or 0, "train_count"),
             server_time=_server_time(sec, usec),
             replaced=bool(self.task_id and state is not None and _text(task_id, 64) != self.task_id),
-            total=None if not total else _float(total, total_of, -1e18, 1e18),
+            # any finite total (the script sums finite entries only): a forged entry must not fail every heartbeat
+            total=None if not total else _float(total, total_of, -sys.float_info.max, sys.float_info.max),
         )
 
     # ---------------------------------------------------------------- params
@@ -1541,6 +1549,8 @@ def _deltas_json(deltas: Mapping[str, int | float] | None) -> str:
             raise ValueError(f"counter name {name!r}: use a Python identifier of at most 64 characters")
         if isinstance(delta, bool) or not isinstance(delta, (int, float)):
             raise TypeError(f"counter {name!r} delta must be a number, found {delta!r}")
+        if finite(delta) is None:  # Redis could not add it, nor write the totals again
+            raise ValueError(f"counter {name!r} delta must be a finite number, found {delta!r}")
         if delta:
             clean[name] = delta
     return json.dumps(clean, separators=(",", ":")) if clean else ""

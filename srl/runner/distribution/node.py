@@ -11,7 +11,8 @@ claim a lease, run, repeat — with the rules both roles follow:
   FAILED with the reason, never a traceback, never left ACTIVE;
 * a just-claimed lease is released at once if building the run fails or the
   node is stopped (Ctrl-C) while claiming or building;
-* Redis being away is waited out, with a line every few seconds;
+* Redis being away, or refusing for a while (full, read-only after a failover, busy), is waited out, with a
+  line every few seconds that names it;
 * a bug inside a run (not a message, not an outage) ends the task FAILED and
   the process with a clear error (:class:`NodeCrashedError`).
 
@@ -34,7 +35,7 @@ from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError
 from srl.runner.distribution.codec import short
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.options import NodeOptions
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.redis_parameters import RedisParameters, refusal_code
 from srl.runner.distribution.retry import Throttle, with_retry
 from srl.runner.distribution.task import (
     QueueMismatchError,
@@ -124,6 +125,15 @@ class CounterDeltas:
         self._deltas: dict[str, float] = {}
 
     def add(self, **deltas: float) -> None:
+        """Add ``deltas``; a delta that is not a finite number is refused here, in the thread that made it: on
+        the board it could not be added, and the heartbeat that carried it would fail, put back, again and again."""
+        for k, v in deltas.items():
+            try:
+                ok = math.isfinite(v)
+            except (OverflowError, TypeError):  # an int beyond a float's range; not a number
+                ok = False
+            if not ok:
+                raise ValueError(f"counter {k!r} delta must be a finite number, found {v!r}")
         with self._lock:
             for k, v in deltas.items():
                 if v:
@@ -169,8 +179,10 @@ class BoardWork:
             if self.away_since is None:
                 self.away_since = time.monotonic()
             if self._log.ready():
-                logger.warning("board unreachable or unreadable for %.0fs (%s); %s",
-                               time.monotonic() - self.away_since, short(e), self.while_away)
+                code = refusal_code(e)
+                logger.warning("board %s for %.0fs (%s); %s",
+                               "unreachable or unreadable" if code is None else f"refusing with {code}",
+                               time.monotonic() - self.away_since, short(e, 400), self.while_away)
             return "away"
         except CredentialsError as e:  # a password rotated, a permission revoked: this node stops, not the task
             if self.refused_by is None:

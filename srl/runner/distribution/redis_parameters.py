@@ -1,13 +1,16 @@
 """How to reach the Redis that holds the blackboard (and, by default, the queue).
 
-Owns: ``RedisParameters`` and turning it into a redis-py client. Must never:
-write board keys (that is ``board.py``'s job).
+Owns: ``RedisParameters`` and turning it into a redis-py client whose errors say what happened: a refused
+login is a :class:`CredentialsError`, and a refusal Redis answers only for a while (full, a replica after a
+failover, stuck in a slow script) is a :class:`RedisRefusedError` naming it, which callers wait out like an
+outage. Must never: write board keys (that is ``board.py``'s job).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,10 +50,72 @@ REDIS_CREDENTIALS_HINT = (
 )
 
 
-class _RefusedLoginExplained:
-    """Mixed into redis-py's connection classes: a refused login (no password for a server that needs
-    one, a wrong one, a disabled user) is a :class:`CredentialsError` naming the server, at once, not a
-    ConnectionError that redis-py, and then srl, would retry as an outage."""
+REFUSALS: dict[str, str] = {
+    "OOM": "Redis is out of memory (maxmemory reached; a queue kept in the board's Redis counts too): raise "
+           "maxmemory or free memory",
+    "READONLY": "this Redis is a read-only replica (a failover demoted it?): srl waits for it to be a primary "
+                "again; point srl at the primary (a Sentinel or cluster address) to move on",
+    "BUSY": "Redis is running a slow script and answers nothing else until it ends (SCRIPT KILL ends it)",
+    "MASTERDOWN": "this replica lost its primary and serves no stale data",
+    "NOREPLICAS": "fewer replicas answer than min-replicas-to-write needs",
+    "TRYAGAIN": "a cluster slot is moving",
+    "CLUSTERDOWN": "the cluster is down",
+}
+"""the error codes of replies that refuse a command only for a while, with what each means; waited out"""
+
+_REFUSED_CLASSES: tuple[tuple[type[redis.ResponseError], str], ...] = (
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.MasterDownError, "MASTERDOWN"),
+    (redis.exceptions.TryAgainError, "TRYAGAIN"),
+    (redis.exceptions.ClusterDownError, "CLUSTERDOWN"),
+)
+# Redis < 7 wraps the error of a command a script calls: "Error running script (call to f_<sha>):
+# @user_script:38: @user_script: 38: -OOM command not allowed ..."; Redis 7 keeps its code and appends
+# "script: <sha>, on @user_script:38."
+_SCRIPT_ERROR = re.compile(r"Error running script .*?: -([A-Z]+) ")
+_SCRIPT_PLACE = re.compile(r"\.? script: [0-9a-f]+, on @user_script:[0-9]+\.?$")
+
+
+class RedisRefusedError(redis.ResponseError):
+    """Redis answered, but refuses the command for now (``code``: a key of :data:`REFUSALS`): it is full,
+    a replica, busy. Not the command's fault: waiting cures it, as it cures an outage."""
+
+    def __init__(self, code: str, reply: str) -> None:
+        wrapped = _SCRIPT_ERROR.search(reply)
+        if wrapped:  # the command's own reply, not the script's wrapping
+            reply = reply[wrapped.end():]
+        reply = _SCRIPT_PLACE.sub("", reply.removeprefix(code + " ").strip())  # "BUSY Redis is busy": one code
+        super().__init__(f"{code}: {reply} ({REFUSALS[code]})")
+        self.code = code
+
+
+def refusal_code(error: BaseException) -> str | None:
+    """The :data:`REFUSALS` code of a reply error that refuses for now (from a command or a script), else None."""
+    if isinstance(error, RedisRefusedError):
+        return error.code
+    if not isinstance(error, redis.ResponseError):
+        return None
+    for cls, code in _REFUSED_CLASSES:  # redis-py strips the code of the replies it has a class for
+        if isinstance(error, cls):
+            return code
+    text = str(error)
+    first = text.split(" ", 1)[0]
+    if first in REFUSALS:
+        return first
+    wrapped = _SCRIPT_ERROR.search(text)
+    return wrapped[1] if wrapped and wrapped[1] in REFUSALS else None
+
+
+class _Explained:
+    """Mixed into redis-py's connection classes, so that every reply srl gets says what happened:
+
+    * a refused login (no password for a server that needs one, a wrong one, a disabled user) is a
+      :class:`CredentialsError` naming the server, at once, not a ConnectionError that redis-py, and then
+      srl, would retry as an outage;
+    * a reply that refuses a command for a while (OOM, READONLY, BUSY, ... of :data:`REFUSALS`) is a
+      :class:`RedisRefusedError` naming it, whether the command came alone or from a script, which every
+      caller waits out (``retry.TRANSIENT_ERRORS``) instead of ending a node on it."""
 
     host: str
     port: int
@@ -66,16 +131,25 @@ class _RefusedLoginExplained:
             reason = e if given else "it needs a password and none was given"
             raise authentication_failed(f"Redis at {where}", reason, REDIS_CREDENTIALS_HINT) from e
 
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as e:
+            code = refusal_code(e)
+            if code is None or isinstance(e, RedisRefusedError):
+                raise
+            raise RedisRefusedError(code, str(e)) from e
+
 
 _EXPLAINED: dict[type, type] = {}
 
 
 def _explained(connection_class: type) -> type:
-    """``connection_class`` with refused logins explained (one subclass per class)."""
-    if issubclass(connection_class, _RefusedLoginExplained):
+    """``connection_class`` with refused logins and refusals for now explained (one subclass per class)."""
+    if issubclass(connection_class, _Explained):
         return connection_class
     if connection_class not in _EXPLAINED:
-        _EXPLAINED[connection_class] = type(connection_class.__name__, (_RefusedLoginExplained, connection_class), {})
+        _EXPLAINED[connection_class] = type(connection_class.__name__, (_Explained, connection_class), {})
     return _EXPLAINED[connection_class]
 
 
