@@ -82,17 +82,12 @@ from srl.runner.distribution.queues.base import (
     as_queue_messages,
 )
 from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import hint_for
+from srl.runner.distribution.retry import TRANSIENT_ERRORS, hint_for
 
 logger = logging.getLogger("srl.queues.redis")
 
 _FIELD = b"d"
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    ConnectionError,
-)
+_TRANSIENT = TRANSIENT_ERRORS  # an outage, or a Redis refusing for a while (OOM, READONLY, BUSY): both waited out
 _ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *_TRANSIENT)
 # XCLAIM ... IDLE sets an entry's idle time: this makes it claimable by anyone at once
 _RELEASED_IDLE_MS = 10**10
