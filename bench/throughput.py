@@ -43,6 +43,7 @@ from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
 from srl.runner.distribution.board import Board
 from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.in_flight import batches_in_flight
 from srl.runner.distribution.queues import open_queue
 
 QUEUES = {
@@ -126,8 +127,7 @@ def measure(name: str, config: RLConfig, steps_per_row: int, actors: int, queue:
                  for k, s in stats.items() if k.startswith("actor:")]
         samples.append({"t": time.monotonic(), "env": counters.get("env_steps", 0),
                         "rows": counters.get("received_transitions", 0),
-                        "in_flight": depth if depth is not None else max(
-                            0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0)),
+                        "in_flight": depth if depth is not None else max(0.0, batches_in_flight(counters)),
                         "wait": sum(waits), "sync": sum(float(s.get("sync_wait_s", 0) or 0)
                                                         for k, s in stats.items() if k.startswith("actor:")),
                         "lag": (trainer.get("lag_p50"), trainer.get("lag_p95"), trainer.get("lag_max")),

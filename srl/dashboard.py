@@ -46,6 +46,7 @@ import redis
 
 from srl.base.config import Settings
 from srl.runner.distribution.board import Board, BoardError, TaskState, TaskStatus, list_tasks, task_key_prefix
+from srl.runner.distribution.in_flight import batches_in_flight
 from srl.runner.distribution.redis_parameters import RedisParameters
 from srl.runner.distribution.stats import ActorStats, NodeStats, Reports
 
@@ -229,6 +230,7 @@ class Dashboard:
         detail["actors_not_shown"] = max(0, status.actor_num - SHOWN_ACTORS)
 
         detail["counters"] = {k: _scalar(v) for k, v in sorted(counters.items())[:STATS_KEYS_LIMIT]}
+        detail["batches_in_flight"] = _scalar(max(0.0, batches_in_flight(counters)))
         env_steps = counters.get("env_steps", 0.0)
         detail["env_steps"] = _scalar(env_steps)
         detail["curve"] = self._curve(board, actor_stats, env_steps)

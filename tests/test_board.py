@@ -26,7 +26,7 @@ from srl.runner.distribution.board import (
     TaskState,
     count_token,
 )
-from srl.runner.distribution.client import summary_lines
+from srl.runner.distribution.client import history_row, progress_lines, summary_lines
 from srl.runner.distribution.node import LeaseGuard, NodeOptions, lease_kept, serve
 from srl.runner.distribution.redis_parameters import RedisParameters
 from tests.conftest import running
@@ -814,6 +814,30 @@ def test_end_of_run_summary_names_each_node_and_ignores_malformed_stats(board: B
     assert "1 still queued or in flight (this broker does not tell" in summary_lines(board, status, 10.0)[1]
     over = summary_lines(board, status, elapsed=10.0, queued=3)[1]  # 2 counted, still queued: a trainer died
     assert "2 more than the actors counted as sent" in over and "a trainer died between counting" in over, over
+
+
+def test_the_batch_accounts_count_refused_batches_not_every_bad_message(board: Board) -> None:
+    """sent = received + refused + still queued counts the batches the trainer refused, not the bad params an
+    actor refused or the requests an inference server refused (bad messages too, but never batches sent);
+    a board whose trainer counted refused batches only as bad messages reads them as refused."""
+    board.create_task(CONFIG, actor_num=1)
+    board.set_active()
+    board.incr_counters("actor:0", sent_batches=10, bad_messages=2)  # two params refused
+    board.incr_counters("inference", bad_messages=3)  # three requests refused
+    board.incr_counters("trainer", received_batches=6, bad_messages=1, refused_batches=1)
+    board.end_task("END", "done")
+    status = board.get_status()
+    assert status is not None
+    accounts = summary_lines(board, status, elapsed=10.0, queued=3)[1]
+    assert accounts == "  batches: sent 10 = received 6 + refused 1 + still queued 3: all accounted for", accounts
+    assert "= received 6 + refused 1 + 3 still queued or in flight" in summary_lines(board, status, 10.0)[1]
+    progress = progress_lines(board, status, 10.0)[0]
+    assert "batches sent 10 received 6 refused 1 (in flight ~3) | bad 6" in progress, progress
+    assert history_row(board, None)["queue_in_flight"] == 3
+
+    board.client.hset(board.prefix + "counters", "trainer", json.dumps({"received_batches": 6, "bad_messages": 1}))
+    assert board.get_counters()["refused_batches"] == 1  # a board written before refused batches were apart
+    assert summary_lines(board, status, elapsed=10.0, queued=3)[1] == accounts
 
 
 def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:

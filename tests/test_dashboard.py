@@ -87,7 +87,8 @@ def test_task_detail_has_slots_rates_stalls_lag_counters_and_events(server: Dash
     board.heartbeat("actor:0", "actor-uid", 10_000, "actor:0",
                     {"env_steps_per_s": 250.0, "backpressure_wait_s": 1.5, "stalled_now_s": 0.5, "reward": 12.0},
                     {"sent_batches": 3, "env_steps": 100})
-    board.incr_counters("trainer", received_batches=2, bad_messages=1)
+    board.incr_counters("trainer", received_batches=1, bad_messages=1, refused_batches=1)
+    board.incr_counters("actor:0", bad_messages=2)  # params it refused: never sent as batches
     board.log_event("<b>not bold</b>", source="test")
 
     code, task = call(server, f"/api/task/{board.task_name}")
@@ -103,7 +104,8 @@ def test_task_detail_has_slots_rates_stalls_lag_counters_and_events(server: Dash
     assert (first["stats"]["backpressure_wait_s"], first["stats"]["stalled_now_s"]) == (1.5, 0.5)
     assert second["holder"] is None and second["heartbeat_age_s"] is None
     counters = task["counters"]
-    assert (counters["sent_batches"], counters["received_batches"], counters["bad_messages"]) == (3, 2, 1)
+    assert (counters["sent_batches"], counters["received_batches"], counters["bad_messages"]) == (3, 1, 3)
+    assert task["batches_in_flight"] == 1  # sent − received − refused, as every view of the queue counts it
     assert task["events"][-1]["text"] == "<b>not bold</b>"  # the page puts it in with textContent
     assert task["curve"]["source"] == "actor reward samples" and task["curve"]["points"][0]["reward_mean"] == 12.0
 

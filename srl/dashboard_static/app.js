@@ -236,13 +236,11 @@ function renderSlots(task) {
   document.querySelector("#slots tbody").replaceChildren(...rows);
 }
 
-function renderCounters(counters) {
+function renderCounters(counters, inFlight) {
   const items = [];
-  const sent = counters.sent_batches || 0;
-  const received = counters.received_batches || 0;
   const main = [
-    ["sent batches", sent], ["received batches", received], ["in flight", Math.max(0, sent - received)],
-    ["bad messages", counters.bad_messages || 0],
+    ["sent batches", counters.sent_batches || 0], ["received batches", counters.received_batches || 0],
+    ["in flight", inFlight || 0], ["bad messages", counters.bad_messages || 0],
   ];
   const shown = new Set(["sent_batches", "received_batches", "bad_messages"]);
   for (const [name, value] of Object.entries(counters)) {
@@ -282,7 +280,7 @@ function renderDetail(task) {
   setField("params_version", num(task.params_version), task.params_version);
   setField("end_reason", task.end_reason || "-");
   if (task.trainer) renderSlots(task);
-  if (task.counters) renderCounters(task.counters);
+  if (task.counters) renderCounters(task.counters, task.batches_in_flight);
   const curve = task.curve || { source: "", points: [] };
   document.getElementById("curve-source").textContent = curve.source ? "(" + curve.source + ")" : "";
   drawCurve(document.getElementById("curve"), curve.points);

@@ -1320,7 +1320,13 @@ class Board:
             counters = _json_object(value, MAX_STATS_BYTES)
             if counters is None:
                 continue
-            out[_str(role)[:128]] = {str(k)[:64]: v for k, raw in counters.items() if (v := finite(raw)) is not None}
+            totals = {str(k)[:64]: v for k, raw in counters.items() if (v := finite(raw)) is not None}
+            name = _str(role)[:128]
+            if name == "trainer" and "refused_batches" not in totals and totals.get("bad_messages"):
+                # written by a trainer that counted the batches it refused only as bad messages (nothing else
+                # it counts is a bad message): they are its refused batches
+                totals["refused_batches"] = totals["bad_messages"]
+            out[name] = totals
         return out
 
     def get_counters(self) -> dict[str, float]:

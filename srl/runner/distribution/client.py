@@ -49,6 +49,7 @@ from srl.runner.distribution.codec import (
     short,
 )
 from srl.runner.distribution.embedded import EmbeddedRedis, resolve
+from srl.runner.distribution.in_flight import batches_in_flight, batches_refused
 from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
 from srl.runner.distribution.queues import (
     BrokerUnavailableError,
@@ -781,8 +782,8 @@ def history_row(board: Board, evaluator: Evaluator | None) -> dict[str, Any]:
         row["reward_min"], row["reward_max"] = min(lows), max(highs)
     row["eval_mean"] = evaluator.latest.get("eval_mean") if evaluator is not None else None
     row["env_steps_per_s"] = round(sum(a.env_steps_per_s for a in actors.values()), 2)
-    row["queue_in_flight"] = max(0.0, counters.get("sent_batches", 0) - counters.get("received_batches", 0))
-    for name in ("sent_batches", "received_batches", "bad_messages", "stale_rows", "duplicates"):
+    row["queue_in_flight"] = max(0.0, batches_in_flight(counters))
+    for name in ("sent_batches", "received_batches", "refused_batches", "bad_messages", "stale_rows", "duplicates"):
         row[name] = counters.get(name, 0)
     if trainer is not None:
         record = trainer.to_record()  # its numbers, by the names the stats dataclass gives them
@@ -939,9 +940,10 @@ def progress_lines(
             None if timeout is None else timeout - elapsed]
     known = [e for e in etas if e is not None]
     # actors report what they sent at their heartbeats, the trainer what it received as it comes: a batch
-    # received was sent, whatever the counts say yet
-    received, refused = counters.get("received_batches", 0), counters.get("bad_messages", 0)
-    sent = max(counters.get("sent_batches", 0), received)
+    # received (or refused) was sent, whatever the counts say yet
+    received, refused = counters.get("received_batches", 0), batches_refused(counters)
+    sent = max(counters.get("sent_batches", 0), received + refused)
+    in_flight = max(0.0, batches_in_flight(counters))
     stale = counters.get("stale_rows", 0)
     when = f"ended after {format_seconds(elapsed)}" if ended else (
         f"{format_seconds(elapsed)} elapsed, ETA {format_seconds(min(known) if known else None)}")
@@ -949,8 +951,9 @@ def progress_lines(
     lines = [
         f"task {status.status.value} {when}"
         f" | train {train_count}{'/' + str(max_train_count) if max_train_count else ''} | env steps {env_steps}"
-        f" | batches sent {sent:.0f} received {received:.0f} (in flight ~{max(0.0, sent - received):.0f})"
-        f" | bad {refused:.0f}" + (f" | stale rows refused {stale:.0f}" if stale else "")
+        f" | batches sent {sent:.0f} received {received:.0f}" + (f" refused {refused:.0f}" if refused else "")
+        + f" (in flight ~{in_flight:.0f}) | bad {counters.get('bad_messages', 0):.0f}"
+        + (f" | stale rows refused {stale:.0f}" if stale else "")
         + (f" | eval {_g(evaluation.eval_mean)} at train {evaluation.train_count}" if evaluation else "")
     ]
     hints = hints or NodeHints("--host HOST")
@@ -1110,7 +1113,7 @@ def batch_accounts(counters: dict[str, float], queued: int | None) -> str:
 def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     sent = int(counters.get("sent_batches", 0))
     received = int(counters.get("received_batches", 0))
-    refused = int(counters.get("bad_messages", 0))
+    refused = int(batches_refused(counters))
     if queued is None:
         rest = sent - received - refused
         if rest >= 0:

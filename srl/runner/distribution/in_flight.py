@@ -13,12 +13,28 @@ lost adds nothing. Must never: be below the queue's real depth (actors would ove
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from srl.runner.distribution.board import Board, count_token
 from srl.runner.distribution.node import CounterDeltas
 from srl.runner.distribution.queues import ExperienceQueue
 from srl.runner.distribution.retry import with_retry
+
+
+def batches_refused(counters: Mapping[str, float]) -> float:
+    """Batches the trainer took off the queue and refused, of the board's summed ``counters``. Not
+    ``bad_messages``: that also counts the params and inference requests other nodes refuse, never sent as
+    batches."""
+    return counters.get("refused_batches", 0)
+
+
+def batches_in_flight(counters: Mapping[str, float]) -> float:
+    """Batches sent and not yet taken off the queue (received or refused), by the board's summed
+    ``counters``: the one rule for the depth of a queue that cannot tell it, the progress line's "in flight"
+    and the history's ``queue_in_flight``. Below 0 while the actors have not reported their last sends
+    (they count them with their heartbeats where the queue tells its depth)."""
+    taken = counters.get("received_batches", 0) + batches_refused(counters)
+    return counters.get("sent_batches", 0) - taken
 
 
 class InFlight:
@@ -47,9 +63,7 @@ class InFlight:
         depth = None if self.on_board else self.queue.backlog()
         if depth is not None:
             return depth
-        counters = self.board.get_counters()
-        taken = counters.get("received_batches", 0) + counters.get("refused_batches", 0)
-        return int(counters.get("sent_batches", 0) - taken)
+        return int(batches_in_flight(self.board.get_counters()))
 
     def sent(self, batches: int, rows: int, *, should_stop: Callable[[], bool] | None = None) -> None:
         """Count ``batches`` of ``rows`` just put: at once on the board where they are the queue's depth for
