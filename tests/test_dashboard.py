@@ -22,7 +22,7 @@ import redis
 
 import srl
 from srl.cli import build_parser
-from srl.dashboard import STOP_REASON, Dashboard, DashboardServer
+from srl.dashboard import SHOWN_ACTORS, STOP_REASON, Dashboard, DashboardServer
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board import Board, TaskState, task_key_prefix
 from tests.nodes import ClientThread, board_for, tiny_config
@@ -108,6 +108,39 @@ def test_task_detail_has_slots_rates_stalls_lag_counters_and_events(server: Dash
     assert task["batches_in_flight"] == 1  # sent − received − refused, as every view of the queue counts it
     assert task["events"][-1]["text"] == "<b>not bold</b>"  # the page puts it in with textContent
     assert task["curve"]["source"] == "actor reward samples" and task["curve"]["points"][0]["reward_mean"] == 12.0
+
+
+def test_the_task_view_reads_every_shown_slots_lease_at_once() -> None:
+    """The task view costs the same Redis commands for 8 actor slots as for the most it shows (every lease in
+    one MGET): a read per slot cost a round trip each, 64 per refresh of the page. Counted on a Redis of the
+    test's own, which nothing else talks to."""
+    from tests.conftest import running
+    from tests.queue_fixtures import PrivateRedis
+
+    with running(PrivateRedis()) as redis_server:
+        client = redis.Redis.from_url(redis_server.url)
+        dashboard = Dashboard(client, "a private redis")
+
+        def commands_for_a_view(actor_num: int) -> int:
+            board = Board(client, f"slots{actor_num}")
+            board.create_task(CONFIG, actor_num=actor_num)
+            board.set_active()
+            assert board.claim_trainer("trainer-x", 60_000) is not None
+            for slot in range(0, actor_num, 2):  # half the slots held, half free
+                assert board.claim_lease(f"actor:{slot}", f"actor-{slot}", 60_000)
+            dashboard.task(board.task_name)  # the first view of a task samples its rewards apart
+            before = int(client.info("stats")["total_commands_processed"])
+            task = dashboard.task(board.task_name)
+            after = int(client.info("stats")["total_commands_processed"])
+            assert task is not None and task["error"] is None, task
+            assert task["trainer"]["holder"] == "trainer-x"
+            assert len(task["actors"]) == min(actor_num, SHOWN_ACTORS)
+            assert [a["holder"] for a in task["actors"][:3]] == ["actor-0", None, "actor-2"]
+            return after - before
+
+        few, many = commands_for_a_view(8), commands_for_a_view(SHOWN_ACTORS + 10)
+        client.close()
+    assert many == few, f"the task view took {few} commands for 8 actor slots and {many} for {SHOWN_ACTORS} shown"
 
 
 def test_reward_curve_samples_actor_rewards_until_history_rows_exist(server: DashboardServer, board: Board) -> None:
