@@ -29,7 +29,7 @@ from srl.runner.distribution.task import build_task
 from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
 from srl.runner.distribution.versions import PolicyLag, VersionGate
 from tests.conftest import broker_unavailable, port_open
-from tests.nodes import tiny_config, wait_for
+from tests.nodes import board_for, tiny_config, wait_for
 
 
 def test_the_version_gate_takes_what_each_data_path_accepts_and_knows_who_delivered() -> None:
@@ -402,6 +402,36 @@ def test_a_trainer_that_takes_over_takes_the_rows_its_killed_predecessor_counted
         if successor_queue is not None:
             successor_queue.destroy()
         board.delete_task()
+def test_a_heartbeat_whose_reply_was_lost_counts_once(redis_url: str, namespace: str) -> None:
+    """A heartbeat whose reply is lost after its script ran in Redis fails, and the next one sends its counts
+    again with what was counted meanwhile: each lands once."""
+    params = RedisParameters(url=redis_url, task_name=namespace)
+    board = board_for(redis_url, namespace)
+    board = board.bound(board.create_task(srl.Runner("Pendulum-v1", tiny_config()).task_config()).task_id)
+    loss = ReplyLoss(params)
+    lossy = Board(loss.client, namespace).bound(board.task_id)
+    counters = CounterDeltas()
+    assert board.claim_lease("actor:0", "a", 60_000)
+
+    def heartbeat() -> None:
+        counters.send(lambda deltas, token: lossy.heartbeat("actor:0", "a", 60_000, "actor:0", None, deltas,
+                                                            token=token))
+
+    try:
+        counters.add(env_steps=5, sent_batches=2)
+        loss.armed = True
+        with pytest.raises(redis.ConnectionError):  # the heartbeat fails: the node's next one sends it again
+            heartbeat()
+        assert loss.lost == 1
+        counters.add(env_steps=1)  # counted while the board was away
+        heartbeat()
+        assert board.get_counters() == {"env_steps": 6, "sent_batches": 2}
+        counters.add(env_steps=1)
+        heartbeat()
+        assert board.get_counters() == {"env_steps": 7, "sent_batches": 2}
+    finally:
+        board.delete_task()
+        loss.client.close()
 
 
 def test_a_trainer_keeps_its_lease_while_it_restores_params(redis_url: str, namespace: str,

@@ -221,9 +221,10 @@ class ActorRun:
             ask = self.task.max_steps is not None and (near or beats % math.ceil(share) == 0)
             beats += 1
             sent = time.monotonic()
-            with self.counters.taken() as deltas:
-                hb = self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                                          self._stats(self._last_rate), deltas, total_of="env_steps" if ask else "")
+            stats = self._stats(self._last_rate)
+            hb = self.counters.send(lambda deltas, token: self.board.heartbeat(
+                self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name, stats, deltas,
+                total_of="env_steps" if ask else "", token=token))
             if hb.total is not None:
                 self._budget_seen = (hb.total, counted)
             # the budget ends within two heartbeats (the others' counts are up to one old, and the next comes a
@@ -640,9 +641,9 @@ class ActorRun:
         stats = None if self.slot_lost else self._stats(self._last_rate)
         self._count_steps()
         try:
-            with self.counters.taken() as deltas:  # a last heartbeat: counters and stats in one round trip
-                self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name,
-                                     stats, deltas)
+            self.counters.send(  # a last heartbeat: counters and stats in one round trip
+                lambda deltas, token: self.board.heartbeat(self.lease_name, opts.uid, int(opts.lease_ttl * 1000),
+                                                           self.lease_name, stats, deltas, token=token))
             self.board.release_lease(self.lease_name, opts.uid)
         except Exception as e:  # the board may be gone; the lease then simply expires
             logger.warning("could not report the end of actor %s: %s", opts.uid, e)

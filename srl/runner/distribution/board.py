@@ -27,7 +27,8 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
     P lease:actor:<i> string owner uid, PX ttl
     P counters        hash   role_id -> JSON of running totals
     P counted         hash   role_id -> the token of the last count it added with one (a retried count
-                             whose reply was lost carries it again and adds nothing)
+                             whose reply was lost carries it again and adds nothing); '<role_id> heartbeat'
+                             -> the same for the counts its heartbeats bring
     P roles           set    role ids that ever wrote stats
     P stats:<role_id> string JSON of the latest stats, PX ttl
     P events          list   JSON events, newest first, capped by count; each text capped
@@ -552,12 +553,14 @@ redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(entry))
 return 1
 """
 
-# KEYS: lease, stats:<role>, roles, counters, task.
+# KEYS: lease, stats:<role>, roles, counters, task, counted.
 # ARGV: uid, ttl_ms, role_id, stats_json ('' = none), stats_ttl_ms, deltas_json ('' = none), task id,
-# a counter to total over every role ('' = none).
+# a counter to total over every role ('' = none), the deltas' count token ('' = none).
 # Returns {held, status, params epoch, params version, train_count, time s, time us, the task's id, that
 # total (false: none asked)}; nothing is renewed or written unless the task is the one this node serves.
-_HEARTBEAT_LUA = _ADD_COUNTERS_LUA + """
+# The token is kept apart from the role's other counts ('<role> heartbeat'): a role's incr_counters between
+# a lost heartbeat and its retry must not make the retry count again.
+_HEARTBEAT_LUA = _ADD_COUNTERS_LUA + _FIRST_COUNT_LUA + """
 local t = redis.call('TIME')
 local head = redis.call('HMGET', KEYS[5], 'status', 'params_epoch', 'params_version', 'train_count', 'task_id')
 if not head[1] then return {0, false, false, false, false, t[1], t[2], false, false} end
@@ -574,7 +577,9 @@ if ARGV[4] ~= '' then
     redis.call('SADD', KEYS[3], ARGV[3])
   end
 end
-if ARGV[6] ~= '' then add_counters(KEYS[4], ARGV[3], ARGV[6]) end
+if ARGV[6] ~= '' and first_count(KEYS[6], ARGV[3] .. ' heartbeat', ARGV[9]) then
+  add_counters(KEYS[4], ARGV[3], ARGV[6])
+end
 local total = false
 if ARGV[8] ~= '' then
   total = 0
@@ -1123,17 +1128,20 @@ class Board:
         stats: Mapping[str, Any] | None = None,
         counter_deltas: Mapping[str, int | float] | None = None,
         total_of: str = "",
+        token: str = "",
     ) -> Heartbeat:
         """Renew the lease, write stats, add counters, read task status, params head and the server's
         clock: one round trip. A falsy answer (``lease_held`` False) means the lease is lost. ``total_of``:
-        a counter to total over every role, in the same round trip (``Heartbeat.total``)."""
+        a counter to total over every role, in the same round trip (``Heartbeat.total``). ``token``: the
+        deltas' :func:`count_token`, the same each time they are sent (:meth:`CounterDeltas.taken`): a
+        heartbeat sent again after its reply was lost adds them once."""
         stats_json = "" if stats is None else _stats_json(stats)
         deltas_json = _deltas_json(counter_deltas)
         keys = [self.lease_key(lease_name), self.stats_key(role_id), self._roles_key, self._counters_key,
-                self._task_key]
+                self._task_key, self._counted_key]
         held, status, epoch, version, train_count, sec, usec, task_id, total = self._heartbeat(
             keys=keys, args=[owner_uid, _ttl(ttl_ms), role_id, stats_json, self.stats_ttl_ms, deltas_json,
-                             self.task_id, total_of]
+                             self.task_id, total_of, _check_token(token)]
         )
         state = _text(status, 16)
         try:

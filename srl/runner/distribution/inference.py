@@ -563,9 +563,10 @@ class InferenceRun:
                     next_beat = now + opts.heartbeat_interval
                     rate = (self.agent_steps - last_steps) / max(now - last_time, 1e-9)
                     last_steps, last_time = self.agent_steps, now
-                    with self.counters.taken() as deltas:
-                        hb = self.board.heartbeat("inference", opts.uid, int(opts.lease_ttl * 1000), "inference",
-                                                  self._stats(rate).to_record(), deltas)
+                    stats = self._stats(rate).to_record()
+                    hb = self.counters.send(lambda deltas, token: self.board.heartbeat(  # called here, at once
+                        "inference", opts.uid, int(opts.lease_ttl * 1000), "inference", stats,  # noqa: B023
+                        deltas, token=token))
                     if hb.task_status is None:
                         self.stop.set(TASK_GONE)
                         break
@@ -709,9 +710,9 @@ class InferenceRun:
     def _final_report(self) -> None:
         opts = self.options
         try:
-            with self.counters.taken() as deltas:
-                self.board.heartbeat("inference", opts.uid, int(opts.lease_ttl * 1000), "inference",
-                                     self._stats(0.0).to_record(), deltas)
+            stats = self._stats(0.0).to_record()
+            self.counters.send(lambda deltas, token: self.board.heartbeat(
+                "inference", opts.uid, int(opts.lease_ttl * 1000), "inference", stats, deltas, token=token))
             self.board.release_lease("inference", opts.uid)
         except Exception as e:
             logger.warning("could not report the end of inference %s: %s", opts.uid, e)

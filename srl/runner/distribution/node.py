@@ -27,11 +27,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeVar
 
 from srl.base.env import allowed_env_modules
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError
+from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, count_token
 from srl.runner.distribution.codec import short
 from srl.runner.distribution.credentials import CredentialsError
 from srl.runner.distribution.options import NodeOptions
@@ -58,6 +58,7 @@ BUDGET_BEAT_S = 0.05
 count their last steps (and hold at the budget) and the trainer sees the total reach it within this"""
 
 OptionsT = TypeVar("OptionsT")
+AnswerT = TypeVar("AnswerT")
 
 
 class NodeCrashedError(RuntimeError):
@@ -123,6 +124,8 @@ class CounterDeltas:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._deltas: dict[str, float] = {}
+        self._unconfirmed: tuple[dict[str, float], str] | None = None
+        """deltas taken for a write that failed, and their count token: the next write sends them again"""
 
     def add(self, **deltas: float) -> None:
         """Add ``deltas``; a delta that is not a finite number is refused here, in the thread that made it: on
@@ -139,21 +142,25 @@ class CounterDeltas:
                 if v:
                     self._deltas[k] = self._deltas.get(k, 0.0) + v
 
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            out, self._deltas = self._deltas, {}
-        return out
-
-    @contextlib.contextmanager
-    def taken(self) -> Iterator[dict[str, float]]:
-        """The deltas for one write to the board; put back if that write fails (nothing is lost
-        to a Redis hiccup; a write whose reply was lost may count twice)."""
-        deltas = self.take()
-        try:
-            yield deltas
-        except BaseException:
-            self.add(**deltas)
-            raise
+    def send(self, write: Callable[[dict[str, float], str], AnswerT]) -> AnswerT:
+        """Write the deltas to the board as ``write(deltas, token)`` (a :func:`count_token`) and return its
+        answer. A write that fails keeps them with their token, and the next send writes them again first:
+        nothing is lost to a Redis hiccup, and a write whose reply was lost (Redis ran it) adds nothing the
+        second time. What was added meanwhile follows in a second write (under their token it would be
+        dropped with them where the lost write had landed), so that each send brings every delta."""
+        for _ in range(2):
+            with self._lock:
+                kept = self._unconfirmed is not None
+                if self._unconfirmed is None:
+                    self._unconfirmed = (self._deltas, count_token())
+                    self._deltas = {}
+                deltas, token = self._unconfirmed
+            answer = write(deltas, token)  # a failed write raises here, and they stay kept
+            with self._lock:
+                self._unconfirmed = None
+            if not kept:
+                break
+        return answer
 
 
 class BoardWork:
