@@ -364,16 +364,7 @@ FAULTS: dict[str, Fault] = {
     "inference-kill": Fault(inject_inference_kill, standby="inference", central_only=True, kills_sender=True),
 }
 
-KNOWN_FAILING: dict[str, str] = {
-    r"ppo/[^/]+/(trainer-kill|partition)": "sync PPO can deadlock after a trainer failover: a trainer killed "
-    "between acking version v's segments and publishing v+1 leaves its standby publishing v again, and the "
-    "actors wait for v+1 for ever (it depends on the moment of the kill, so a passing run proves nothing)",
-    r"(dqn|r2d2|sac)(-central)?/[^/]+/elastic": "elastic actors of a replay algorithm can stall before the "
-    "first train step: each actor's allowance before it is the warm-up divided by the elastic maximum, so "
-    "fewer actors than that never fill the warm-up",
-    r"[^/]+/[^/]+/redis-oom": "a Redis that answers OOM makes a node's heartbeat raise: the nodes exit with "
-    "a traceback and the client raises OutOfMemoryError instead of waiting the outage out",
-}
+KNOWN_FAILING: dict[str, str] = {}
 """cell pattern (a regular expression over ``algorithm/queue/fault``) -> the srl defect it fails on; these
 cells run here but stay out of the test suite's sample until the defect is fixed"""
 
