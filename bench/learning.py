@@ -11,7 +11,10 @@ Each run trains from scratch with the user-facing defaults of its case (the conf
 or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (20 episodes,
 ``EVAL_EPISODES`` says why; ``--eval-episodes``). "one" is ``Runner.train`` in this process; "dist" is
 ``Runner.train_distribution`` on an embedded Redis with the trainer and ``--actors`` actors as local
-processes, experience over ``--queue``; "central" is "dist" with central inference (an inference server
+processes, experience over ``--queue``; "hand" is "dist" the way a user runs it: ``--actors`` ``srl actor``
+processes started first, then one ``srl trainer``, each a process of its own on the Redis at ``--redis-url``
+(one task name per run), then the client, unseeded (the seed only numbers the run); "central" is "dist" with
+central inference (an inference server
 acts for the actors, SEED RL's way); "lagged" (off-policy and asynchronous cases) is one process
 given a distributed run's data path, so the two can be told apart seed by seed: the worker acts with a
 copy of the weights refreshed every ``--lag`` train steps (so up to that old) and hands its transitions
@@ -42,10 +45,14 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +70,7 @@ from srl.base.rl import RLConfig
 from srl.base.rollout import Rollout
 from srl.rl.blocks import MLPBlockConfig
 from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.board import Board
 from srl.runner.progress import reward_summary
 from srl.runner.run_log import RunLog
 
@@ -232,9 +240,14 @@ CASES = {case.name: case for case in [
          5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar"),
 ]}
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
-            ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-pendulum", "one"), ("appo-cartpole", "dist"),
+            ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-cartpole", "hand"), ("ppo-pendulum", "one"),
+            ("appo-cartpole", "dist"),
             ("impala-cartpole", "one"), ("impala-cartpole", "dist"), ("sac-pendulum", "one"), ("sac-pendulum", "dist")]
-MODES = ("one", "dist", "central", "lagged")
+MODES = ("one", "dist", "hand", "central", "lagged")
+HAND_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""mode hand's board: a Redis every node reaches (an embedded one lives inside the client, after the nodes)"""
+NODE_READY_S = 120.0
+"""seconds a hand-started node has to say it is ready (imports on a loaded machine)"""
 EVAL_EPISODES = 20
 """episodes of a run's final evaluation: enough that one unlucky episode cannot decide a run. A CartPole
 policy that balances for 500 steps but drops one episode at 100 scores 480 over 20 episodes (still above
@@ -375,13 +388,74 @@ def train_lagged(runner: srl.Runner, lagged: Lagged, max_train_count: int | None
     return env_steps, trainer.train_count
 
 
+class HandNodes:
+    """Mode hand's nodes, as a user starts them: ``actors`` ``srl actor`` processes, each up and waiting for a
+    task before one ``srl trainer`` starts, all ``--run-once`` on ``redis_url`` under a task name of this run's
+    own; their logs go to a temporary directory, shown when a node fails."""
+
+    def __init__(self, redis_url: str, queue_url: str | None, actors: int) -> None:
+        self.task_name = f"bench-hand-{uuid.uuid4().hex[:10]}"
+        self.redis_url = redis_url
+        self.logs = Path(tempfile.mkdtemp(prefix="srl-bench-hand-"))
+        self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        common = ["--url", redis_url, "--task-name", self.task_name, "--run-once",
+                  *(["--queue-url", queue_url] if queue_url else [])]
+        try:
+            for i in range(actors):
+                self._start(f"actor-{i}", ["actor", *common], "ready; waiting for a task")
+            self._start("trainer", ["trainer", *common], "ready (cuda available")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, name: str, args: list[str], ready: str) -> None:
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as out:  # the child holds its own descriptor
+            proc = subprocess.Popen([sys.executable, "-m", "srl.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        self.procs.append((name, proc, log))
+        deadline = time.monotonic() + NODE_READY_S
+        while ready not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"mode hand: {name} ({' '.join(args[:1])}) did not get ready "
+                                   f"(exit code {proc.poll()}); its log {log}:\n{tail}")
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 60.0) -> None:
+        """Wait for the run-once nodes to leave after their task, then interrupt, then kill what is left; then
+        remove the task's keys (after the nodes: one that saw them vanish first would stop as on a lost task)."""
+        deadline = time.monotonic() + grace
+        for _, proc, _ in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        try:
+            Board(RedisParameters(url=self.redis_url).connect(), self.task_name).delete_task()
+        except Exception as e:  # a board that went away keeps the keys; the next run has a name of its own
+            print(f"mode hand: could not remove task {self.task_name}'s keys: {e}", flush=True)
+        failed = [(name, proc.returncode, log) for name, proc, log in self.procs if proc.returncode not in (0, None)]
+        if not failed:
+            shutil.rmtree(self.logs, ignore_errors=True)
+        for name, code, log in failed:
+            print(f"mode hand: {name} exited with {code}; its log is {log}", flush=True)
+
+
 def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, lagged: Lagged = Lagged(),
               changes: dict[str, Any] | None = None, curve: float | None = None,
-              log_dir: Path | None = None, curve_every: int | None = None) -> tuple[srl.Runner, Run]:
+              log_dir: Path | None = None, curve_every: int | None = None,
+              redis_url: str = HAND_REDIS_URL) -> tuple[srl.Runner, Run]:
     """A runner trained from scratch on ``case`` in ``mode`` with ``seed``, and its run (no evaluation yet).
-    ``curve`` / ``curve_every``: evaluate every that many seconds / train steps into ``log_dir``'s eval.csv."""
+    ``curve`` / ``curve_every``: evaluate every that many seconds / train steps into ``log_dir``'s eval.csv.
+    Mode hand is unseeded, as a user's first run: ``seed`` only numbers it."""
     config = configured(case, changes)
-    config.seed = seed
+    config.seed = None if mode == "hand" else seed
     runner = srl.Runner(case.env, config)
     started = time.perf_counter()
     if mode == "lagged":
@@ -391,6 +465,14 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
             "log_dir": log_dir, "eval_interval": curve, "eval_every": curve_every}
         if mode == "one":
             runner.train(progress_interval=None, **logging_, **limits(budget))
+        elif mode == "hand":
+            nodes = HandNodes(redis_url, QUEUES[queue](), actors)
+            try:
+                runner.train_distribution(RedisParameters(url=redis_url, task_name=nodes.task_name),
+                                          QUEUES[queue](), actor_num=actors, progress_interval=None,
+                                          local_processes=False, **logging_, **limits(budget))
+            finally:
+                nodes.stop()
         else:
             runner.train_distribution(RedisParameters(), QUEUES[queue](), actor_num=actors, progress_interval=None,
                                       inference="central" if mode == "central" else "local", **logging_,
@@ -402,13 +484,14 @@ def train_run(case: Case, mode: str, seed: int, budget: str, actors: int, queue:
 
 def run_once(case: Case, mode: str, seed: int, budget: str, actors: int, queue: str, episodes: int = EVAL_EPISODES,
              lagged: Lagged = Lagged(), changes: dict[str, Any] | None = None, curve: float | None = None,
-             curve_dir: Path | None = None, curve_every: int | None = None) -> Run:
+             curve_dir: Path | None = None, curve_every: int | None = None, redis_url: str = HAND_REDIS_URL) -> Run:
     log_dir = None if curve_dir is None else curve_dir / f"{case.name}-{mode}-{seed}"
     if log_dir is not None and log_dir.exists():
         # a run from scratch: a log dir holding an earlier run would be continued (its curve appended to)
         print(f"{case.name} {mode} seed {seed}: replacing the earlier run's files in {log_dir}", flush=True)
         shutil.rmtree(log_dir)
-    runner, run = train_run(case, mode, seed, budget, actors, queue, lagged, changes, curve, log_dir, curve_every)
+    runner, run = train_run(case, mode, seed, budget, actors, queue, lagged, changes, curve, log_dir, curve_every,
+                            redis_url)
     run.evaluation = float(np.mean(runner.evaluate(max_episodes=episodes)))
     if log_dir is not None and (log_dir / "eval.csv").exists():
         with open(log_dir / "eval.csv") as f:
@@ -422,13 +505,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="", help=f"comma-separated among {', '.join(CASES)} (default: the "
                                                     "standard suite)")
-    parser.add_argument("--modes", default="", help="comma-separated: one, dist, lagged (default: the suite's)")
+    parser.add_argument("--modes", default="", help="comma-separated: one, dist, hand, central, lagged (default: the "
+                                                    "suite's)")
     parser.add_argument("--seeds", type=int, default=10, help="runs with seeds 0..N-1")
     parser.add_argument("--first-seed", type=int, default=0, help="start the seeds here instead of 0")
     parser.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES, help="episodes of the final evaluation")
     parser.add_argument("--actors", type=int, default=2, help="actors of a distributed run")
     parser.add_argument("--queue", default="redis", choices=sorted(QUEUES),
                         help="experience queue of a distributed run")
+    parser.add_argument("--redis-url", default=HAND_REDIS_URL,
+                        help="mode hand: the Redis its separately started nodes and the client meet on")
     parser.add_argument("--lag", type=int, default=150, help="mode lagged: train steps between weight refreshes "
                         "(0: the trainer's own weights)")
     parser.add_argument("--chunk", type=int, default=128, help="mode lagged: transitions handed over at a time")
@@ -470,6 +556,12 @@ def main() -> None:
     if synced := sorted({n for n, m in plan if m == "lagged" and not laggable(CASES[n].make_config())}):
         parser.error(f"mode lagged needs an off-policy or asynchronous case; {', '.join(synced)} wait for every "
                      "version (sync)")
+    if any(m == "hand" for _, m in plan):
+        try:
+            RedisParameters(url=args.redis_url).connect().ping()
+        except Exception as e:
+            parser.error(f"mode hand needs a Redis its nodes reach at --redis-url {args.redis_url}: {e} (start one, "
+                         "e.g. redis-server, or leave hand out with --modes)")
     if args.curve_every is not None and (args.curve_every < 1 or any(m == "lagged" for _, m in plan)):
         parser.error("--curve-every takes a positive number of train steps, for one process and dist runs "
                      "(lagged runs: --curve)")
@@ -495,7 +587,7 @@ def main() -> None:
             run = run_once(case, mode, seed, budget, args.actors, args.queue, args.eval_episodes,
                            Lagged(args.lag, args.chunk, args.delay), changes, args.curve,
                            None if args.curve is None and args.curve_every is None else Path(args.log_dir),
-                           args.curve_every)
+                           args.curve_every, args.redis_url)
             runs.append(run)
             print(f"{name} {mode} seed {seed}: evaluation {run.evaluation:.1f} in {run.wall_s:.0f}s "
                   f"({run.env_steps} env steps, {run.train_count} train steps)", flush=True)
@@ -516,7 +608,8 @@ def seconds_per_step(group: list[Run]) -> float:
 
 
 def print_table(runs: list[Run], args: Any) -> None:
-    dist = f"dist = {args.actors} actors over {args.queue}"
+    dist = (f"dist = {args.actors} actors over {args.queue}; hand = the same as separately started srl actor and "
+            "srl trainer processes, actors first, unseeded")
     quick = "quick: small budgets, so no reference or verdict; " if args.quick else ""
     print(f"\nlearning suite ({quick}evaluation: mean of {args.eval_episodes} episodes; {dist})")
     header = (f"{'case':<16} {'mode':<6} {'budget':<12} {'runs':>4} {'median':>8} {'IQR':>17} {'worst':>8} "
@@ -541,7 +634,7 @@ def print_table(runs: list[Run], args: Any) -> None:
         train_rate = statistics.median(r.train_count / r.wall_s for r in group)
         met = "" if args.quick else "yes" if statistics.median(evals) >= case.target and below in ("-", "0") else "no"
         reference = "" if args.quick else case.reference
-        versus = f"{seconds_per_step(group) / sync_per_step:.2f}" if sync_per_step and mode == mode_of_sync \
+        versus = f"{seconds_per_step(group) / sync_per_step:.2f}" if sync_per_step and mode in (mode_of_sync, "hand") \
             and case.env == "CartPole-v1" and not name.startswith("dqn") else "-"
         floor = "-" if case.floor is None else f"{case.floor:g}"
         print(f"{name:<16} {mode:<6} {budget:<12} {len(group):>4} {statistics.median(evals):>8.1f} "
