@@ -149,6 +149,38 @@ def test_reward_normalization_scales_the_rewards_not_the_time_limit_bootstrap(mo
     np.testing.assert_allclose(seen[0], expected, rtol=1e-4)
 
 
+def update_gradient_steps(actor_num: int, **changes: Any) -> tuple[int, int]:
+    """(gradient steps, env steps) of one sync update on the segments of ``actor_num`` actors, as the
+    distributed trainer builds its learner (one process is one actor)."""
+    config = ppo.Config(seed=0, envs_per_actor=2, segment_length=4, epochs=3, **changes)
+    runner = srl.Runner("CartPole-v1", config)
+    spec = runner.spec
+    buffer = config.make_buffer(spec, actor_num)
+    for slot in range(actor_num):
+        worker = config.make_worker(spec, runner.parameter, slot, actor_num, slot)
+        with Rollout(EnvConfig("CartPole-v1"), worker, num_envs=2, seed=slot) as rollout:
+            for _ in range(4):
+                rollout.step()
+        rows = worker.take()
+        assert rows is not None
+        buffer.add(rows)
+    stats = config.make_learner(spec, runner.parameter, buffer, actor_num).train()
+    assert stats is not None
+    return stats.gradient_steps, actor_num * 2 * 4
+
+
+def test_a_distributed_update_makes_the_gradient_steps_per_env_step_of_one_process() -> None:
+    # the presets are RL Zoo's, whose batch_size is a minibatch's size: an update of N actors' segments takes
+    # N times the minibatches of one actor's, so N actors learn as much from each env step as one process
+    # does (with a count of minibatches per update, 2 actors made half the gradient steps per env step)
+    one, one_steps = update_gradient_steps(1)
+    two, two_steps = update_gradient_steps(2)
+    assert one == 3  # the Discrete preset: one minibatch an epoch
+    assert two / two_steps == one / one_steps, f"2 actors: {two} gradient steps for {two_steps} env steps, " \
+        f"one process: {one} for {one_steps}"
+    assert update_gradient_steps(2, minibatches=1)[0] == 3  # a count the user sets is the update's
+
+
 def test_presets_follow_the_action_family() -> None:
     discrete = ppo.Config().resolved(env_spec(EnvConfig("CartPole-v1")))
     continuous = ppo.Config().resolved(env_spec(EnvConfig("Pendulum-v1")))

@@ -109,9 +109,9 @@ def test_sync_ppo_trains_in_lockstep_and_refuses_stale_segments(
     # the 12 injected at least (rarely, under load, a real actor's late segment is refused too)
     assert counters["stale_rows"] >= 12 and counters.get("bad_messages", 0) == 0
     # lockstep: a version per update (after the first weights' version 1), each update on one segment per env
-    # of both actors (2 x 4), K = 20 epochs of one minibatch
+    # of both actors (2 x 4), K = 20 epochs of one minibatch per actor's segments (the preset's size), two an epoch
     updates = status.params_version - 1
-    assert runner.train_count == 20 * updates
+    assert runner.train_count == 2 * 20 * updates
     # plus, at most, one round made with the version after the last update and one with the final
     # publication (an actor quick to pick it up sends it before it sees the task END)
     assert updates * 8 <= counters["received_transitions"] <= (updates + 2) * 8

@@ -27,6 +27,7 @@ Discrete or continuous-control vectors, Atari-sized images, or small grids
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -105,7 +106,10 @@ class Config(RLConfig):
     epochs: int | None = None
     """K: passes over each update's data (preset: 20 Discrete, 10 Box)"""
     minibatches: int | None = None
-    """minibatches per epoch (preset: 1 Discrete, 32 Box: minibatches of 64 steps, as CleanRL and SB3)"""
+    """minibatches per epoch (preset: 1 Discrete, 32 Box: minibatches of 64 steps, as CleanRL and SB3). The
+    preset counts them in one actor's segments (``envs_per_actor``): an update on the segments of N actors
+    takes N times as many, so its minibatches keep their size (RL Zoo's ``batch_size``) and N actors make as
+    many gradient steps per env step as one process. A count you set is the whole update's"""
     lr: float | None = None
     """Adam learning rate (preset: 1e-3 vectors, 2.5e-4 images, 2.5e-3 grids)"""
     anneal_lr: bool = True
@@ -220,7 +224,8 @@ class Config(RLConfig):
     def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> PPOLearner:
         assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
         return PPOLearner(self.resolved(spec), parameter, buffer,
-                          self.data_path().update_segments(actor_num, self.envs_per_actor))
+                          self.data_path().update_segments(actor_num, self.envs_per_actor),
+                          per_actor_minibatches=self.minibatches is None)
 
 
 # ---------------------------------------------------------------- trainer
@@ -264,8 +269,10 @@ class PPOLearner(Learner):
     optimizer: torch.optim.Optimizer
 
     def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer,
-                 segments_per_update: int) -> None:
+                 segments_per_update: int, per_actor_minibatches: bool = False) -> None:
         self.config = config
+        self.actor_segments = config.envs_per_actor if per_actor_minibatches else 0
+        """the segments ``config.minibatches`` is counted in (one actor's: the preset's); 0: the whole update"""
         self.parameter = parameter
         self.buffer = buffer
         self.segments_per_update = segments_per_update
@@ -356,7 +363,10 @@ class PPOLearner(Learner):
 
         # a minibatch is steps, or whole segments when the network is recurrent (its state runs through them)
         batch = n if recurrent else n * horizon
-        minibatch = max(1, batch // int(config.minibatches or 1))
+        parts = int(config.minibatches or 1)
+        if self.actor_segments:  # the preset's minibatch size, whatever the actors this update's segments came from
+            parts *= max(1, math.ceil(n / self.actor_segments))
+        minibatch = max(1, batch // parts)
         # per-minibatch statistics stay on the device until the end: a read on the host would wait for it
         clip_fractions: list[torch.Tensor] = []
         kl, steps = torch.zeros(()), 0
