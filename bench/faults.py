@@ -62,6 +62,7 @@ from srl.runner.distribution import RedisParameters  # noqa: E402
 from srl.runner.distribution.board import Board, TaskState  # noqa: E402
 from srl.runner.distribution.queues import open_queue  # noqa: E402
 from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, tiny_config, wait_for  # noqa: E402
+from tests.partitions import LogLines  # noqa: E402
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis  # noqa: E402
 from tests.wan_proxy import WanProxy  # noqa: E402
 
@@ -462,15 +463,6 @@ class Result:
         return f"{self.cell:36} {self.seed:>10} {self.verdict:60} {cost:>7} {self.wall_s:>7.1f}"
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _thread_client(run: Run) -> ClientThread:
     algorithm = ALGORITHMS[run.cell.algorithm]
     run.runner = srl.Runner(algorithm.env, algorithm.make())
@@ -589,7 +581,7 @@ def _run(run: Run) -> tuple[str, float | None, str]:
     if algorithm.central:
         run.node("inference")
     at = int(algorithm.budget * run.rng.uniform(0.3, 0.6))
-    lines = _Lines()
+    lines = LogLines()
     run.client_lines = lines.lines
     client_log = logging.getLogger("srl.client")
     client_log.addHandler(lines)

@@ -52,7 +52,9 @@ class PartitionResult:
         return self.accounts.endswith(": all accounted for")
 
 
-class _Lines(logging.Handler):
+class LogLines(logging.Handler):
+    """Keeps the messages of the log records it handles (INFO and above), in order."""
+
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[str] = []
@@ -85,7 +87,7 @@ def run_case(case: str, redis_url: str, namespace: str, log_dir: Path, nodes: li
     target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
     board = board_for(redis_url, namespace)
     result = PartitionResult(case, cut_s)
-    lines = _Lines()
+    lines = LogLines()
     client_log = logging.getLogger("srl.client")
     client_log.addHandler(lines)
     old_level = client_log.level
