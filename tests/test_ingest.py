@@ -651,3 +651,43 @@ def test_the_read_window_grows_the_buffer_to_what_the_round_trip_needs_and_not_o
     capped, buffer = window(64)
     second_at(capped, 2000, 0.1)
     assert buffer.capacity == 64  # a limit of its own size: never
+
+
+def test_a_trainer_whose_lease_lapsed_gives_its_unacked_reads_back_to_the_queue(
+    redis_url: str, namespace: str
+) -> None:
+    """A trainer cut from the board (a partition) but not from RabbitMQ: its reads wait to be counted, unacked,
+    and the broker keeps them for it while its connection lives, out of the queue's depth. Once its lease is a
+    TTL old by its own clock, the standby may hold it: the trainer gives its unacked reads back to the queue,
+    and the one that holds the lease receives and counts them."""
+    if not port_open("127.0.0.1", 5672):
+        broker_unavailable("RabbitMQ", "127.0.0.1", 5672)
+    url = "amqp://guest:guest@127.0.0.1:5672/"
+    options = TrainerOptions(uid="t", secret="", lease_ttl=2.0, heartbeat_interval=0.5)
+    board, params, run, batch = trainer_run(redis_url, namespace, url, "amqp", options)
+    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    successor_queue = None
+    try:
+        board.release_lease("trainer", "t")  # the partitioned trainer's lease lapsed; a standby took it
+        epoch = board.claim_trainer("t2", 60_000)
+        assert epoch is not None
+        successor = TrainerRun(board, params, url, run.task, epoch, TrainerOptions(uid="t2", secret=""))
+        producer.put_many([batch("a", 0, 0), batch("b", 0, 8)])
+        run.lease_guard.start()  # renewing finds the lease gone; nothing renews it again
+        run.ingest.start()  # reads both, and cannot count them: "not held"
+        wait_for(lambda: run.ingest.received_batches == 2, 60, "the cut-off trainer to read both batches")
+        successor_queue = successor.open_consumer()
+        ingest = successor.ingest
+        wait_for(lambda: ingest.ingest_once(successor_queue) >= 0 and ingest.received_batches >= 2, 60,
+                 "the standby to receive the batches the cut-off trainer read and could not count", interval=0.0)
+        ingest.settle_count()
+        assert board.get_counters()["received_batches"] == 2  # counted once, by the lease's holder
+        assert len(successor.buffer) == 16
+    finally:
+        run.stop.set("test over")
+        run.ingest.join(10)
+        run.lease_guard.stop()
+        producer.close()
+        if successor_queue is not None:
+            successor_queue.destroy()
+        board.delete_task()

@@ -13,6 +13,13 @@ board names it) comes again to the trainer that takes over, which adds its rows 
 with it) and counts it as redelivered, not as received again. What the killed trainer had acked is gone
 with its buffer.
 
+A trainer cut from the board but not from the queue (a partition) cannot count its reads, so it holds them
+unacked, where a broker keeps them for it, out of the queue's depth, while its connection lives. Once its lease
+has lapsed by its own clock, a standby may hold the lease: the ingest closes its consumer, which gives those reads
+back to the queue for the lease's holder, and reads nothing until the lease is this trainer's again. A count still
+on its way lands if the trainer takes its lease back (the reads' copies are then duplicates) and never if it was
+fenced off (the holder counts them).
+
 The loop (the thread's ``run``)::
 
     queue = open_consumer()
@@ -154,6 +161,10 @@ class StoppedWhileWaiting(Exception):
     """The run stopped while a read's rows waited for room in the buffer: the read is not acked."""
 
 
+class LeaseLapsed(Exception):
+    """The trainer's lease lapsed while its reads waited to be counted: they go back to the queue unacked."""
+
+
 class Ingest:
     """One trainer run's ingest: its own thread (``start``), counters and refused-message notes."""
 
@@ -171,6 +182,7 @@ class Ingest:
         open_consumer: Callable[[], ExperienceQueue],
         expected: Callable[[], int] = lambda: 1,
         window: ReadWindow | None = None,
+        lease_lapsed: Callable[[], bool] = lambda: False,
     ) -> None:
         self.board = board
         self.codec = codec
@@ -187,6 +199,9 @@ class Ingest:
         for them together (``ExperienceQueue.get_expecting``)"""
         self.window = window
         """grows the buffer to what the read round trip needs (None: its size is fixed)"""
+        self.lease_lapsed = lease_lapsed
+        """True while this trainer's lease may be another's (not renewed within its TTL): nothing is read, and
+        reads not yet counted go back to the queue"""
         self.seen = SeenBatches()
         self.data_arrived = threading.Event()
         """set after each read: the main thread, waiting for rows to train on, looks again"""
@@ -256,7 +271,10 @@ class Ingest:
         """One step of the ingest path: read what the buffer has room for, decode, validate and insert; the
         read is then counted on the board and acked once counted. The count's round trip overlaps the next
         read: a read is acked when the one after it is in the buffer, or when the queue runs dry. The
-        number of messages read (0 when none came within the read timeout or there is no room)."""
+        number of messages read (0 when none came within the read timeout or there is no room). Raises
+        LeaseLapsed, reading nothing, while the lease may be another trainer's."""
+        if self.lease_lapsed():
+            raise LeaseLapsed("the lease lapsed")
         room = self.buffer.room()
         count = self.options.ingest_max_messages
         if self.window is not None:  # a grown buffer is read into as far as it has room (its size bounds the read)
@@ -287,10 +305,17 @@ class Ingest:
         """Wait for the counts of the reads in flight (all but the newest ``keep``) to be on the board, and
         ack each read once its count is (after every message is in the buffer, or refused, and counted).
         Raises StoppedWhileWaiting, and acks nothing more, when the run stopped before a count was
-        written: that read is delivered again."""
+        written: that read is delivered again; LeaseLapsed when the lease lapsed while a count waited."""
         while len(self._counting) > keep:
             future, messages, queue = self._counting[0]
-            future.result()
+            while True:
+                try:
+                    future.result(timeout=0.25)
+                    break
+                except TimeoutError:
+                    if self.lease_lapsed():
+                        raise LeaseLapsed(f"the lease lapsed with {len(self._counting)} read(s) not yet "
+                                          "counted") from None
             self._counting.popleft()
             queue.ack_many(messages)
 
@@ -334,6 +359,15 @@ class Ingest:
                     delay = 0.1
                 except StoppedWhileWaiting:
                     break
+                except LeaseLapsed as e:
+                    if queue is not None:
+                        logger.warning("%s: this trainer gives its unacked reads back to the queue, for whoever "
+                                       "holds the lease, and reads again once it holds the lease", e)
+                        _close_quietly(queue)
+                        queue = None
+                    self._counting.clear()  # their counts still go on: they land only if the lease is still ours
+                    while self.lease_lapsed() and not self.stop.is_set():
+                        self.stop.wait(0.1)
                 except CredentialsError as e:  # the queue (or the board) refused it: this node stops, the task stays
                     logger.error("%s", e)
                     self.refused_by = e

@@ -286,6 +286,11 @@ class LeaseGuard:
         """Seconds since the lease was last renewed (by a heartbeat or by the guard)."""
         return time.monotonic() - self._last
 
+    def lapsed(self) -> bool:
+        """The lease may be another node's now: a renewal found it gone, or none was made within its TTL (the
+        board out of reach); until the run takes it back."""
+        return not self.armed or self.since_renewed() * 1000 > self._ttl_ms
+
     def start(self) -> LeaseGuard:
         self._last = time.monotonic()
         self._thread.start()

@@ -138,7 +138,7 @@ class TrainerRun:
                                    self.learner.takeover_state)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
                              task_tag(board.task_id), self.open_consumer, self._messages_expected,
-                             self._read_window(max_rows))
+                             self._read_window(max_rows), self.lease_guard.lapsed)
         self.checkpoints = TrainerCheckpoints(board, self.codec, task, options, epoch, self.parameter, self.learner,
                                               self.buffer, self.gate, self.publisher, params_bytes)
         self._train_base = 0  # train_count when this run began
@@ -455,8 +455,8 @@ class TrainerRun:
                         "them; its weights go out again as version %d, so that every actor acts again", on_board, first)
         board_threads = [threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True),
                          threading.Thread(target=self._publish_loop, name="srl-trainer-publish", daemon=True)]
+        self.lease_guard.start()  # renews while a heartbeat is late (a slow board); before the ingest asks it
         self.ingest.start()
-        self.lease_guard.start()  # renews while a heartbeat is late (a slow board)
         for thread in board_threads:
             thread.start()
         logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
