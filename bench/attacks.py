@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board
+from srl.runner.distribution.board.board import Board
 from srl.runner.distribution.queues import open_queue
 from tests.nodes import FAST_ACTOR, FAST_TRAINER, ClientThread, tiny_config, wait_for
 from tests.test_attacks import hostile_messages, peak_rss_mib

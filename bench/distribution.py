@@ -41,9 +41,9 @@ import numpy as np
 import srl
 from srl.algorithms import dqn
 from srl.base.rollout import Rollout
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import Codec
-from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.client.embedded import start_embedded_redis
+from srl.runner.distribution.wire.codec import Codec
 
 
 def pendulum_config(env_steps_per_train: float | None = 1.0) -> dqn.Config:
@@ -95,7 +95,7 @@ def bare_collection(seconds: float) -> float:
 def actor_with_drain(seconds: float) -> tuple[float, float]:
     """Env steps/s of a real actor process whose queue is drained (decode + ack, no learning),
     so the actor's own sending overhead is measured without a trainer competing for a core."""
-    from srl.runner.distribution import local_nodes
+    from srl.runner.distribution.client import local_nodes
     from srl.runner.distribution.queues import open_queue
 
     server = start_embedded_redis()

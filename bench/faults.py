@@ -59,7 +59,7 @@ from srl.algorithms import impala, ppo, r2d2, sac  # noqa: E402
 from srl.base.rl import RLConfig  # noqa: E402
 from srl.rl.memories import MemoryConfig  # noqa: E402
 from srl.runner.distribution import RedisParameters  # noqa: E402
-from srl.runner.distribution.board import Board, TaskState  # noqa: E402
+from srl.runner.distribution.board.board import Board, TaskState  # noqa: E402
 from srl.runner.distribution.queues import open_queue  # noqa: E402
 from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, tiny_config, wait_for  # noqa: E402
 from tests.partitions import LogLines  # noqa: E402

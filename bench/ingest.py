@@ -66,12 +66,12 @@ import srl
 from srl.algorithms import dqn
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import BatchHeader
+from srl.runner.distribution.board.board import Board
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.task import build_task
-from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.task import build_task
+from srl.runner.distribution.trainer.run import TrainerOptions, TrainerRun
+from srl.runner.distribution.wire.codec import BatchHeader
 
 GROUP = 16  # messages per put_many while filling
 

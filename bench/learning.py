@@ -70,7 +70,7 @@ from srl.base.rl import RLConfig
 from srl.base.rollout import Rollout
 from srl.rl.blocks import MLPBlockConfig
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board
+from srl.runner.distribution.board.board import Board
 from srl.runner.progress import reward_summary
 from srl.runner.run_log import RunLog
 

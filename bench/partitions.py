@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.client.embedded import start_embedded_redis
 from tests.nodes import Node
 from tests.partitions import CASES, PartitionResult, check, run_case
 

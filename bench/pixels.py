@@ -56,9 +56,9 @@ from srl.algorithms import dqn
 from srl.base.env import DiscreteActions, EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.rl.memories import MemoryConfig
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import BatchHeader, Codec, params_message_bytes
-from srl.runner.distribution.params_cache import ParamsCache
+from srl.runner.distribution.actor.params_cache import ParamsCache
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.wire.codec import BatchHeader, Codec, params_message_bytes
 
 PONG = "ALE/Pong-v5"
 FRAME = 84 * 84

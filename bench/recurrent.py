@@ -32,7 +32,7 @@ from srl.algorithms import dqn, ppo, r2d2
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rl import RLConfig
 from srl.base.rollout import Rollout
-from srl.runner.distribution.codec import BatchHeader, Codec
+from srl.runner.distribution.wire.codec import BatchHeader, Codec
 
 MINATAR = "MinAtar/Breakout-v1"
 NOVEL = "srl/CartPoleNoVel-v1"

@@ -58,12 +58,12 @@ import srl
 from srl.algorithms import dqn
 from srl.base.env import EnvConfig
 from srl.base.rollout import Rollout
-from srl.runner.distribution.actor import ActorOptions
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import BatchHeader, Codec, params_message_bytes
-from srl.runner.distribution.embedded import start_embedded_redis
-from srl.runner.distribution.node import NodeOptions
+from srl.runner.distribution.actor.run import ActorOptions
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.client.embedded import start_embedded_redis
+from srl.runner.distribution.node.serve import NodeOptions
 from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.wire.codec import BatchHeader, Codec, params_message_bytes
 
 ROWS_PER_BATCH = 32
 CAPACITY = 64

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import srl
 from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.client.embedded import start_embedded_redis
 from tests.nodes import ClientThread, Node
 
 DEFAULT_NODE = ("--lease-ttl", "5", "--heartbeat-interval", "1", "--task-poll-interval", "1")

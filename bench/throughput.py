@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import srl
 from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.embedded import start_embedded_redis
-from srl.runner.distribution.in_flight import batches_in_flight
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.client.embedded import start_embedded_redis
 from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.sending.in_flight import batches_in_flight
 
 QUEUES = {
     "redis": None,

@@ -37,8 +37,8 @@ import srl
 from srl.algorithms import dqn, impala, ppo
 from srl.base.rl import RLConfig
 from srl.runner.distribution import RedisParameters, local_nodes
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.embedded import start_embedded_redis
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.client.embedded import start_embedded_redis
 from tests.wan_proxy import WanProxy
 
 ALGOS: dict[str, tuple[str, Any]] = {

@@ -29,9 +29,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from srl.dashboard import DashboardOptions
-from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.credentials import CredentialsError
+from srl.runner.distribution.settings.options import ActorOptions, InferenceOptions, TrainerOptions
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 SKIP_FIELDS = {"redis_options", "password", "secret"}
 """never options: a password or secret on a command line is visible to every user of the machine (ps);
@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _node_errors() -> tuple[type[BaseException], ...]:
-    from srl.runner.distribution.board import BoardError
-    from srl.runner.distribution.node import NodeCrashedError
+    from srl.runner.distribution.board.board import BoardError
+    from srl.runner.distribution.node.serve import NodeCrashedError
     from srl.runner.distribution.queues import QueueError
 
     return BoardError, NodeCrashedError, QueueError
@@ -254,7 +254,7 @@ def _run(args: argparse.Namespace) -> int:
             from srl.runner.distribution.queues import check_queue
 
             check_queue(args.queue_url)  # a bad scheme or URL, a missing library: now, not when a task comes
-        from srl.runner.distribution.board import Board
+        from srl.runner.distribution.board.board import Board
 
         # a command a person waits on: one quick retry, not redis-py's backoff, before "cannot reach"
         board = Board(redis_params.connect(retry=Retry(NoBackoff(), 1)), redis_params.task_name)
@@ -263,20 +263,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("actor", "trainer", "inference"):
         _terminate_as_interrupt()  # docker stop, kill: the node releases its lease as on Ctrl-C
     if args.command == "actor":
-        from srl.runner.distribution.actor import actor_run_forever
+        from srl.runner.distribution.actor.run import actor_run_forever
 
         options = _node_options(ActorOptions, args)
         options.run_once = args.run_once
         actor_run_forever(redis_params, args.queue_url, options)
         return 0
     if args.command == "trainer":
-        from srl.runner.distribution.trainer import trainer_run_forever
+        from srl.runner.distribution.trainer.run import trainer_run_forever
 
         options = _node_options(TrainerOptions, args)
         trainer_run_forever(redis_params, args.queue_url, run_once=args.run_once, options=options)
         return 0
     if args.command == "inference":
-        from srl.runner.distribution.inference import inference_run_forever
+        from srl.runner.distribution.inference.run import inference_run_forever
 
         inference_options = _node_options(InferenceOptions, args)
         inference_options.run_once = args.run_once
@@ -323,7 +323,7 @@ def _terminate_as_interrupt() -> None:
 
 
 def _status(board: Any, redis_params: RedisParameters, watch: float | None, events: int, dead_letters: int) -> int:
-    from srl.runner.distribution.board import BoardError
+    from srl.runner.distribution.board.board import BoardError
 
     while True:
         try:
@@ -331,7 +331,7 @@ def _status(board: Any, redis_params: RedisParameters, watch: float | None, even
             if status is None:
                 print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
                 return 1
-            from srl.runner.distribution.client import NodeHints, progress_lines, task_elapsed  # (loads torch)
+            from srl.runner.distribution.client.train import NodeHints, progress_lines, task_elapsed  # (loads torch)
 
             queue = board.get_task_config().get("queue")
             hints = NodeHints.of(redis_params, queue.get("describe") if isinstance(queue, dict) else None)

@@ -45,10 +45,10 @@ from urllib.parse import unquote, urlsplit
 import redis
 
 from srl.base.config import Settings
-from srl.runner.distribution.board import Board, BoardError, TaskState, TaskStatus, list_tasks, task_key_prefix
-from srl.runner.distribution.in_flight import batches_in_flight
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.stats import ActorStats, NodeStats, Reports
+from srl.runner.distribution.board.board import Board, BoardError, TaskState, TaskStatus, list_tasks, task_key_prefix
+from srl.runner.distribution.node.stats import ActorStats, NodeStats, Reports
+from srl.runner.distribution.sending.in_flight import batches_in_flight
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.dashboard")
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import pytest
 import redis
 
-from srl.runner.distribution.board import Board
+from srl.runner.distribution.board.board import Board
 from tests.nodes import Node, kill_all
 
 if TYPE_CHECKING:

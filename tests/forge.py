@@ -1,7 +1,7 @@
 """Messages written by hand, field by field: what anyone who can write to a queue or the board can send.
 
 Independent of the codec's encoder on purpose (it follows the wire layout in
-``srl/runner/distribution/codec.py``'s docstring), so every field can lie.
+``srl/runner/distribution/wire/codec.py``'s docstring), so every field can lie.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from srl.runner.distribution.codec import FLAG_COMPRESSED, KIND_BATCH, MAGIC, WIRE_DTYPES, WIRE_VERSION
+from srl.runner.distribution.wire.codec import FLAG_COMPRESSED, KIND_BATCH, MAGIC, WIRE_DTYPES, WIRE_VERSION
 
 HEAD = struct.Struct("<HHIB3xqqqqdQ")
 """a batch's head: actor-id bytes, layout bytes, rows, priorities dtype, actor_index, epoch, seq, version, time"""

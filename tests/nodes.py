@@ -20,7 +20,7 @@ from typing import Any
 import srl
 from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board
+from srl.runner.distribution.board.board import Board
 
 FAST_NODE = ["--lease-ttl", "2", "--heartbeat-interval", "0.3", "--task-poll-interval", "0.2"]
 FAST_ACTOR = [*FAST_NODE, "--batch-size", "64", "--batch-max-age", "0.2", "--params-poll-interval", "0.2"]
@@ -133,7 +133,7 @@ def short_distributed_run(runner: srl.Runner, redis_url: str, namespace: str, tr
                           queue_params: Any = None) -> None:
     """Train ``runner`` with 2 local actors for ``train_count`` train steps; check the task ended with no bad
     message, rows received and an evaluation; delete the task."""
-    from srl.runner.distribution.board import TaskState
+    from srl.runner.distribution.board.board import TaskState
 
     runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), queue_params, actor_num=2,
                               max_train_count=train_count, progress_interval=None, local_processes=True,

@@ -25,7 +25,7 @@ import redis
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board, TaskState
+from srl.runner.distribution.board.board import Board, TaskState
 from tests.nodes import ClientThread, Node, board_for, tiny_config, wait_for
 from tests.wan_proxy import WanProxy
 

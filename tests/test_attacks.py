@@ -17,13 +17,13 @@ import pytest
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import EVENT_TEXT_LIMIT, TaskState
-from srl.runner.distribution.codec import (
+from srl.runner.distribution.board.board import EVENT_TEXT_LIMIT, TaskState
+from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.wire.codec import (
     ERROR_TEXT_LIMIT,
     BatchHeader,
     Codec,
 )
-from srl.runner.distribution.queues import open_queue
 from tests.forge import forge_batch, layout
 from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, start, tiny_config, wait_for
 

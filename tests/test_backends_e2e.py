@@ -12,9 +12,9 @@ import pytest
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.board.board import TaskState
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.trainer import TrainerOptions
+from srl.runner.distribution.trainer.run import TrainerOptions
 from tests.nodes import ClientThread, Node, board_for, kill_all, lease_holder_pid, tiny_config, wait_for
 from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 
@@ -46,7 +46,7 @@ def test_distributed_run_ends_with_an_evaluation(broker: Broker, redis_url: str,
 
 
 def test_a_node_with_another_queue_than_the_task_refuses(redis_url: str, namespace: str) -> None:
-    from srl.runner.distribution.task import TaskConfigError, build_task, check_queue_matches
+    from srl.runner.distribution.settings.task import TaskConfigError, build_task, check_queue_matches
 
     board = board_for(redis_url, namespace)
     config = srl.Runner("Pendulum-v1", tiny_config()).task_config()

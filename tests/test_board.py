@@ -12,7 +12,7 @@ import pytest
 import redis
 
 import srl
-from srl.runner.distribution.board import (
+from srl.runner.distribution.board.board import (
     BOARD_FORMAT_VERSION,
     DEADLETTER_CAP,
     EVENT_TEXT_LIMIT,
@@ -26,9 +26,9 @@ from srl.runner.distribution.board import (
     TaskState,
     count_token,
 )
-from srl.runner.distribution.client import history_row, progress_lines, summary_lines
-from srl.runner.distribution.node import LeaseGuard, NodeOptions, lease_kept, serve
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.client.train import history_row, progress_lines, summary_lines
+from srl.runner.distribution.node.serve import LeaseGuard, NodeOptions, lease_kept, serve
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from tests.conftest import running
 from tests.nodes import tiny_config, wait_for
 from tests.queue_fixtures import PrivateRedis
@@ -242,7 +242,7 @@ def test_claim_actor_slot_fills_in_order(task: Board) -> None:
 
 
 def test_claims_on_a_large_task_fill_every_slot_once_and_a_holder_takes_its_own_back(task: Board) -> None:
-    from srl.runner.distribution.board import SMALL_TASK_SLOTS
+    from srl.runner.distribution.board.board import SMALL_TASK_SLOTS
 
     board, n = task, SMALL_TASK_SLOTS * 3
     slots = [board.claim_actor_slot(f"big{i}", n, 10_000) for i in range(n)]
@@ -664,7 +664,7 @@ def test_a_task_config_holding_a_number_no_field_could_hold_fails_the_task_with_
         board: Board, number: str) -> None:
     """``build_task`` refuses the config (a data error: TaskConfigError), and ``serve`` ends the task FAILED
     saying why, rather than the node ending on an OverflowError."""
-    from srl.runner.distribution.task import TaskConfigError, build_task
+    from srl.runner.distribution.settings.task import TaskConfigError, build_task
 
     config = {**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "actor_num": 1, "timeout": 60.0,
               "queue": {"scheme": "redis", "capacity": 8}}
@@ -909,8 +909,8 @@ def test_a_redis_connection_that_goes_silent_is_given_up_and_retried(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read on a connection whose route died times out (srl's default socket_timeout) and the
     call is retried on a new connection, where it used to wait for ever."""
-    from srl.runner.distribution import redis_parameters
-    from srl.runner.distribution.retry import with_retry
+    from srl.runner.distribution.node.retry import with_retry
+    from srl.runner.distribution.settings import redis_parameters
 
     monkeypatch.setattr(redis_parameters, "DEFAULT_SOCKET_TIMEOUT_S", 0.5)
     proxy = SilencingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
@@ -930,7 +930,7 @@ def test_a_redis_connection_that_goes_silent_is_given_up_and_retried(
 
 
 def test_a_write_that_outlasts_the_socket_timeout_says_how_to_raise_it(caplog: pytest.LogCaptureFixture) -> None:
-    from srl.runner.distribution.retry import with_retry
+    from srl.runner.distribution.node.retry import with_retry
 
     errors = [redis.TimeoutError("Timeout writing to socket")]
 
@@ -955,10 +955,10 @@ def test_redis_refusing_for_a_while_is_named_and_waited_out(binary: str, caplog:
     """OOM, READONLY and BUSY, from a command or a script (Redis 6 wraps a script's in another error), are
     waited out like an outage: a heartbeat is "away", not a crashed thread, and a retried call goes on once
     Redis answers again, having said what it waits for."""
-    from srl.runner.distribution.board import BOARD_AWAY
-    from srl.runner.distribution.node import BoardWork
-    from srl.runner.distribution.retry import with_retry
-    from srl.runner.distribution.task import StopFlag
+    from srl.runner.distribution.board.board import BOARD_AWAY
+    from srl.runner.distribution.node.retry import with_retry
+    from srl.runner.distribution.node.serve import BoardWork
+    from srl.runner.distribution.settings.task import StopFlag
     from tests.queue_fixtures import PrivateRedis, redis_refusing
 
     server = PrivateRedis(binary)

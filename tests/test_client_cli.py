@@ -18,7 +18,7 @@ import srl
 from srl.algorithms import dqn
 from srl.cli import build_parser, field_docs, main
 from srl.runner.distribution import ActorOptions, RedisParameters
-from srl.runner.distribution.board import DeadLetter, TaskExistsError, TaskState
+from srl.runner.distribution.board.board import DeadLetter, TaskExistsError, TaskState
 from tests.nodes import (
     ClientThread,
     Node,
@@ -257,7 +257,7 @@ def test_events_tell_who_did_what(redis_url: str, namespace: str, tmp_path: Path
 def test_the_client_ends_a_timed_task_that_no_trainer_serves(
     redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from srl.runner.distribution import client as client_module
+    from srl.runner.distribution.client import train as client_module
 
     monkeypatch.setattr(client_module, "TIMEOUT_GRACE_S", 0.5)
     runner = srl.Runner("Pendulum-v1", tiny_config())

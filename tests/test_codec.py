@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from srl.base.schema import Column, Schema
-from srl.runner.distribution.codec import (
+from srl.runner.distribution.wire.codec import (
     ERROR_TEXT_LIMIT,
     FLAG_COMPRESSED,
     KIND_PARAMS,
@@ -256,7 +256,7 @@ def test_a_mutable_message_is_copied_before_its_arrays_are_made() -> None:
 
 
 def test_remembered_layouts_stay_few_and_small_whatever_is_sent() -> None:
-    from srl.runner.distribution import codec as codec_module
+    from srl.runner.distribution.wire import codec as codec_module
 
     codec = Codec(secret="")
     header, columns, _ = make_batch(2)

@@ -174,7 +174,7 @@ def test_redis_bounds_values_and_keeps_its_tasks_across_a_restart() -> None:
     confs = [path for target, path in mounted_files(redis).items() if target.endswith(".conf")]
     assert confs, f"redis mounts no config file from this repository (volumes: {redis.get('volumes')})"
     settings = {words[0].lower(): words[1:] for words in config_lines(confs[0])}
-    from srl.runner.distribution.codec import MAX_CHECKPOINT_MEMORY_BYTES
+    from srl.runner.distribution.wire.codec import MAX_CHECKPOINT_MEMORY_BYTES
 
     bulk = settings.get("proto-max-bulk-len", [""])[0].lower()
     assert bulk.endswith("mb"), f"{confs[0]}: proto-max-bulk-len in mb expected (a bound on one value), got {bulk!r}"

@@ -127,7 +127,7 @@ def test_dqn_reward_scale_none_is_settled_from_the_env_before_training() -> None
 def test_a_node_refuses_a_task_whose_reward_scale_no_client_settled() -> None:
     import json
 
-    from srl.runner.distribution.task import TaskConfigError, build_task
+    from srl.runner.distribution.settings.task import TaskConfigError, build_task
 
     task = {**srl.Runner("Pendulum-v1", small_config(reward_scale=None)).task_config(), "actor_num": 1}
     with pytest.raises(TaskConfigError, match=r"reward_scale of dqn.Config are not set"):

@@ -24,7 +24,7 @@ import srl
 from srl.cli import build_parser
 from srl.dashboard import SHOWN_ACTORS, STOP_REASON, Dashboard, DashboardServer
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board, TaskState, task_key_prefix
+from srl.runner.distribution.board.board import Board, TaskState, task_key_prefix
 from tests.nodes import ClientThread, board_for, tiny_config
 
 CONFIG = json.dumps({"algorithm": "dqn", "env": {"id": "CartPole-v1", "kwargs": {}}, "fields": {}})

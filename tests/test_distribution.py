@@ -17,9 +17,9 @@ import redis
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
-from srl.runner.distribution.codec import BatchHeader, Codec
+from srl.runner.distribution.board.board import TaskState
 from srl.runner.distribution.queues import open_queue
+from srl.runner.distribution.wire.codec import BatchHeader, Codec
 from tests.nodes import (
     ClientThread,
     Node,
@@ -65,8 +65,8 @@ def test_every_node_and_its_options_come_from_the_package() -> None:
     """The package exports each node's entry point and its options, as the user's snippets import them:
     the inference server's as the actor's and the trainer's (a lazy import: torch and grpc only when used)."""
     import srl.runner.distribution as distribution
-    from srl.runner.distribution.inference import inference_run_forever
-    from srl.runner.distribution.options import InferenceOptions
+    from srl.runner.distribution.inference.run import inference_run_forever
+    from srl.runner.distribution.settings.options import InferenceOptions
 
     assert distribution.inference_run_forever is inference_run_forever
     assert distribution.InferenceOptions is InferenceOptions
@@ -257,7 +257,7 @@ def test_unknown_algorithm_fails_the_task_with_a_reason(
     status = wait_for(lambda: (s := board.get_status()) and s.status == TaskState.FAILED and s, 30, "FAILED")
     assert "no algorithm named 'dqnn'" in status.end_reason and "Did you mean 'dqn'" in status.end_reason
 
-    from srl.runner.distribution.client import TaskFailedError
+    from srl.runner.distribution.client.train import TaskFailedError
 
     runner = srl.Runner("Pendulum-v1", tiny_config())
     object.__setattr__(runner.rl_config, "algorithm", "dqnn")  # what a client of another srl would write
@@ -347,7 +347,7 @@ def test_a_new_trainer_gets_a_warmup_of_rows_from_a_rate_limited_actor() -> None
     from types import SimpleNamespace
 
     from srl.algorithms import dqn
-    from srl.runner.distribution.actor import ActorRun
+    from srl.runner.distribution.actor.run import ActorRun
 
     actor = object.__new__(ActorRun)  # the rate limit alone: no board, queue or env needed
     config = dqn.Config(warmup_size=1000)
@@ -417,10 +417,10 @@ def test_a_lone_actor_anneals_epsilon_over_the_tasks_plan(redis_url: str, namesp
     import json
 
     from srl.algorithms import dqn
-    from srl.runner.distribution.actor import ActorRun
-    from srl.runner.distribution.board import Board
-    from srl.runner.distribution.options import ActorOptions
-    from srl.runner.distribution.task import build_task
+    from srl.runner.distribution.actor.run import ActorRun
+    from srl.runner.distribution.board.board import Board
+    from srl.runner.distribution.settings.options import ActorOptions
+    from srl.runner.distribution.settings.task import build_task
 
     redis_params = RedisParameters(url=redis_url, task_name=namespace)
     board = Board(redis_params.connect(), namespace)

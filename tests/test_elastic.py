@@ -13,7 +13,7 @@ import pytest
 import srl
 from srl.algorithms import ppo
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board, TaskState
+from srl.runner.distribution.board.board import Board, TaskState
 from tests.nodes import ClientThread, Node, board_for, start, tiny_config, wait_for
 from tests.partitions import train_count
 
@@ -63,7 +63,7 @@ def test_sync_ppo_with_elastic_actors_trains_with_those_there_and_never_waits_fo
 
 
 def test_elastic_actors_must_be_a_bool_on_the_client_and_in_the_task() -> None:
-    from srl.runner.distribution.task import TaskConfigError, build_task
+    from srl.runner.distribution.settings.task import TaskConfigError, build_task
 
     runner = srl.Runner("CartPole-v1", ppo.Config())
     with pytest.raises(TypeError, match="elastic_actors must be True or False"):

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import redis
 
-from srl.runner.distribution.embedded import resolve, start_embedded_redis
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.client.embedded import resolve, start_embedded_redis
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from tests.nodes import wait_for
 
 
@@ -87,7 +87,7 @@ def test_server_dies_with_a_sigkilled_owner() -> None:
         package = types.ModuleType("srl")
         package.__path__ = [sys.argv[1] + "/srl"]
         sys.modules["srl"] = package
-        from srl.runner.distribution.embedded import start_embedded_redis
+        from srl.runner.distribution.client.embedded import start_embedded_redis
         server = start_embedded_redis()
         print(server.port, server.process.pid, flush=True)
         time.sleep(120)

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from srl.runner.distribution.codec import DecodeError
+from srl.runner.distribution.wire.codec import DecodeError
 
 
 def load_target() -> ModuleType:

@@ -68,7 +68,7 @@ def test_the_import_graph_of_srl_has_no_cycle() -> None:
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
 
 
-@pytest.mark.parametrize("module", ["srl.runner.distribution.trainer", "srl.runner.distribution.actor"])
+@pytest.mark.parametrize("module", ["srl.runner.distribution.trainer.run", "srl.runner.distribution.actor.run"])
 def test_nodes_do_not_import_the_runner(module: str) -> None:
     """The runner calls the client, which starts nodes: a node importing the runner closes a circle."""
     graph = _import_graph()
@@ -78,13 +78,14 @@ def test_nodes_do_not_import_the_runner(module: str) -> None:
         if current not in seen:
             seen.add(current)
             todo.extend(graph[current])
-    assert "srl.runner.runner" not in seen and "srl.runner.distribution.client" not in seen
+    assert "srl.runner.runner" not in seen and "srl.runner.distribution.client.train" not in seen
 
 
 def test_a_new_backend_is_one_module_and_one_row() -> None:
     """tests/toy_backend.py (an in-memory queue) joins with one row: URL parsing, describing, opening, local
     nodes' hand-over of its parameters and clearing a task's leftovers all read the table."""
-    from srl.runner.distribution import local_nodes, queues
+    from srl.runner.distribution import queues
+    from srl.runner.distribution.client import local_nodes
 
     row = queues.Backend("toy", ("toy",), "tests.toy_backend:ToyParameters", "tests.toy_backend:ToyQueue")
     queues.register(row)
@@ -114,7 +115,7 @@ def test_the_dashboard_page_reads_the_names_the_stats_dataclasses_define() -> No
     import dataclasses
     import re
 
-    from srl.runner.distribution.stats import ActorStats, TrainerStats
+    from srl.runner.distribution.node.stats import ActorStats, TrainerStats
 
     page = (SRL / "dashboard_static" / "app.js").read_text()
     slots = page[page.index("function renderSlots(task) {"):]
@@ -128,7 +129,7 @@ def test_the_dashboard_page_reads_the_names_the_stats_dataclasses_define() -> No
 
 
 def test_stats_read_from_a_board_fit_their_types_whatever_was_written() -> None:
-    from srl.runner.distribution.stats import ActorStats, TrainerStats
+    from srl.runner.distribution.node.stats import ActorStats, TrainerStats
 
     written = ActorStats(uid="a", slot=2, env_steps=10, reward=-1.5, extra={"epsilon": 0.4}).to_record()
     assert written["epsilon"] == 0.4 and written["slot"] == 2 and "extra" not in written

@@ -24,18 +24,18 @@ from srl.algorithms import dqn, impala, ppo, r2d2, sac
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rl import RLConfig, Worker, join_policy_io, split_policy_io
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board, TaskState
-from srl.runner.distribution.codec import BatchHeader, Codec, task_tag
-from srl.runner.distribution.inference import (
+from srl.runner.distribution.board.board import Board, TaskState
+from srl.runner.distribution.inference.run import (
     METHOD,
     InferenceClient,
     InferenceLostError,
     InferenceRefusedError,
     InferenceRun,
 )
-from srl.runner.distribution.options import InferenceOptions
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.task import StopFlag, TaskSpec, build_task
+from srl.runner.distribution.settings.options import InferenceOptions
+from srl.runner.distribution.settings.task import StopFlag, TaskSpec, build_task
+from srl.runner.distribution.wire.codec import BatchHeader, Codec, task_tag
 from tests.nodes import ClientThread, board_for, lease_holder_pid, sigkill, start, wait_for
 
 
@@ -526,7 +526,7 @@ def test_batched_sampling_draws_each_action_with_its_probability() -> None:
 
 
 def test_progress_and_the_dashboard_show_the_server_or_how_to_start_one(serve_task: Any, redis_url: str) -> None:
-    from srl.runner.distribution.client import NodeHints, progress_lines
+    from srl.runner.distribution.client.train import NodeHints, progress_lines
 
     served = serve_task(_impala(), actor_num=1)
     client = served.client(0)
@@ -578,7 +578,7 @@ def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Bo
     end: stopping the run cancels the call it waits on."""
     from concurrent import futures
 
-    from srl.runner.distribution.inference import METHOD
+    from srl.runner.distribution.inference.run import METHOD
 
     def never_answer(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
         for _ in requests:

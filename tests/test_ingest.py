@@ -18,16 +18,16 @@ import srl
 from srl.base.env import EnvConfig
 from srl.base.rollout import Rollout
 from srl.rl.memories.segments import SegmentBuffer
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import BatchHeader
-from srl.runner.distribution.in_flight import InFlight
-from srl.runner.distribution.ingest import SeenBatches, StoppedWhileWaiting
-from srl.runner.distribution.node import CounterDeltas
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.node.serve import CounterDeltas
 from srl.runner.distribution.queues import ExperienceQueue, Message, open_queue
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.task import build_task
-from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
-from srl.runner.distribution.versions import PolicyLag, VersionGate
+from srl.runner.distribution.sending.in_flight import InFlight
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.task import build_task
+from srl.runner.distribution.trainer.ingest import SeenBatches, StoppedWhileWaiting
+from srl.runner.distribution.trainer.run import TrainerOptions, TrainerRun
+from srl.runner.distribution.trainer.versions import PolicyLag, VersionGate
+from srl.runner.distribution.wire.codec import BatchHeader
 from tests.conftest import broker_unavailable, port_open
 from tests.nodes import board_for, tiny_config, wait_for
 
@@ -620,8 +620,8 @@ def test_the_read_window_grows_the_buffer_to_what_the_round_trip_needs_and_not_o
     quarter at least, and not on loopback, where the algorithm's size is kept. The round trip is the second's
     fastest read (one that found messages waiting)."""
     from srl.base.schema import Column, Schema
-    from srl.runner.distribution.ingest import ReadWindow
-    from srl.runner.distribution.node import InTransit
+    from srl.runner.distribution.node.serve import InTransit
+    from srl.runner.distribution.trainer.ingest import ReadWindow
 
     now = [0.0]
 

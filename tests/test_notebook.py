@@ -14,7 +14,7 @@ import pytest
 
 import srl
 from srl.runner.distribution import RabbitMQParameters, RedisParameters
-from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.board.board import TaskState
 from srl.runner.distribution.queues import open_queue
 from tests.nodes import ClientThread, Node, board_for, tiny_config, wait_for
 from tests.test_queues import _rabbitmq

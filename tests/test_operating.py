@@ -18,9 +18,9 @@ import redis
 import srl
 from srl.cli import build_parser
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskExistsError, TaskNotFoundError, TaskState
-from srl.runner.distribution.client import progress_lines
-from srl.runner.distribution.credentials import CredentialsError
+from srl.runner.distribution.board.board import TaskExistsError, TaskNotFoundError, TaskState
+from srl.runner.distribution.client.train import progress_lines
+from srl.runner.distribution.settings.credentials import CredentialsError
 from tests.conftest import broker_unavailable, port_open, running
 from tests.nodes import ClientThread, Node, board_for, default_sigint, start, tiny_config, wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis
@@ -103,7 +103,7 @@ def test_every_node_refuses_a_task_of_more_actors_than_central_inference_serves(
     refused by the nodes that build it, with the same reason the client gives."""
     import json
 
-    from srl.runner.distribution.task import MAX_CENTRAL_ACTORS, TaskConfigError, build_task
+    from srl.runner.distribution.settings.task import MAX_CENTRAL_ACTORS, TaskConfigError, build_task
     from tests.nodes import tiny_config
 
     config = {**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "inference": "central"}
@@ -264,9 +264,9 @@ def test_pubsub_and_redis_acl_refusals_are_credential_errors() -> None:
     raises; a Redis user without a command srl needs is a refusal too, not a crash or an outage."""
     from google.api_core import exceptions as gexc
 
-    from srl.runner.distribution.queue_parameters import GCPParameters
+    from srl.runner.distribution.node.retry import with_retry
     from srl.runner.distribution.queues.pubsub import PubSubQueue
-    from srl.runner.distribution.retry import with_retry
+    from srl.runner.distribution.settings.queue_parameters import GCPParameters
 
     holder = SimpleNamespace(params=GCPParameters(project_id="p"))
     denied = PubSubQueue._refusal(holder, gexc.PermissionDenied("caller lacks pubsub.topics.publish"))  # type: ignore[arg-type]
@@ -332,7 +332,7 @@ def test_a_cancelled_task_keeps_the_weights_its_trainer_trained_last(
     it saw the end (not the last periodic ones, up to publish_every steps older), the client waits for
     them, keeps them in final.safetensors and receives the trainer's final checkpoint into its log_dir."""
     from srl.base.arrays import load_arrays
-    from srl.runner.distribution.stats import Reports
+    from srl.runner.distribution.node.stats import Reports
 
     trainer = start(nodes, "trainer", redis_url, namespace, tmp_path)
     start(nodes, "actor", redis_url, namespace, tmp_path)
@@ -468,7 +468,7 @@ def test_a_task_lost_with_its_redis_is_named_so_and_nothing_comes_back(tmp_path:
     """FLUSHALL (or a Redis restarted without persistence) mid-run: the client and the nodes say the task is
     gone from the board, not 'fenced off by another trainer'; the trainer writes its final checkpoint; the
     nodes recreate no key of it (no orphan stream) and wait for the next task."""
-    from srl.runner.distribution.client import TaskFailedError
+    from srl.runner.distribution.client.train import TaskFailedError
 
     with running(PrivateRedis()) as server:
         name, checkpoints = "lost", tmp_path / "checkpoints"
@@ -518,7 +518,7 @@ def test_status_of_an_ended_task_asks_for_no_node_and_its_clock_stops(
 
 
 def test_start_hints_name_everything_a_node_needs_to_reach_the_task() -> None:
-    from srl.runner.distribution.client import NodeHints
+    from srl.runner.distribution.client.train import NodeHints
 
     hints = NodeHints.of(RedisParameters(host="redis.example", port=6390, task_name="pong", password="x"),
                          "amqp://bob@rabbit.example:5672/")
@@ -574,7 +574,7 @@ def test_a_progress_line_reads_every_slots_lease_at_once(tmp_path: Path) -> None
     at 1,000 slots and 20 ms to Redis, a read per slot would take 20 s a line, during which the client sees
     neither the task's end nor its own timeout. Counted on a Redis of the test's own, which nothing else
     talks to."""
-    from srl.runner.distribution.board import Board
+    from srl.runner.distribution.board.board import Board
 
     config = srl.Runner("Pendulum-v1", tiny_config()).task_config()
     with running(PrivateRedis()) as server:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from srl.runner.distribution.board import ParamsRecord
-from srl.runner.distribution.params_cache import LOCK_STALE_S, ParamsCache, private_directory
+from srl.runner.distribution.actor.params_cache import LOCK_STALE_S, ParamsCache, private_directory
+from srl.runner.distribution.board.board import ParamsRecord
 from tests.full_disk import run_with_full_disk
 
 
@@ -77,7 +77,7 @@ def test_a_directory_others_may_write_to_is_not_used(tmp_path: Path) -> None:
 
 
 def test_records_of_tasks_whose_actors_died_are_removed_after_an_hour(tmp_path: Path) -> None:
-    from srl.runner.distribution.params_cache import LEFT_OVER_S
+    from srl.runner.distribution.actor.params_cache import LEFT_OVER_S
 
     board = Board()
     dead = ParamsCache(tmp_path, "a task whose actors died")
@@ -104,8 +104,8 @@ def test_a_record_that_does_not_fit_leaves_no_file_and_the_actor_goes_on(tmp_pat
     """, str(tmp_path), setup="""
         import logging, sys
         from pathlib import Path
-        from srl.runner.distribution.board import ParamsRecord
-        from srl.runner.distribution.params_cache import ParamsCache
+        from srl.runner.distribution.board.board import ParamsRecord
+        from srl.runner.distribution.actor.params_cache import ParamsCache
         logging.basicConfig(level=logging.WARNING)
     """)
     assert done.returncode == 0 and "fetched 3" in done.stdout, done.stderr
@@ -141,7 +141,7 @@ def test_an_unreadable_record_is_a_miss(tmp_path: Path) -> None:
 def test_the_actors_of_one_machine_share_params_in_a_run(redis_url: str, namespace: str, tmp_path: Path) -> None:
     import srl
     from srl.runner.distribution import RedisParameters
-    from srl.runner.distribution.board import TaskState
+    from srl.runner.distribution.board.board import TaskState
     from tests.nodes import board_for, tiny_config
 
     runner = srl.Runner("Pendulum-v1", tiny_config())
@@ -164,9 +164,9 @@ def test_float16_params_while_the_run_goes_on_and_float32_at_its_end() -> None:
 
     from srl.algorithms import dqn
     from srl.base.env import EnvConfig, env_spec
-    from srl.runner.distribution.codec import Codec
-    from srl.runner.distribution.publisher import Publisher, half_precision
-    from srl.runner.distribution.versions import VersionGate
+    from srl.runner.distribution.trainer.publisher import Publisher, half_precision
+    from srl.runner.distribution.trainer.versions import VersionGate
+    from srl.runner.distribution.wire.codec import Codec
 
     spec = env_spec(EnvConfig("CartPole-v1"))
     config = dqn.Config()

@@ -22,8 +22,8 @@ from srl.rl.memories import MemoryConfig
 from srl.rl.memories.frames import FrameMemory, check_stacks, stacks_of
 from srl.rl.networks import EncoderConfig, EncoderError
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.codec import FLAG_ZSTD, MAGIC, WIRE_VERSION, BatchHeader, Codec, DecodeError
-from srl.runner.distribution.task import TaskConfigError, build_task
+from srl.runner.distribution.settings.task import TaskConfigError, build_task
+from srl.runner.distribution.wire.codec import FLAG_ZSTD, MAGIC, WIRE_VERSION, BatchHeader, Codec, DecodeError
 from tests.nodes import short_distributed_run
 
 PONG = "ALE/Pong-v5"
@@ -698,7 +698,7 @@ def test_initial_priorities_from_the_q_values_acted_with_match_a_fresh_forward_p
 
 
 def test_frame_rows_are_cut_into_messages_only_where_a_stream_starts() -> None:
-    from srl.runner.distribution.codec import split_columns
+    from srl.runner.distribution.wire.codec import split_columns
 
     worker, schema, rows = pong_frame_rows(4, 80)
     assert schema.split_at == "stream_start"
@@ -717,7 +717,7 @@ def test_frame_rows_are_cut_into_messages_only_where_a_stream_starts() -> None:
 
 @pytest.mark.slow
 def test_a_replay_too_big_for_the_trainer_is_refused_with_its_real_size(redis_url: str, namespace: str) -> None:
-    from srl.runner.distribution.client import TaskFailedError
+    from srl.runner.distribution.client.train import TaskFailedError
 
     config = dqn.Config()
     config.memory.capacity = 100_000

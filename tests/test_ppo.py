@@ -15,7 +15,7 @@ from srl.algorithms import ppo
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.rl.actor_critic import SegmentWorker
-from srl.runner.distribution.codec import BatchHeader, Codec
+from srl.runner.distribution.wire.codec import BatchHeader, Codec
 
 
 def test_gae_matches_a_hand_computed_example() -> None:

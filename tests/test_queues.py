@@ -24,8 +24,6 @@ import pytest
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
 from srl.runner.distribution.queues import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -36,7 +34,9 @@ from srl.runner.distribution.queues import (
     queue_scheme,
 )
 from srl.runner.distribution.queues.redis_stream import stream_key_for
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.credentials import CredentialsError
+from srl.runner.distribution.settings.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from tests.conftest import broker_unavailable, port_open, require_tool, running
 from tests.nodes import wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis, closed_port, redis_server_binaries

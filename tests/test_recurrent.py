@@ -16,7 +16,7 @@ from srl.base.schema import Schema
 from srl.rl.actor_critic import bootstrapped_values, segment_states
 from srl.rl.memories import MemoryConfig
 from srl.rl.memories.proportional import ProportionalMemory
-from srl.runner.distribution.codec import BatchHeader, Codec, DecodeError
+from srl.runner.distribution.wire.codec import BatchHeader, Codec, DecodeError
 from tests.nodes import short_distributed_run
 
 CARTPOLE = "srl/CartPoleNoVel-v1"

@@ -16,9 +16,9 @@ import srl
 from srl.algorithms import dqn, impala, ppo
 from srl.base.arrays import load_arrays, save_arrays
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
-from srl.runner.distribution.client import Evaluator
-from srl.runner.distribution.codec import Codec
+from srl.runner.distribution.board.board import TaskState
+from srl.runner.distribution.client.train import Evaluator
+from srl.runner.distribution.wire.codec import Codec
 from srl.runner.run_log import CsvLog, RunLog, latest_checkpoint, write_checkpoint
 from tests.nodes import Node, board_for, kill_all, tiny_config, wait_for
 

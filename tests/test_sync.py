@@ -16,11 +16,11 @@ from srl.algorithms import ppo
 from srl.base.env import EnvConfig
 from srl.base.rollout import Rollout
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board, TaskState
-from srl.runner.distribution.codec import BatchHeader, Codec
+from srl.runner.distribution.board.board import Board, TaskState
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.task import build_task
-from srl.runner.distribution.trainer import TrainerOptions, TrainerRun
+from srl.runner.distribution.settings.task import build_task
+from srl.runner.distribution.trainer.run import TrainerOptions, TrainerRun
+from srl.runner.distribution.wire.codec import BatchHeader, Codec
 from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, start, wait_for
 
 pytestmark = pytest.mark.slow

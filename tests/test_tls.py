@@ -21,9 +21,9 @@ import redis
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import Board, TaskState
-from srl.runner.distribution.queue_parameters import MQTTParameters, RabbitMQParameters
+from srl.runner.distribution.board.board import Board, TaskState
 from srl.runner.distribution.queues import BrokerUnavailableError, ExperienceQueue, Message, QueueParameters, open_queue
+from srl.runner.distribution.settings.queue_parameters import MQTTParameters, RabbitMQParameters
 from tests.nodes import ClientThread, Node, tiny_config
 from tests.queue_fixtures import PrivateServer
 from tests.tls_fixtures import TLSFiles, TLSMosquitto, TLSRabbitMQ, TLSRedis, make_tls_files

@@ -17,7 +17,7 @@ import redis
 
 import srl
 from srl.runner.distribution import RedisParameters
-from srl.runner.distribution.board import TaskState
+from srl.runner.distribution.board.board import TaskState
 from tests.nodes import ClientThread, Node, board_for, start, tiny_config, wait_for
 from tests.test_queues import Broker, broker  # noqa: F401 - the parametrized broker fixture
 from tests.wan_proxy import WanProxy
@@ -227,12 +227,12 @@ def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_c
     acting loop goes on); the third waits for room in the outbox; healed, every batch arrives once, in order,
     the last of them sent by ``close``."""
     from srl.base.rollout import Rollout
-    from srl.runner.distribution.board import Board
-    from srl.runner.distribution.codec import Codec
-    from srl.runner.distribution.node import CounterDeltas
+    from srl.runner.distribution.board.board import Board
+    from srl.runner.distribution.node.serve import CounterDeltas
     from srl.runner.distribution.queues import open_queue
-    from srl.runner.distribution.sender import RowSender
-    from srl.runner.distribution.task import StopFlag
+    from srl.runner.distribution.sending.sender import RowSender
+    from srl.runner.distribution.settings.task import StopFlag
+    from srl.runner.distribution.wire.codec import Codec
 
     config = tiny_config()
     runner = srl.Runner("CartPole-v1", config)
@@ -289,12 +289,12 @@ def test_a_sender_lets_through_what_a_round_trip_carries_at_its_rate_and_nothing
     the trainer's next read): that many more may wait in the queue and the outbox than ``capacity`` and
     ``ahead`` say, measured each second; a LAN's fraction of a batch adds none, and an outbox never grows
     past 8 times the capacity."""
-    from srl.runner.distribution.board import Board
-    from srl.runner.distribution.codec import Codec
-    from srl.runner.distribution.node import CounterDeltas, InTransit
+    from srl.runner.distribution.board.board import Board
+    from srl.runner.distribution.node.serve import CounterDeltas, InTransit
     from srl.runner.distribution.queues import open_queue
-    from srl.runner.distribution.sender import RowSender
-    from srl.runner.distribution.task import StopFlag
+    from srl.runner.distribution.sending.sender import RowSender
+    from srl.runner.distribution.settings.task import StopFlag
+    from srl.runner.distribution.wire.codec import Codec
 
     config = tiny_config()
     runner = srl.Runner("CartPole-v1", config)

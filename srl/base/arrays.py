@@ -1,7 +1,7 @@
 """A safe container for named numpy arrays plus a JSON meta: the safetensors format.
 
 Owns: the byte layout of parameters and checkpoints (a params message is this
-container framed by ``srl.runner.distribution.codec``; experience batches have
+container framed by ``srl.runner.distribution.wire.codec``; experience batches have
 a fixed binary layout of their own there). Must never: run code
 while decoding, or allocate more than the bytes it was given.
 

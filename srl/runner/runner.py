@@ -29,7 +29,7 @@ from srl.runner.progress import TrainProgress, ensure_logging, reward_summary
 from srl.runner.run_log import RunLog, write_checkpoint
 
 if TYPE_CHECKING:
-    from srl.runner.distribution.redis_parameters import RedisParameters
+    from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.runner")
 
@@ -398,10 +398,10 @@ class Runner:
         progress_interval: float | None = 5.0,
         **options: Any,
     ) -> None:
-        """Run this task across processes/machines; see ``srl.runner.distribution.client``. A runner that
+        """Run this task across processes/machines; see ``srl.runner.distribution.client.train``. A runner that
         trained here or loaded weights goes on from them, as :meth:`train` would: the trainer starts from its
         weights, trainer state and counters, and the limits count from there."""
-        from srl.runner.distribution.client import train_distribution
+        from srl.runner.distribution.client.train import train_distribution
 
         train_distribution(
             self, redis_params, queue_params, actor_num=actor_num, max_train_count=max_train_count,

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
-from srl.runner.distribution.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.options import ActorOptions, InferenceOptions, TrainerOptions
+from srl.runner.distribution.settings.queue_parameters import GCPParameters, MQTTParameters, RabbitMQParameters
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 if TYPE_CHECKING:
-    from srl.runner.distribution.actor import actor_run_forever
-    from srl.runner.distribution.inference import inference_run_forever
-    from srl.runner.distribution.trainer import trainer_run_forever
+    from srl.runner.distribution.actor.run import actor_run_forever
+    from srl.runner.distribution.inference.run import inference_run_forever
+    from srl.runner.distribution.trainer.run import trainer_run_forever
 
 __all__ = [
     "ActorOptions",
@@ -38,15 +38,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "actor_run_forever":
-        from srl.runner.distribution.actor import actor_run_forever
+        from srl.runner.distribution.actor.run import actor_run_forever
 
         return actor_run_forever
     if name == "trainer_run_forever":
-        from srl.runner.distribution.trainer import trainer_run_forever
+        from srl.runner.distribution.trainer.run import trainer_run_forever
 
         return trainer_run_forever
     if name == "inference_run_forever":
-        from srl.runner.distribution.inference import inference_run_forever
+        from srl.runner.distribution.inference.run import inference_run_forever
 
         return inference_run_forever
     raise AttributeError(f"module 'srl.runner.distribution' has no attribute {name!r}")

@@ -45,7 +45,7 @@ from srl.runner.distribution.queues.base import (
     QueueParameters,
     Role,
 )
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 __all__ = [
     "BACKENDS",
@@ -88,10 +88,10 @@ class Backend:
     """the srl extra that installs it"""
 
 
-_PARAMS = "srl.runner.distribution.queue_parameters"
+_PARAMS = "srl.runner.distribution.settings.queue_parameters"
 _QUEUES = "srl.runner.distribution.queues"
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("redis", ("redis", "rediss", "unix"), "srl.runner.distribution.redis_parameters:RedisParameters",
+    Backend("redis", ("redis", "rediss", "unix"), "srl.runner.distribution.settings.redis_parameters:RedisParameters",
             f"{_QUEUES}.redis_stream:RedisStreamQueue"),
     Backend("amqp", ("amqp", "amqps"), f"{_PARAMS}:RabbitMQParameters", f"{_QUEUES}.rabbitmq:RabbitMQQueue",
             "pika", "rabbitmq"),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-from srl.runner.distribution.credentials import CredentialsError
+from srl.runner.distribution.settings.credentials import CredentialsError
 
 logger = logging.getLogger("srl.queues")
 
@@ -237,7 +237,7 @@ class ExperienceQueue(ABC):
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(
                 f"{self.source_name}: a queue moves bytes; got {type(data).__name__} "
-                "(encode the batch with srl.runner.distribution.codec first)"
+                "(encode the batch with srl.runner.distribution.wire.codec first)"
             )
         size = len(data) if not isinstance(data, memoryview) else data.nbytes
         if size == 0:

@@ -60,8 +60,6 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from srl.runner.distribution.credentials import authentication_failed, permission_denied
-from srl.runner.distribution.queue_parameters import MQTTParameters
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -74,6 +72,8 @@ from srl.runner.distribution.queues.base import (
     read_refusal,
     safe_name,
 )
+from srl.runner.distribution.settings.credentials import authentication_failed, permission_denied
+from srl.runner.distribution.settings.queue_parameters import MQTTParameters
 
 logger = logging.getLogger("srl.queues.mqtt")
 

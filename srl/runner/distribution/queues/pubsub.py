@@ -44,8 +44,6 @@ from google.cloud import pubsub_v1
 from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
 from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
 
-from srl.runner.distribution.credentials import CredentialsError, authentication_failed, permission_denied
-from srl.runner.distribution.queue_parameters import GCPParameters
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -58,6 +56,8 @@ from srl.runner.distribution.queues.base import (
     read_refusal,
     safe_name,
 )
+from srl.runner.distribution.settings.credentials import CredentialsError, authentication_failed, permission_denied
+from srl.runner.distribution.settings.queue_parameters import GCPParameters
 
 logger = logging.getLogger("srl.queues.pubsub")
 

@@ -78,8 +78,6 @@ import pika.exceptions
 import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
-from srl.runner.distribution.credentials import CredentialsError, authentication_failed, permission_denied
-from srl.runner.distribution.queue_parameters import RabbitMQParameters
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -94,6 +92,8 @@ from srl.runner.distribution.queues.base import (
     read_refusal,
     safe_name,
 )
+from srl.runner.distribution.settings.credentials import CredentialsError, authentication_failed, permission_denied
+from srl.runner.distribution.settings.queue_parameters import RabbitMQParameters
 
 logger = logging.getLogger("srl.queues.rabbitmq")
 

@@ -69,8 +69,8 @@ from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from srl.runner.distribution.board import task_key_prefix
-from srl.runner.distribution.credentials import CredentialsError, permission_denied
+from srl.runner.distribution.board.board import task_key_prefix
+from srl.runner.distribution.node.retry import TRANSIENT_ERRORS, hint_for
 from srl.runner.distribution.queues.base import (
     BrokerUnavailableError,
     ExperienceQueue,
@@ -81,8 +81,8 @@ from srl.runner.distribution.queues.base import (
     Role,
     as_queue_messages,
 )
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import TRANSIENT_ERRORS, hint_for
+from srl.runner.distribution.settings.credentials import CredentialsError, permission_denied
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.queues.redis")
 

@@ -30,8 +30,7 @@ from srl.base.checkpoint import split_checkpoint
 from srl.base.config import config_from_dict, shown, unknown_setting_message
 from srl.base.env import EnvConfig, EnvSpec
 from srl.base.rl import Parameter, RLConfig
-from srl.runner.distribution import local_nodes
-from srl.runner.distribution.board import (
+from srl.runner.distribution.board.board import (
     BOARD_AWAY,
     MAX_ACTORS,
     Board,
@@ -41,26 +40,10 @@ from srl.runner.distribution.board import (
     TaskNotFoundError,
     TaskStatus,
 )
-from srl.runner.distribution.codec import (
-    Codec,
-    DecodeError,
-    checkpoint_message_bytes,
-    params_message_bytes,
-    short,
-)
-from srl.runner.distribution.embedded import EmbeddedRedis, resolve
-from srl.runner.distribution.in_flight import batches_in_flight, batches_refused
-from srl.runner.distribution.options import ActorOptions, InferenceOptions, TrainerOptions
-from srl.runner.distribution.queues import (
-    BrokerUnavailableError,
-    describe_queue,
-    discard_leftovers,
-    open_queue,
-    queue_scheme,
-)
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import Throttle, with_retry
-from srl.runner.distribution.stats import (
+from srl.runner.distribution.client import local_nodes
+from srl.runner.distribution.client.embedded import EmbeddedRedis, resolve
+from srl.runner.distribution.node.retry import Throttle, with_retry
+from srl.runner.distribution.node.stats import (
     ActorStats,
     EvaluatorStats,
     InferenceStats,
@@ -68,13 +51,30 @@ from srl.runner.distribution.stats import (
     Reports,
     TrainerStats,
 )
-from srl.runner.distribution.task import (
+from srl.runner.distribution.queues import (
+    BrokerUnavailableError,
+    describe_queue,
+    discard_leftovers,
+    open_queue,
+    queue_scheme,
+)
+from srl.runner.distribution.sending.in_flight import batches_in_flight, batches_refused
+from srl.runner.distribution.settings.options import ActorOptions, InferenceOptions, TrainerOptions
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.task import (
     INFERENCE_MODES,
     MAX_QUEUE_CAPACITY,
     TASK_GONE,
     TASK_REPLACED,
     TaskConfigError,
     check_central,
+)
+from srl.runner.distribution.wire.codec import (
+    Codec,
+    DecodeError,
+    checkpoint_message_bytes,
+    params_message_bytes,
+    short,
 )
 from srl.runner.progress import ensure_logging, eta, format_seconds, reward_summary
 from srl.runner.run_log import RunLog, latest_checkpoint, write_checkpoint

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from srl.base.rl import Parameter
-from srl.runner.distribution.board import Board
-from srl.runner.distribution.codec import Codec
-from srl.runner.distribution.task import StopFlag
-from srl.runner.distribution.versions import VersionGate
+from srl.runner.distribution.board.board import Board
+from srl.runner.distribution.settings.task import StopFlag
+from srl.runner.distribution.trainer.versions import VersionGate
+from srl.runner.distribution.wire.codec import Codec
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 

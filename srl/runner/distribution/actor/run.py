@@ -34,16 +34,11 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
-from srl.runner.distribution.board import Board, BoardDataError, ParamsRecord
-from srl.runner.distribution.codec import (
-    DEFAULT_MAX_BYTES,
-    DecodeError,
-    params_message_bytes,
-    short,
-    task_tag,
-)
-from srl.runner.distribution.inference import InferenceClient, InferenceLostError
-from srl.runner.distribution.node import (
+from srl.runner.distribution.actor.params_cache import ParamsCache, default_directory, private_directory
+from srl.runner.distribution.board.board import Board, BoardDataError, ParamsRecord
+from srl.runner.distribution.inference.run import InferenceClient, InferenceLostError
+from srl.runner.distribution.node.retry import Throttle
+from srl.runner.distribution.node.serve import (
     BUDGET_BEAT_S,
     BoardWork,
     CounterDeltas,
@@ -53,21 +48,26 @@ from srl.runner.distribution.node import (
     require_remote,
     serve,
 )
-from srl.runner.distribution.options import ActorOptions
-from srl.runner.distribution.params_cache import ParamsCache, default_directory, private_directory
+from srl.runner.distribution.node.staged import StagedParams
+from srl.runner.distribution.node.stats import ActorStats
 from srl.runner.distribution.queues import check_queue, open_queue
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import Throttle
-from srl.runner.distribution.sender import RowSender, sender_name
-from srl.runner.distribution.staged import StagedParams
-from srl.runner.distribution.stats import ActorStats
-from srl.runner.distribution.task import (
+from srl.runner.distribution.sending.sender import RowSender, sender_name
+from srl.runner.distribution.settings.options import ActorOptions
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.task import (
     TASK_GONE,
     TASK_REPLACED,
     StopFlag,
     TaskSpec,
     batch_rows,
     max_message_rows,
+)
+from srl.runner.distribution.wire.codec import (
+    DEFAULT_MAX_BYTES,
+    DecodeError,
+    params_message_bytes,
+    short,
+    task_tag,
 )
 from srl.runner.progress import ensure_logging
 

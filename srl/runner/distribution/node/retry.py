@@ -18,8 +18,8 @@ from typing import TypeVar
 
 import redis
 
-from srl.runner.distribution.credentials import permission_denied
-from srl.runner.distribution.redis_parameters import DEFAULT_SOCKET_TIMEOUT_S, RedisRefusedError, refusal_code
+from srl.runner.distribution.settings.credentials import permission_denied
+from srl.runner.distribution.settings.redis_parameters import DEFAULT_SOCKET_TIMEOUT_S, RedisRefusedError, refusal_code
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 Owns: :class:`Ingest`, the path every batch takes in a trainer: read what the buffer has room for,
 open each message (frame, signature, size bounds, the task it belongs to), dedupe by ``(actor, seq)``
 (:class:`SeenBatches`), make the rows of the good ones as one block per layout, check them against the
-algorithm's schema, apply the version policy (:class:`~srl.runner.distribution.versions.VersionGate`),
+algorithm's schema, apply the version policy (:class:`~srl.runner.distribution.trainer.versions.VersionGate`),
 insert them, count the read on the board with a ledger of the last reads, then ack it. Must never: ack a
 read before its rows are in the buffer and its count is on the board, let one message stop it
 (whatever a message does, it is counted, noted with its source, acked and skipped), or count a batch twice.
@@ -45,15 +45,15 @@ import numpy as np
 
 from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, DeadLetter, count_token
-from srl.runner.distribution.codec import BatchFrame, Codec, DecodeError, join_frames, short
-from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.node import InTransit
-from srl.runner.distribution.options import TrainerOptions
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError, DeadLetter, count_token
+from srl.runner.distribution.node.retry import BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.node.serve import InTransit
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError
-from srl.runner.distribution.retry import BoardUnreachableError, Throttle, with_retry
-from srl.runner.distribution.task import StopFlag
-from srl.runner.distribution.versions import VersionGate
+from srl.runner.distribution.settings.credentials import CredentialsError
+from srl.runner.distribution.settings.options import TrainerOptions
+from srl.runner.distribution.settings.task import StopFlag
+from srl.runner.distribution.trainer.versions import VersionGate
+from srl.runner.distribution.wire.codec import BatchFrame, Codec, DecodeError, join_frames, short
 
 Opened = tuple[Message, BatchFrame]
 """a batch message taken from the queue, and its checked frame (arrays not made yet)"""

@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from srl.runner.distribution.board import Board, actor_slot
-from srl.runner.distribution.board_values import finite
+from srl.runner.distribution.board.board import Board, actor_slot
+from srl.runner.distribution.board.values import finite
 
 StatsT = TypeVar("StatsT", bound="NodeStats")
 

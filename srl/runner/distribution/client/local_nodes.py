@@ -1,6 +1,6 @@
 """Local actor and trainer processes for ``train_distribution`` on one machine.
 
-Owns: starting children with ``python -m srl.runner.distribution.local_nodes``
+Owns: starting children with ``python -m srl.runner.distribution.client.local_nodes``
 and handing them their parameters as JSON through the environment (not the
 command line, where passwords would show in ``ps``). Plain subprocesses, not
 multiprocessing: spawning would re-import the user's script, which need not
@@ -26,7 +26,7 @@ from typing import Any
 
 from srl.base.config import config_from_dict, config_to_dict
 from srl.runner.distribution.queues import parameter_classes
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.client")
 
@@ -70,7 +70,8 @@ def start(
     read_end, write_end = os.pipe()  # neither end is inherited by anything but what pass_fds names
     env = {**os.environ, SPEC_ENV: json.dumps(spec), PARENT_FD_ENV: str(read_end)}
     try:
-        proc = LocalNode([sys.executable, "-m", "srl.runner.distribution.local_nodes"], env=env, pass_fds=(read_end,))
+        proc = LocalNode([sys.executable, "-m", "srl.runner.distribution.client.local_nodes"], env=env,
+                         pass_fds=(read_end,))
     except BaseException:
         os.close(write_end)
         raise
@@ -171,15 +172,15 @@ def main() -> None:
     redis_params = _params_from_data(spec["redis"])
     queue_params = _params_from_data(spec["queue"])
     if spec["role"] == "trainer":
-        from srl.runner.distribution.trainer import trainer_run_forever
+        from srl.runner.distribution.trainer.run import trainer_run_forever
 
         trainer_run_forever(redis_params, queue_params, **spec["options"])
     elif spec["role"] == "inference":
-        from srl.runner.distribution.inference import inference_run_forever
+        from srl.runner.distribution.inference.run import inference_run_forever
 
         inference_run_forever(redis_params, queue_params, **spec["options"])
     else:
-        from srl.runner.distribution.actor import actor_run_forever
+        from srl.runner.distribution.actor.run import actor_run_forever
 
         actor_run_forever(redis_params, queue_params, **spec["options"])
 

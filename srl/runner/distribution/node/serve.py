@@ -31,13 +31,12 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeVar
 
 from srl.base.env import allowed_env_modules
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError, count_token
-from srl.runner.distribution.codec import short
-from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.options import NodeOptions
-from srl.runner.distribution.redis_parameters import RedisParameters, refusal_code
-from srl.runner.distribution.retry import Throttle, with_retry
-from srl.runner.distribution.task import (
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError, count_token
+from srl.runner.distribution.node.retry import Throttle, with_retry
+from srl.runner.distribution.settings.credentials import CredentialsError
+from srl.runner.distribution.settings.options import NodeOptions
+from srl.runner.distribution.settings.redis_parameters import RedisParameters, refusal_code
+from srl.runner.distribution.settings.task import (
     QueueMismatchError,
     StopFlag,
     TaskConfigError,
@@ -46,6 +45,7 @@ from srl.runner.distribution.task import (
     build_task,
     check_queue_matches,
 )
+from srl.runner.distribution.wire.codec import short
 
 logger = logging.getLogger("srl.node")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from srl.base.config import Settings, check_int, check_number
-from srl.runner.distribution.codec import Codec
-from srl.runner.distribution.redis_parameters import read_secret_file
+from srl.runner.distribution.settings.redis_parameters import read_secret_file
+from srl.runner.distribution.wire.codec import Codec
 
 
 @dataclass

@@ -38,7 +38,7 @@ from types import TracebackType
 
 import redis
 
-from srl.runner.distribution.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0

@@ -49,11 +49,9 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, seed_everything
 from srl.base.schema import Schema
-from srl.runner.distribution.board import Board, actor_slot
-from srl.runner.distribution.checkpoints import TrainerCheckpoints
-from srl.runner.distribution.codec import batch_message_bytes, params_message_bytes, short, task_tag
-from srl.runner.distribution.ingest import Ingest, ReadWindow
-from srl.runner.distribution.node import (
+from srl.runner.distribution.board.board import Board, actor_slot
+from srl.runner.distribution.node.retry import with_retry
+from srl.runner.distribution.node.serve import (
     BUDGET_BEAT_S,
     BoardWork,
     LeaseGuard,
@@ -63,14 +61,16 @@ from srl.runner.distribution.node import (
     require_remote,
     serve,
 )
-from srl.runner.distribution.options import TrainerOptions
-from srl.runner.distribution.publisher import Publisher
+from srl.runner.distribution.node.stats import TrainerStats
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import with_retry
-from srl.runner.distribution.stats import TrainerStats
-from srl.runner.distribution.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
-from srl.runner.distribution.versions import VersionGate
+from srl.runner.distribution.settings.options import TrainerOptions
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
+from srl.runner.distribution.trainer.checkpoints import TrainerCheckpoints
+from srl.runner.distribution.trainer.ingest import Ingest, ReadWindow
+from srl.runner.distribution.trainer.publisher import Publisher
+from srl.runner.distribution.trainer.versions import VersionGate
+from srl.runner.distribution.wire.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.trainer")
@@ -88,12 +88,12 @@ def machine_memory_bytes() -> int:
 class TrainerRun:
     """One trainer working on one task under one epoch: its parts, wired in one place.
 
-    - ``ingest`` (:class:`~srl.runner.distribution.ingest.Ingest`, its own thread): queue → buffer, counted,
+    - ``ingest`` (:class:`~srl.runner.distribution.trainer.ingest.Ingest`, its own thread): queue → buffer, counted,
       acked;
-    - ``gate`` (:class:`~srl.runner.distribution.versions.VersionGate`): the params version and the rows
+    - ``gate`` (:class:`~srl.runner.distribution.trainer.versions.VersionGate`): the params version and the rows
       the data path takes at it;
-    - ``publisher`` (:class:`~srl.runner.distribution.publisher.Publisher`): weights → board, fenced;
-    - ``checkpoints`` (:class:`~srl.runner.distribution.checkpoints.TrainerCheckpoints`): what it starts
+    - ``publisher`` (:class:`~srl.runner.distribution.trainer.publisher.Publisher`): weights → board, fenced;
+    - ``checkpoints`` (:class:`~srl.runner.distribution.trainer.checkpoints.TrainerCheckpoints`): what it starts
       from, what it leaves;
     - this class: the board thread (heartbeat = lease renewal and stats, the task's state, the lease taken
       back after an outage) and the main thread's loop (``run``: train, publish, checkpoint, end).

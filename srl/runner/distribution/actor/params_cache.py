@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from srl.base.files import is_temporary, write_whole
-from srl.runner.distribution.board import ParamsRecord
+from srl.runner.distribution.board.board import ParamsRecord
 
 logger = logging.getLogger("srl.params_cache")
 

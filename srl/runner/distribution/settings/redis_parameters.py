@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import redis
 
 from srl.base.config import Settings
-from srl.runner.distribution.credentials import authentication_failed
+from srl.runner.distribution.settings.credentials import authentication_failed
 
 
 def read_secret_file(path: str | None) -> str | None:
@@ -274,8 +274,8 @@ class RedisParameters(Settings):
         elif self.host is None:
             raise ValueError(
                 "RedisParameters() with no host and no url means an embedded Redis; "
-                "start it first with srl.runner.distribution.embedded.resolve(params) (or "
-                "srl.runner.distribution.embedded.start_embedded_redis()) and connect to what it returns"
+                "start it first with srl.runner.distribution.client.embedded.resolve(params) (or "
+                "srl.runner.distribution.client.embedded.start_embedded_redis()) and connect to what it returns"
             )
         else:
             if self.ssl_ca_certs is not None:

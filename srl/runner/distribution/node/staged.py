@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from srl.base.rl import Parameter
-from srl.runner.distribution.codec import short
+from srl.runner.distribution.wire.codec import short
 
 logger = logging.getLogger("srl.params")
 

@@ -55,8 +55,26 @@ from srl.base.env import (
 )
 from srl.base.rl import Parameter, Worker, join_policy_io, seed_everything, split_policy_io
 from srl.base.schema import Column, Schema
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardDataError, InferenceAddress
-from srl.runner.distribution.codec import (
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardDataError, InferenceAddress
+from srl.runner.distribution.node.retry import Throttle
+from srl.runner.distribution.node.serve import CounterDeltas, LeaseGuard, apply_overrides, require_remote, serve
+from srl.runner.distribution.node.staged import StagedParams
+from srl.runner.distribution.node.stats import InferenceStats
+from srl.runner.distribution.queues import check_queue, open_queue
+from srl.runner.distribution.sending.sender import RowSender, sender_name
+from srl.runner.distribution.settings.credentials import CredentialsError
+from srl.runner.distribution.settings.options import InferenceOptions
+from srl.runner.distribution.settings.redis_parameters import RedisParameters
+from srl.runner.distribution.settings.task import (
+    MAX_CENTRAL_ACTORS,
+    TASK_GONE,
+    TASK_REPLACED,
+    StopFlag,
+    TaskSpec,
+    batch_rows,
+    max_message_rows,
+)
+from srl.runner.distribution.wire.codec import (
     DEFAULT_MAX_BYTES,
     BatchHeader,
     Codec,
@@ -65,24 +83,6 @@ from srl.runner.distribution.codec import (
     params_message_bytes,
     short,
     task_tag,
-)
-from srl.runner.distribution.credentials import CredentialsError
-from srl.runner.distribution.node import CounterDeltas, LeaseGuard, apply_overrides, require_remote, serve
-from srl.runner.distribution.options import InferenceOptions
-from srl.runner.distribution.queues import check_queue, open_queue
-from srl.runner.distribution.redis_parameters import RedisParameters
-from srl.runner.distribution.retry import Throttle
-from srl.runner.distribution.sender import RowSender, sender_name
-from srl.runner.distribution.staged import StagedParams
-from srl.runner.distribution.stats import InferenceStats
-from srl.runner.distribution.task import (
-    MAX_CENTRAL_ACTORS,
-    TASK_GONE,
-    TASK_REPLACED,
-    StopFlag,
-    TaskSpec,
-    batch_rows,
-    max_message_rows,
 )
 from srl.runner.progress import ensure_logging
 

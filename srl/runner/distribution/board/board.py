@@ -76,9 +76,9 @@ from typing import Any, Literal
 
 import redis
 
-from srl.runner.distribution import board_values
-from srl.runner.distribution.board_values import BoardValueError, finite
-from srl.runner.distribution.retry import TRANSIENT_ERRORS
+from srl.runner.distribution.board import values as board_values
+from srl.runner.distribution.board.values import BoardValueError, finite
+from srl.runner.distribution.node.retry import TRANSIENT_ERRORS
 
 logger = logging.getLogger("srl.board")
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 
-from srl.runner.distribution.board import Board, count_token
-from srl.runner.distribution.node import CounterDeltas
+from srl.runner.distribution.board.board import Board, count_token
+from srl.runner.distribution.node.retry import with_retry
+from srl.runner.distribution.node.serve import CounterDeltas
 from srl.runner.distribution.queues import ExperienceQueue
-from srl.runner.distribution.retry import with_retry
 
 
 def batches_refused(counters: Mapping[str, float]) -> float:

@@ -18,10 +18,10 @@ from srl.base.config import ConfigError, config_from_dict
 from srl.base.env import EnvConfig, EnvError
 from srl.base.rl import RLConfig
 from srl.rl.networks import check_module_allowed
-from srl.runner.distribution import board_values
-from srl.runner.distribution.board import MAX_ACTORS, MAX_CONFIG_BYTES
-from srl.runner.distribution.board_values import BoardValueError
-from srl.runner.distribution.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, short
+from srl.runner.distribution.board import values as board_values
+from srl.runner.distribution.board.board import MAX_ACTORS, MAX_CONFIG_BYTES
+from srl.runner.distribution.board.values import BoardValueError
+from srl.runner.distribution.wire.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, short
 
 MAX_QUEUE_CAPACITY = 1_000_000
 """most batches a task may allow in its queue"""
@@ -63,7 +63,7 @@ class TaskSpec:
     """``actor_num`` is a maximum: the trainer waits for the actors there, not for every slot"""
     inference: str = "local"
     """where actions are chosen: "local" (each actor runs the network) or "central" (an inference node acts
-    for every actor, which then only steps its envs; see ``srl.runner.distribution.inference``)"""
+    for every actor, which then only steps its envs; see ``srl.runner.distribution.inference.run``)"""
 
     @property
     def queue_capacity(self) -> int:

@@ -22,19 +22,19 @@ import numpy as np
 
 from srl.base.checkpoint import build_checkpoint, checkpoint_memory, split_checkpoint, task_config
 from srl.base.rl import Buffer, Learner, Parameter
-from srl.runner.distribution.board import BOARD_AWAY, Board, BoardError
-from srl.runner.distribution.codec import (
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError
+from srl.runner.distribution.node.retry import Throttle, with_retry
+from srl.runner.distribution.settings.options import TrainerOptions
+from srl.runner.distribution.settings.task import TaskConfigError, TaskSpec
+from srl.runner.distribution.trainer.publisher import Publisher
+from srl.runner.distribution.trainer.versions import VersionGate
+from srl.runner.distribution.wire.codec import (
     MAX_CHECKPOINT_MEMORY_BYTES,
     Codec,
     DecodeError,
     checkpoint_message_bytes,
     short,
 )
-from srl.runner.distribution.options import TrainerOptions
-from srl.runner.distribution.publisher import Publisher
-from srl.runner.distribution.retry import Throttle, with_retry
-from srl.runner.distribution.task import TaskConfigError, TaskSpec
-from srl.runner.distribution.versions import VersionGate
 from srl.runner.run_log import write_checkpoint
 
 logger = logging.getLogger("srl.trainer")
