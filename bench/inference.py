@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import srl
 from srl.algorithms import impala
 from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.actor.inference_client import InferenceClient
 from srl.runner.distribution.board.board import Board
-from srl.runner.distribution.inference.run import InferenceClient
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.settings.task import StopFlag
 from srl.runner.distribution.wire.codec import Codec, task_tag
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -958,7 +958,7 @@ def test_redis_refusing_for_a_while_is_named_and_waited_out(binary: str, caplog:
     from srl.runner.distribution.board.board import BOARD_AWAY
     from srl.runner.distribution.node.retry import with_retry
     from srl.runner.distribution.node.serve import BoardWork
-    from srl.runner.distribution.settings.task import StopFlag
+    from srl.runner.distribution.node.stop import StopFlag
     from tests.queue_fixtures import PrivateRedis, redis_refusing
 
     server = PrivateRedis(binary)

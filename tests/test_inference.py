@@ -24,18 +24,15 @@ from srl.algorithms import dqn, impala, ppo, r2d2, sac
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rl import RLConfig, Worker, join_policy_io, split_policy_io
 from srl.runner.distribution import RedisParameters
+from srl.runner.distribution.actor.inference_client import InferenceClient
 from srl.runner.distribution.board.board import Board, TaskState
-from srl.runner.distribution.inference.run import (
-    METHOD,
-    InferenceClient,
-    InferenceLostError,
-    InferenceRefusedError,
-    InferenceRun,
-)
+from srl.runner.distribution.inference.run import InferenceRun
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.settings.options import InferenceOptions
-from srl.runner.distribution.settings.task import StopFlag, TaskSpec, build_task
+from srl.runner.distribution.settings.task import TaskSpec, build_task
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, task_tag
+from srl.runner.distribution.wire.inference import METHOD, InferenceLostError, InferenceRefusedError
 from tests.nodes import ClientThread, board_for, lease_holder_pid, sigkill, start, wait_for
 
 
@@ -578,7 +575,6 @@ def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Bo
     end: stopping the run cancels the call it waits on."""
     from concurrent import futures
 
-    from srl.runner.distribution.inference.run import METHOD
 
     def never_answer(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
         for _ in requests:

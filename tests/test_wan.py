@@ -229,9 +229,9 @@ def test_a_sender_with_batches_ahead_hands_them_over_while_the_link_is_cut_and_c
     from srl.base.rollout import Rollout
     from srl.runner.distribution.board.board import Board
     from srl.runner.distribution.node.serve import CounterDeltas
+    from srl.runner.distribution.node.stop import StopFlag
     from srl.runner.distribution.queues import open_queue
     from srl.runner.distribution.sending.sender import RowSender
-    from srl.runner.distribution.settings.task import StopFlag
     from srl.runner.distribution.wire.codec import Codec
 
     config = tiny_config()
@@ -291,9 +291,9 @@ def test_a_sender_lets_through_what_a_round_trip_carries_at_its_rate_and_nothing
     past 8 times the capacity."""
     from srl.runner.distribution.board.board import Board
     from srl.runner.distribution.node.serve import CounterDeltas, InTransit
+    from srl.runner.distribution.node.stop import StopFlag
     from srl.runner.distribution.queues import open_queue
     from srl.runner.distribution.sending.sender import RowSender
-    from srl.runner.distribution.settings.task import StopFlag
     from srl.runner.distribution.wire.codec import Codec
 
     config = tiny_config()

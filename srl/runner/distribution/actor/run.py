@@ -34,9 +34,9 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
+from srl.runner.distribution.actor.inference_client import InferenceClient
 from srl.runner.distribution.actor.params_cache import ParamsCache, default_directory, private_directory
 from srl.runner.distribution.board.board import Board, BoardDataError, ParamsRecord
-from srl.runner.distribution.inference.run import InferenceClient, InferenceLostError
 from srl.runner.distribution.node.retry import Throttle
 from srl.runner.distribution.node.serve import (
     BUDGET_BEAT_S,
@@ -50,18 +50,12 @@ from srl.runner.distribution.node.serve import (
 )
 from srl.runner.distribution.node.staged import StagedParams
 from srl.runner.distribution.node.stats import ActorStats
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.sending.sender import RowSender, sender_name
 from srl.runner.distribution.settings.options import ActorOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
-from srl.runner.distribution.settings.task import (
-    TASK_GONE,
-    TASK_REPLACED,
-    StopFlag,
-    TaskSpec,
-    batch_rows,
-    max_message_rows,
-)
+from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, TaskSpec, batch_rows, max_message_rows
 from srl.runner.distribution.wire.codec import (
     DEFAULT_MAX_BYTES,
     DecodeError,
@@ -69,6 +63,7 @@ from srl.runner.distribution.wire.codec import (
     short,
     task_tag,
 )
+from srl.runner.distribution.wire.inference import InferenceLostError
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.actor")

@@ -33,12 +33,12 @@ from typing import Any, Literal, Protocol, TypeVar
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError, count_token
 from srl.runner.distribution.node.retry import Throttle, with_retry
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.settings.credentials import CredentialsError
 from srl.runner.distribution.settings.options import NodeOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters, refusal_code
 from srl.runner.distribution.settings.task import (
     QueueMismatchError,
-    StopFlag,
     TaskConfigError,
     TaskSpec,
     TaskTrustError,

@@ -31,9 +31,9 @@ from srl.base.schema import Schema
 from srl.runner.distribution.board.board import Board
 from srl.runner.distribution.node.retry import TRANSIENT_ERRORS, BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.node.serve import CounterDeltas, InTransit
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import ExperienceQueue, QueueError, QueueFullError
 from srl.runner.distribution.sending.in_flight import InFlight
-from srl.runner.distribution.settings.task import StopFlag
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, short, split_columns
 
 logger = logging.getLogger("srl.sender")

@@ -48,10 +48,10 @@ from srl.base.schema import Schema
 from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError, DeadLetter, count_token
 from srl.runner.distribution.node.retry import BoardUnreachableError, Throttle, with_retry
 from srl.runner.distribution.node.serve import InTransit
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError
 from srl.runner.distribution.settings.credentials import CredentialsError
 from srl.runner.distribution.settings.options import TrainerOptions
-from srl.runner.distribution.settings.task import StopFlag
 from srl.runner.distribution.trainer.versions import VersionGate
 from srl.runner.distribution.wire.codec import BatchFrame, Codec, DecodeError, join_frames, short
 

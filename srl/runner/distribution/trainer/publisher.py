@@ -28,7 +28,7 @@ import numpy as np
 
 from srl.base.rl import Parameter
 from srl.runner.distribution.board.board import Board
-from srl.runner.distribution.settings.task import StopFlag
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.trainer.versions import VersionGate
 from srl.runner.distribution.wire.codec import Codec
 

@@ -62,10 +62,11 @@ from srl.runner.distribution.node.serve import (
     serve,
 )
 from srl.runner.distribution.node.stats import TrainerStats
+from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
 from srl.runner.distribution.settings.options import TrainerOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
-from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, StopFlag, TaskSpec, max_message_rows
+from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, TaskSpec, max_message_rows
 from srl.runner.distribution.trainer.checkpoints import TrainerCheckpoints
 from srl.runner.distribution.trainer.ingest import Ingest, ReadWindow
 from srl.runner.distribution.trainer.publisher import Publisher
