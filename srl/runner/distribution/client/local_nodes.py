@@ -171,18 +171,15 @@ def main() -> None:
         watch_parent(int(parent_fd))
     redis_params = _params_from_data(spec["redis"])
     queue_params = _params_from_data(spec["queue"])
+    # a local node runs as a user's node script does, through the public API: the client imports no role
+    import srl.runner.distribution as distribution
+
     if spec["role"] == "trainer":
-        from srl.runner.distribution.trainer.run import trainer_run_forever
-
-        trainer_run_forever(redis_params, queue_params, **spec["options"])
+        distribution.trainer_run_forever(redis_params, queue_params, **spec["options"])
     elif spec["role"] == "inference":
-        from srl.runner.distribution.inference.run import inference_run_forever
-
-        inference_run_forever(redis_params, queue_params, **spec["options"])
+        distribution.inference_run_forever(redis_params, queue_params, **spec["options"])
     else:
-        from srl.runner.distribution.actor.run import actor_run_forever
-
-        actor_run_forever(redis_params, queue_params, **spec["options"])
+        distribution.actor_run_forever(redis_params, queue_params, **spec["options"])
 
 
 if __name__ == "__main__":
