@@ -1,8 +1,9 @@
-"""What an actor and a trainer process share: options, counter deltas and the serve loop.
+"""What every node process (actor, trainer, inference server) shares: the serve loop, the lease kept while a
+heartbeat is late, counter deltas.
 
-Owns: ``NodeOptions`` (liveness, polling, signing, trust, run-once),
-``CounterDeltas``, ``InTransit`` and ``serve`` — wait for an ACTIVE task, check and build it,
-claim a lease, run, repeat — with the rules both roles follow:
+Owns: ``serve`` — wait for an ACTIVE task, check and build it, claim a lease, run, repeat — and
+``LeaseGuard``, ``BoardWork``, ``CounterDeltas`` and ``InTransit``, with the rules every role follows
+(its options are ``settings/options.py``'s ``NodeOptions``):
 
 * the board is untrusted: a malformed record is waited out, an unsigned or
   mis-signed config (when this node has a secret) is refused and said so;

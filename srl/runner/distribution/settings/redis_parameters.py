@@ -3,7 +3,7 @@
 Owns: ``RedisParameters`` and turning it into a redis-py client whose errors say what happened: a refused
 login is a :class:`CredentialsError`, and a refusal Redis answers only for a while (full, a replica after a
 failover, stuck in a slow script) is a :class:`RedisRefusedError` naming it, which callers wait out like an
-outage. Must never: write board keys (that is ``board.py``'s job).
+outage. Must never: write board keys (that is ``board/board.py``'s job).
 """
 
 from __future__ import annotations
