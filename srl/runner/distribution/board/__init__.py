@@ -1,4 +1,5 @@
-"""The Redis blackboard: every key of a task, the Lua scripts, and the one bounded reader of values.
+"""The Redis blackboard: Board, and its parts (tasks, leases, params, accounts, journal), each owning its keys.
 
-Owns the key layout; must never be bypassed: no other module writes a board key.
+Owns the key layout, the Lua scripts and the one bounded reader of values; must never be bypassed: no other
+module writes a board key.
 """
