@@ -331,7 +331,7 @@ def _status(board: Any, redis_params: RedisParameters, watch: float | None, even
             if status is None:
                 print(f"no task {redis_params.task_name!r} on {redis_params.describe()}")
                 return 1
-            from srl.runner.distribution.client.train import NodeHints, progress_lines, task_elapsed  # (loads torch)
+            from srl.runner.distribution.client.report import NodeHints, progress_lines, task_elapsed  # (loads torch)
 
             queue = board.get_task_config().get("queue")
             hints = NodeHints.of(redis_params, queue.get("describe") if isinstance(queue, dict) else None)

@@ -26,7 +26,8 @@ from srl.runner.distribution.board.board import (
     TaskState,
     count_token,
 )
-from srl.runner.distribution.client.train import history_row, progress_lines, summary_lines
+from srl.runner.distribution.client.evaluator import history_row
+from srl.runner.distribution.client.report import progress_lines, summary_lines
 from srl.runner.distribution.node.serve import LeaseGuard, NodeOptions, lease_kept, serve
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from tests.conftest import running

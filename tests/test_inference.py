@@ -523,7 +523,7 @@ def test_batched_sampling_draws_each_action_with_its_probability() -> None:
 
 
 def test_progress_and_the_dashboard_show_the_server_or_how_to_start_one(serve_task: Any, redis_url: str) -> None:
-    from srl.runner.distribution.client.train import NodeHints, progress_lines
+    from srl.runner.distribution.client.report import NodeHints, progress_lines
 
     served = serve_task(_impala(), actor_num=1)
     client = served.client(0)

@@ -19,7 +19,7 @@ import srl
 from srl.cli import build_parser
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board.board import TaskExistsError, TaskNotFoundError, TaskState
-from srl.runner.distribution.client.train import progress_lines
+from srl.runner.distribution.client.report import progress_lines
 from srl.runner.distribution.settings.credentials import CredentialsError
 from tests.conftest import broker_unavailable, port_open, running
 from tests.nodes import ClientThread, Node, board_for, default_sigint, start, tiny_config, wait_for
@@ -518,7 +518,7 @@ def test_status_of_an_ended_task_asks_for_no_node_and_its_clock_stops(
 
 
 def test_start_hints_name_everything_a_node_needs_to_reach_the_task() -> None:
-    from srl.runner.distribution.client.train import NodeHints
+    from srl.runner.distribution.client.report import NodeHints
 
     hints = NodeHints.of(RedisParameters(host="redis.example", port=6390, task_name="pong", password="x"),
                          "amqp://bob@rabbit.example:5672/")

@@ -17,7 +17,7 @@ from srl.algorithms import dqn, impala, ppo
 from srl.base.arrays import load_arrays, save_arrays
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board.board import TaskState
-from srl.runner.distribution.client.train import Evaluator
+from srl.runner.distribution.client.evaluator import Evaluator
 from srl.runner.distribution.wire.codec import Codec
 from srl.runner.run_log import CsvLog, RunLog, latest_checkpoint, write_checkpoint
 from tests.nodes import Node, board_for, kill_all, tiny_config, wait_for
