@@ -256,17 +256,17 @@ def test_a_mutable_message_is_copied_before_its_arrays_are_made() -> None:
 
 
 def test_remembered_layouts_stay_few_and_small_whatever_is_sent() -> None:
-    from srl.runner.distribution.wire import codec as codec_module
+    from srl.runner.distribution.wire import batch as batch_module
 
     codec = Codec(secret="")
     header, columns, _ = make_batch(2)
     for i in range(200):  # 200 layouts: column names no task has
         codec.decode_batch(codec.encode_batch(header, {f"c{i}": columns["obs"]}, None))
-        assert len(codec_module._entries) <= 64
+        assert len(batch_module._entries) <= 64
     wide = {f"{i:0>250}": columns["reward"] for i in range(20)}  # a 5 KB layout is parsed, not kept
     _, got, _ = codec.decode_batch(codec.encode_batch(header, wide, None))
     assert got.keys() == wide.keys()
-    assert all(len(key) <= 4096 + 1 for key in codec_module._entries)
+    assert all(len(key) <= 4096 + 1 for key in batch_module._entries)
 
 
 def test_encode_refuses_what_decode_would_with_a_clear_error() -> None:

@@ -175,14 +175,12 @@ OVER_TODAY = {
     "srl/runner/distribution/inference/run.py": 708,
     "srl/runner/distribution/queues/rabbitmq.py": 655,
     "srl/runner/distribution/queues/redis_stream.py": 690,
-    "srl/runner/distribution/wire/codec.py": 806,
     "ActorRun": 574,
     "InferenceRun": 503,
     "RabbitMQQueue": 499,
     "RedisStreamQueue": 437,
     "Ingest": 402,
     "TrainerRun": 435,
-    "Codec": 366,
 }
 """what is over the limits today, each at most its size now: one may shrink (and then leaves this list once it
 is within the limit), none may grow, and nothing joins it"""
