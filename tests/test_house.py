@@ -174,11 +174,9 @@ OVER_TODAY = {
     "srl/runner/distribution/actor/run.py": 688,
     "srl/runner/distribution/inference/run.py": 708,
     "srl/runner/distribution/queues/rabbitmq.py": 655,
-    "srl/runner/distribution/queues/redis_stream.py": 690,
     "ActorRun": 574,
     "InferenceRun": 503,
     "RabbitMQQueue": 499,
-    "RedisStreamQueue": 437,
     "Ingest": 402,
     "TrainerRun": 435,
 }

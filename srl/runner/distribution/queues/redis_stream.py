@@ -1,5 +1,10 @@
 """Redis Streams experience queue: one stream per task, one consumer group.
 
+This module owns what is put, read, handed out, acked and taken over; the connection (reconnecting,
+creating the stream and group again, the acks held back for the next command) is
+``redis_stream_connection``'s, and the bounded reading of replies ``redis_reply``'s. It never trims
+the stream, and never acks for the caller.
+
 Features:
     * at-least-once: XADD; XREADGROUP (consumer group ``trainer``); the caller's
       ack is XACK + XDEL, so XLEN is exactly the messages not yet acked and
@@ -51,9 +56,9 @@ Options (``open_queue(..., options={...})``):
     max_message_bytes    largest payload put (256 MiB; Redis's proto-max-bulk-len is 512 MB)
 """
 
+
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -64,41 +69,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from redis._parsers.resp2 import _RESP2Parser
-from redis._parsers.socket import SENTINEL, SERVER_CLOSED_CONNECTION_ERROR
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from srl.runner.distribution.board.board import task_key_prefix
-from srl.runner.distribution.node.retry import TRANSIENT_ERRORS, hint_for
 from srl.runner.distribution.queues.base import (
-    BrokerUnavailableError,
     ExperienceQueue,
     Message,
     MiB,
     QueueMessage,
-    Reconnector,
     Role,
     as_queue_messages,
 )
-from srl.runner.distribution.settings.credentials import CredentialsError, permission_denied
+from srl.runner.distribution.queues.redis_reply import FIELD, MAX_ARRAY, entry_payload
+from srl.runner.distribution.queues.redis_stream_connection import TRANSIENT, StreamConnection
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.queues.redis")
 
-_FIELD = b"d"
-_TRANSIENT = TRANSIENT_ERRORS  # an outage, or a Redis refusing for a while (OOM, READONLY, BUSY): both waited out
-_ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *_TRANSIENT)
+_ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *TRANSIENT)
 # XCLAIM ... IDLE sets an entry's idle time: this makes it claimable by anyone at once
 _RELEASED_IDLE_MS = 10**10
-# A read keeps an entry's id and field name beside its payload: the bytes allowed past the read limit
-_ENTRY_SLACK = 4096
-# Longest array a consumer's reply keeps: entries of one read (get_many reads at most this many),
-# an entry's fields (srl writes one), group members
-_MAX_ARRAY = 4096
-
-_COMPACT_AT = 1 << 20
-_RECREATE_TRIES = 5
 _GATHER_S = 0.05  # how long each follow-up read of ``get_expecting`` waits in Redis for one more entry
 # the entries not yet delivered to the group: every entry (acked ones are deleted) less the pending ones; one
 # script, so a read or an ack between the two counts cannot make it too small
@@ -110,139 +101,6 @@ if ok and type(pending) == 'table' and tonumber(pending[1]) then
 end
 return length
 """
-
-
-class Unread:
-    """What a bounded reply holds in place of a bulk string or array it did not keep: its size
-    (bytes of a string, elements of an array), the bytes read off the socket and dropped."""
-
-    __slots__ = ("size",)
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __repr__(self) -> str:
-        return f"Unread({self.size})"
-
-
-class BoundedReplyParser(_RESP2Parser):
-    """redis-py's RESP2 parser that keeps a reply's size bounded whatever the server holds.
-
-    Within one array, bulk strings are kept while their bytes total at most ``max_kept``; a string
-    that would go over it, and an array of more than ``max_array`` elements, are read off the
-    socket a chunk at a time, dropped, and replaced by ``Unread(size)``. A stream entry is
-    ``[id, [field, value, ...]]``, so a read of ``count`` entries keeps at most ``count *
-    max_kept`` bytes of payload, however large or many-fielded an entry another writer put: the
-    bound the consumer needs without a script, which copies every payload into Lua and back (307
-    µs of Redis time a read of 16 entries of 15.5 KB, against 15.5 µs for the plain XREADGROUP).
-    Subclassed per queue with its limits (``bounded_parser``).
-    """
-
-    max_kept: int = 2**62
-    max_array: int = 2**62
-
-    def _read_response(self, disable_decoding: bool = False, timeout: Any = SENTINEL,
-                       budget: list[int] | None = None) -> Any:
-        buffer = self._buffer
-        assert buffer is not None
-        kind, rest = self._header(timeout)
-        if kind == b"$":
-            length = int(rest)
-            if length < 0:
-                return None
-            budget = budget if budget is not None else [self.max_kept]
-            if length > budget[0]:
-                self._drop(length + 2, timeout)
-                return Unread(length)
-            budget[0] -= length
-            data = buffer.read(length, timeout=timeout)
-            return self._decoded(data, disable_decoding)
-        if kind == b"*":
-            n = int(rest)
-            if n < 0:
-                return None
-            if n > self.max_array:
-                for _ in range(n):
-                    self._skip(timeout)
-                return Unread(n)
-            inner = [self.max_kept]
-            return [self._read_response(disable_decoding, timeout, inner) for _ in range(n)]
-        if kind == b":":
-            return int(rest)
-        if kind == b"+":
-            return self._decoded(rest, disable_decoding)
-        if kind == b"-":
-            error = self.parse_error(rest.decode("utf-8", errors="replace"))
-            if isinstance(error, redis.ConnectionError):
-                raise error
-            return error
-        raise redis.exceptions.InvalidResponse(f"Protocol Error: {kind + rest!r}")
-
-    def _decoded(self, data: bytes, disable_decoding: bool) -> Any:
-        return data if disable_decoding or self.encoder is None else self.encoder.decode(data)
-
-    def _header(self, timeout: Any) -> tuple[bytes, bytes]:
-        """The next reply element's type byte and the rest of its first line."""
-        assert self._buffer is not None
-        raw = self._buffer.readline(timeout=timeout)
-        if not raw:
-            raise redis.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
-        return raw[:1], raw[1:]
-
-    def _skip(self, timeout: Any) -> None:
-        """Read one reply element off the socket and keep none of it."""
-        self._compact()
-        kind, rest = self._header(timeout)
-        if kind == b"$" and int(rest) >= 0:
-            self._drop(int(rest) + 2, timeout)
-        elif kind == b"*":
-            for _ in range(max(0, int(rest))):
-                self._skip(timeout)
-
-    def _drop(self, nbytes: int, timeout: Any) -> None:
-        """Consume ``nbytes`` of the reply, first what is buffered, then the socket a chunk at a time."""
-        buffer = self._buffer
-        assert buffer is not None
-        held = min(nbytes, buffer.unread_bytes())
-        buffer._buffer.seek(held, io.SEEK_CUR)
-        nbytes -= held
-        sock = buffer._sock
-        if nbytes and timeout is not SENTINEL:
-            sock.settimeout(timeout)
-        try:
-            scratch = memoryview(bytearray(min(nbytes, 1 << 16))) if nbytes else memoryview(b"")
-            while nbytes > 0:
-                got = sock.recv_into(scratch, min(nbytes, len(scratch)))
-                if not got:
-                    raise redis.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
-                nbytes -= got
-        except TimeoutError as e:  # socket.timeout
-            raise redis.TimeoutError("Timeout reading from socket") from e
-        finally:
-            if timeout is not SENTINEL:
-                sock.settimeout(buffer.socket_timeout)
-        self._compact()
-
-    def _compact(self) -> None:
-        """Let go of the reply's bytes already parsed once they pass 1 MiB: redis-py keeps a whole
-        reply in its buffer until the reply ends, and each socket read brings up to 64 KB, so the
-        parts dropped would otherwise pile up there (an entry of thousands of 60 KB fields). What
-        was kept is copied out already; a read that fails midway disconnects, so nothing rewinds."""
-        buffer = self._buffer
-        assert buffer is not None
-        if buffer.get_pos() < _COMPACT_AT:
-            return
-        held = buffer._buffer
-        rest = held.read()
-        held.seek(0)
-        held.truncate(0)
-        held.write(rest)
-        held.seek(0)
-
-
-def bounded_parser(max_kept: int, max_array: int) -> type[BoundedReplyParser]:
-    """A ``BoundedReplyParser`` with these limits, for one client's ``parser_class``."""
-    return type("BoundedReplyParser", (BoundedReplyParser,), {"max_kept": max_kept, "max_array": max_array})
 
 
 def stream_key_for(namespace: str) -> str:
@@ -282,131 +140,22 @@ class RedisStreamQueue(ExperienceQueue):
         self.max_read_bytes = max_read_bytes
         self.source_name = f"redis stream {self.key} on {params.describe()}"
         self._held: dict[bytes, None] = {}  # ids handed out and not acked, in order
-        self._acks: list[bytes] = []  # ids acked by the caller, sent with the next command
-        self._away = False  # the last command gave up: Redis did not come back
         self._read_unanswered = False  # a read was sent and its reply never came (a lost connection)
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
         self._closed = False
         self._backlog_by_script = True  # False once the Redis user was refused EVAL or XPENDING
-        self._client = self._connect()
-        self._reconnector = Reconnector(
-            broker=f"Redis at {params.describe()}",
-            transient=_TRANSIENT,
-            reconnect=self._reconnect,
-            timeout_s=reconnect_timeout_s,
-            hint="check that redis-server is running there (scripts/services.sh status) and reachable",
-            hint_for=hint_for,
-            refused=self._refusal,
+        self._link = StreamConnection(
+            params, key=self.key, group=self.group, consumer=self.consumer, role=role, source_name=self.source_name,
+            read_limit=self._read_limit(), claim_min_idle_ms=self.claim_min_idle_ms,
+            reconnect_timeout_s=reconnect_timeout_s,
         )
-        try:
-            self._client.ping()
-            if role == "consumer":
-                self._create_group()
-                self._forget_idle_consumers()
-        except redis.exceptions.NoPermissionError as e:
-            self._client.close()
-            refusal = self._refusal(e)
-            assert refusal is not None  # each error caught here is one
-            raise refusal from e
-        except _TRANSIENT as e:
-            self._client.close()
-            if "TLS certificate verification failed" in str(e):  # the cause is known: say only that
-                raise BrokerUnavailableError(f"Redis at {params.describe()} for the experience queue: {e}") from e
-            raise BrokerUnavailableError(
-                f"cannot reach Redis at {params.describe()} for the experience queue ({e}); "
-                "is redis-server running there? start it (scripts/services.sh start) or fix host/port/url"
-            ) from e
-
-    # ------------------------------------------------------------ connection
-    def _connect(self) -> redis.Redis:
-        # RESP2 for the bounded parser (every Redis speaks it); it bounds what a read can bring
-        client = self.params.connect(decode_responses=False, protocol=2)
-        # set on the pool, over the URL's options: a ?protocol=3 there would swap the parser out (and
-        # bring RESP3-only maintenance notifications with it)
-        options = client.connection_pool.connection_kwargs
-        if options.get("protocol") not in (None, 2, "2"):
-            options.pop("maint_notifications_config", None)
-            options.pop("maint_notifications_pool_handler", None)
-        options.update(protocol=2, parser_class=bounded_parser(self._read_limit() + _ENTRY_SLACK, _MAX_ARRAY))
-        # Raw replies, parsed below: XAUTOCLAIM differs between Redis 6.2 and 7.x, and an entry
-        # may hold Unread parts.
-        for command in ("XAUTOCLAIM", "XREADGROUP"):
-            client.set_response_callback(command, lambda response, **options: response)
-        return client
-
-    def _refusal(self, error: BaseException) -> CredentialsError | None:
-        """A command the Redis user may not run (an ACL without XADD, XACK, ...), as a refusal."""
-        if isinstance(error, redis.exceptions.NoPermissionError):
-            return permission_denied(f"Redis at {self.params.describe()}", error,
-                                     "the Redis user of the experience queue needs the stream commands (XADD, "
-                                     "XREADGROUP, XACK, XDEL, XAUTOCLAIM, XCLAIM, XGROUP, XINFO, XLEN, XPENDING, "
-                                     "DEL; EVAL for the backlog)")
-        return None
-
-    def _reconnect(self) -> None:
-        self._client.connection_pool.disconnect()
-        self._client.ping()
-        if self.role == "consumer":
-            self._create_group()
-
-    def _create_group(self) -> None:
-        try:
-            # id 0: entries put before the trainer first came are delivered too
-            self._client.xgroup_create(self.key, self.group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-
-    def _forget_idle_consumers(self) -> None:
-        """Drop group members that hold nothing and have been silent long (dead trainers)."""
-        try:
-            consumers = self._client.xinfo_consumers(self.key, self.group)
-        except (redis.ResponseError, TypeError):  # TypeError: more members than a reply keeps (Unread)
-            return
-        for info in consumers:
-            name = info.get("name")
-            if not isinstance(name, bytes) or name == self.consumer.encode():
-                continue  # not one to forget: this consumer, or a name longer than a reply keeps
-            if int(info.get("pending", 0)) == 0 and int(info.get("idle", 0)) > max(self.claim_min_idle_ms, 600_000):
-                self._client.xgroup_delconsumer(self.key, self.group, name)
-
-    def _call(self, what: str, op: Any) -> Any:
-        try:
-            result = self._reconnector.call(self._recreating(op), what)
-        except BrokerUnavailableError:
-            self._away = True
-            raise
-        self._away = False
-        return result
-
-    def _recreating(self, op: Any) -> Any:
-        """``op``, creating the stream and group again should they have vanished (NOGROUP; UNBLOCKED: the
-        stream was deleted while a read waited on it, Redis 7): Redis restarted empty, or a client deleted or
-        replaced the task. A client deletes a task's keys in several passes, so it may vanish again at
-        once; after a few tries the caller hears of it as a broker that is away, never as a crash."""
-        def run() -> Any:
-            for attempt in range(_RECREATE_TRIES):
-                try:
-                    return op()
-                except redis.ResponseError as e:
-                    if not ("NOGROUP" in str(e) or "UNBLOCKED" in str(e)) or self.role != "consumer":
-                        raise
-                    if attempt == 0:
-                        logger.warning("%s: stream or group vanished (Redis restarted? the task deleted or "
-                                       "replaced?); creating it again", self.source_name)
-                    error = e
-                time.sleep(0.05 * attempt)
-                self._create_group()
-            raise BrokerUnavailableError(f"{self.source_name}: the stream vanished {_RECREATE_TRIES} times in a "
-                                         f"row ({error}); is something deleting it?")
-
-        return run
+        self._client = self._link.client
 
     # ------------------------------------------------------------ producer
     def put(self, data: bytes) -> None:
         [payload] = self._payloads([data])
-        self._call("put", lambda: self._client.xadd(self.key, {_FIELD: payload}))
+        self._link.call("put", lambda: self._client.xadd(self.key, {FIELD: payload}))
 
     def put_many(self, items: Sequence[bytes]) -> None:
         self._put_many(items, then_backlog=False)
@@ -422,7 +171,7 @@ class RedisStreamQueue(ExperienceQueue):
         def send() -> int | None:
             pipe = self._client.pipeline(transaction=False)
             for data in items:
-                pipe.xadd(self.key, {_FIELD: data})
+                pipe.xadd(self.key, {FIELD: data})
             if then_backlog:
                 pipe.execute_command("EVAL", _BACKLOG_LUA, 1, self.key, self.group)
             replies = pipe.execute(raise_on_error=False)
@@ -439,7 +188,7 @@ class RedisStreamQueue(ExperienceQueue):
                 raise backlog
             return int(backlog)
 
-        result: int | None = self._call("put_many", send)
+        result: int | None = self._link.call("put_many", send)
         return result
 
     # ------------------------------------------------------------ consumer
@@ -451,17 +200,17 @@ class RedisStreamQueue(ExperienceQueue):
         reads of one entry that each wait up to ``_GATHER_S`` in Redis: messages put a moment after the first
         (each actor's segments of one sync version) come back with it, not a round trip later."""
         self._require_consumer()
-        max_messages = min(max(1, int(max_messages)), _MAX_ARRAY)
+        max_messages = min(max(1, int(max_messages)), MAX_ARRAY)
         expect = min(max(1, int(expect)), max_messages)
         deadline = time.monotonic() + max(0.0, timeout)
         paging = False  # a takeover look that has more pages to go: one page per call
         while True:
             if not paging and time.monotonic() >= self._next_claim:
-                claimed = self._call("claim", lambda: self._claim(max_messages))
+                claimed = self._link.call("claim", lambda: self._claim(max_messages))
                 if claimed:
                     return claimed
                 paging = not self._claim_scan_done
-            fresh = self._call("get", lambda: self._read_new(max_messages, self._block_ms(deadline), expect))
+            fresh = self._link.call("get", lambda: self._read_new(max_messages, self._block_ms(deadline), expect))
             if fresh or time.monotonic() >= deadline:
                 return fresh
 
@@ -491,7 +240,7 @@ class RedisStreamQueue(ExperienceQueue):
         block = () if block_ms is None else ("BLOCK", block_ms)
         follow = () if block_ms is None else ("BLOCK", max(1, min(block_ms, math.ceil(_GATHER_S * 1000))))
         self._read_unanswered = True  # until its reply is in
-        replies = self._pipelined(read(count - (expect - 1), block), *[read(1, follow)] * (expect - 1))
+        replies = self._link.pipelined(read(count - (expect - 1), block), *[read(1, follow)] * (expect - 1))
         self._read_unanswered = False
         out: list[Message] = []
         for reply in replies:
@@ -505,9 +254,9 @@ class RedisStreamQueue(ExperienceQueue):
     def _read_lost(self, count: int) -> list[Message]:
         """The entries a read delivered to this consumer whose reply was lost with its connection: this
         consumer's pending entries not handed out (nor acked) already, read again by id (up to ``count``)."""
-        known = set(self._held) | set(self._acks)
-        reply = self._with_acks("XREADGROUP", "GROUP", self.group, self.consumer,
-                                "COUNT", min(count + len(known), _MAX_ARRAY), "STREAMS", self.key, "0")
+        known = set(self._held) | set(self._link.acks)
+        reply = self._link.with_acks("XREADGROUP", "GROUP", self.group, self.consumer,
+                                "COUNT", min(count + len(known), MAX_ARRAY), "STREAMS", self.key, "0")
         self._read_unanswered = False
         stream = reply[0] if isinstance(reply, list) and reply else None
         entries = stream[1] if isinstance(stream, list) and len(stream) == 2 else []
@@ -526,7 +275,7 @@ class RedisStreamQueue(ExperienceQueue):
     def _claim(self, count: int) -> list[Message]:
         """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
         unanswered, self._read_unanswered = self._read_unanswered, True  # its entries become ours: as a read's
-        reply = self._with_acks(
+        reply = self._link.with_acks(
             "XAUTOCLAIM", self.key, self.group, self.consumer, self.claim_min_idle_ms, self._claim_cursor,
             "COUNT", count)
         self._read_unanswered = unanswered
@@ -542,24 +291,6 @@ class RedisStreamQueue(ExperienceQueue):
                            self.source_name, len(messages), self.claim_min_idle_ms / 1000)
         return messages
 
-    def _payload(self, fields: Any) -> tuple[bytes, str]:
-        """An entry's payload and '', or b'' and why it was not read."""
-        if isinstance(fields, Unread):
-            return b"", f"entry has {fields.size // 2} fields (srl writes one); not read"
-        if not isinstance(fields, list):
-            return b"", "entry has no fields (not written by srl)"
-        for name, value in zip(fields[::2], fields[1::2], strict=False):
-            if name != _FIELD:
-                continue
-            size = value.size if isinstance(value, Unread) else len(value) if isinstance(value, bytes) else 0
-            if size > self._read_limit():
-                return b"", f"payload of {size} bytes is over the {self._read_limit()}-byte read limit; not read"
-            if isinstance(value, Unread):  # the entry's other fields took the read's room
-                return b"", (f"entry of over {self._read_limit()} bytes (a {size}-byte payload and other "
-                             "fields) is over the read limit; not read")
-            return value, ""
-        return b"", f"entry has no {_FIELD!r} field (not written by srl)"
-
     def _messages(self, entries: Any, *, redelivered: bool) -> list[Message]:
         """Messages from a reply's ``[[id, [field, value, ...]], ...]``; unread ones are handed out refused.
 
@@ -572,7 +303,7 @@ class RedisStreamQueue(ExperienceQueue):
             entry_id, fields = entry
             if not isinstance(entry_id, bytes):
                 continue  # not a stream's reply
-            data, refused = self._payload(fields)
+            data, refused = entry_payload(fields, self._read_limit())
             self._held[entry_id] = None
             out.append(QueueMessage(
                 data=data,
@@ -591,48 +322,19 @@ class RedisStreamQueue(ExperienceQueue):
         for m in todo:
             m.acked = True
             self._held.pop(m.receipt, None)
-            self._acks.append(m.receipt)
-        if len(self._acks) >= _MAX_ARRAY:  # a caller that acks without reading again
+            self._link.acks.append(m.receipt)
+        if len(self._link.acks) >= MAX_ARRAY:  # a caller that acks without reading again
             self.send_acks()
 
     def send_acks(self) -> None:
         """Send the acks held back now (one round trip), not with the next command."""
-        if self._acks:
-            self._call("ack", lambda: self._with_acks("PING"))
+        if self._link.acks:
+            self._link.call("ack", lambda: self._link.with_acks("PING"))
 
-    def _with_acks(self, *command: Any) -> Any:
-        """``command``'s reply, the acks held back sent before it in the same round trip. Should the
-        connection fail, they stay held, and go again with the retry (acking twice is harmless)."""
-        return self._pipelined(command)[0]
-
-    def _pipelined(self, *commands: tuple[Any, ...]) -> list[Any]:
-        """The replies of ``commands``, sent in one round trip after the acks held back (see ``_with_acks``)."""
-        if not self._acks and len(commands) == 1:
-            return [self._client.execute_command(*commands[0])]
-        ids = self._acks
-        pipe = self._client.pipeline(transaction=False)
-        if ids:
-            pipe.execute_command("XACK", self.key, self.group, *ids)
-            pipe.execute_command("XDEL", self.key, *ids)
-        for command in commands:
-            pipe.execute_command(*command)
-        replies = pipe.execute(raise_on_error=False)
-        ack_replies, replies = replies[:2 if ids else 0], replies[2 if ids else 0:]
-        self._acks = []  # sent
-        for error in ack_replies:
-            # NOGROUP (the stream and group were deleted, or Redis restarted empty): nothing is left to
-            # ack, and the command's own NOGROUP creates the group again (see _recreating). Anything else
-            # (NOPERM: a user without XACK or XDEL) is raised: entries never acked would fill the queue.
-            if isinstance(error, Exception) and "NOGROUP" not in str(error):
-                raise error
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
 
     # ------------------------------------------------------------ both
     def depth(self) -> int | None:
-        length: int = self._call("depth", lambda: self._with_acks("XLEN", self.key))
+        length: int = self._link.call("depth", lambda: self._link.with_acks("XLEN", self.key))
         return int(length)
 
     def backlog(self) -> int | None:
@@ -641,12 +343,12 @@ class RedisStreamQueue(ExperienceQueue):
         def count() -> int:
             if self._backlog_by_script:
                 try:
-                    return int(self._with_acks("EVAL", _BACKLOG_LUA, 1, self.key, self.group))
+                    return int(self._link.with_acks("EVAL", _BACKLOG_LUA, 1, self.key, self.group))
                 except redis.exceptions.NoPermissionError as e:
                     self._no_scripts(e)
-            return int(self._with_acks("XLEN", self.key))
+            return int(self._link.with_acks("XLEN", self.key))
 
-        backlog: int = self._call("backlog", count)
+        backlog: int = self._link.call("backlog", count)
         return backlog
 
     def _no_scripts(self, error: BaseException) -> None:
@@ -658,13 +360,13 @@ class RedisStreamQueue(ExperienceQueue):
         if self._closed:
             return
         self._closed = True
-        left = "Redis is away" if self._away else ""  # why acks or unacked entries stay behind
+        left = "Redis is away" if self._link.away else ""  # why acks or unacked entries stay behind
         try:
-            if not self._away:
+            if not self._link.away:
                 # once, without redis-py's retries either: closing does not wait for a Redis that went away
                 self._client.set_retry(Retry(NoBackoff(), 0))
-                if self._acks:
-                    self._with_acks("PING")
+                if self._link.acks:
+                    self._link.with_acks("PING")
                 if self.role == "consumer" and self._held:
                     # give the unacked entries back: the next consumer claims them at once
                     self._client.xclaim(
@@ -676,15 +378,15 @@ class RedisStreamQueue(ExperienceQueue):
             left = str(e)
         finally:
             self._client.close()
-        if left and (self._acks or self._held):
+        if left and (self._link.acks or self._held):
             logger.info("%s: %d acks not sent and %d unacked entries not released on close (%s); they are "
-                        "delivered again after %.0fs idle", self.source_name, len(self._acks), len(self._held),
+                        "delivered again after %.0fs idle", self.source_name, len(self._link.acks), len(self._held),
                         left, self.claim_min_idle_ms / 1000)
 
     def destroy(self) -> None:
         """Delete the stream and its consumer group (end of task)."""
         self._closed = True
         try:
-            self._call("destroy", lambda: self._client.delete(self.key))
+            self._link.call("destroy", lambda: self._client.delete(self.key))
         finally:
             self._client.close()
