@@ -3,7 +3,7 @@
 Owns: the ``ExperienceQueue`` protocol (see ``base``), the table of backends
 (:data:`BACKENDS`: schemes, parameters class, module) that everything else
 reads, and ``open_queue``. Must never: see numpy or torch (it moves bytes), or
-import a broker's client library outside that broker's module.
+import a broker's client library outside that broker's modules.
 
 Backends (Kombu style: dotted paths, imported only when used)::
 

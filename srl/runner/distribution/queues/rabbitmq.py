@@ -1,5 +1,11 @@
 """RabbitMQ experience queue (AMQP 0-9-1 through pika's BlockingConnection).
 
+This module owns the queue object: its connection's life, publishing and reading the confirms,
+consuming, acking, depth. pika's parameters, declaring the queue and telling a refusal from an
+outage are ``rabbitmq_connection``'s; the bookkeeping of what waits for a confirm is
+``rabbitmq_confirms``'s. It never drops a payload put before the broker confirmed or refused it,
+unless the queue is deleted or closed.
+
 Features:
     * durable queue, persistent messages (delivery mode 2), asynchronous
       publisher confirms over a window: ``put``/``put_many`` return once the
@@ -63,15 +69,11 @@ change it and uses the queue as it is.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import re
-import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
@@ -79,7 +81,6 @@ import pika.spec
 from pika.adapters.blocking_connection import BlockingChannel
 
 from srl.runner.distribution.queues.base import (
-    BrokerUnavailableError,
     ExperienceQueue,
     Message,
     MiB,
@@ -92,7 +93,20 @@ from srl.runner.distribution.queues.base import (
     read_refusal,
     safe_name,
 )
-from srl.runner.distribution.settings.credentials import CredentialsError, authentication_failed, permission_denied
+from srl.runner.distribution.queues.rabbitmq_confirms import ConfirmWindow
+from srl.runner.distribution.queues.rabbitmq_connection import (
+    ANY_AMQP_ERROR,
+    TRANSIENT,
+    close_quietly,
+    closed_channel_error,
+    connection_parameters,
+    declare_queue,
+    enable_confirms,
+    open_failure,
+    refusal,
+    size_limit,
+    wake,
+)
 from srl.runner.distribution.settings.queue_parameters import RabbitMQParameters
 
 logger = logging.getLogger("srl.queues.rabbitmq")
@@ -103,39 +117,8 @@ an actor's message is one batch, so this is far more than one fsync of the broke
 CONFIRM_WINDOW_BYTES = 64 * MiB
 """payload bytes a producer may hold unconfirmed before put blocks (large batches: memory bound)"""
 
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    pika.exceptions.AMQPConnectionError,
-    pika.exceptions.ChannelWrongStateError,
-    ConnectionError,
-    OSError,
-)
-_ANY_AMQP_ERROR: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, *_TRANSIENT)
 _PERSISTENT = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent,
                                    content_type="application/octet-stream")
-_MAX_SIZE_TEXT = re.compile(r"larger than configured max size (\d+)")
-_warned_arguments: set[str] = set()
-
-
-def _tls_context(params: RabbitMQParameters) -> ssl.SSLContext:
-    """Verifies the broker's certificate (against ``ssl_ca_certs``, else the system CAs) and host name."""
-    try:
-        context = ssl.create_default_context(cafile=params.ssl_ca_certs)
-    except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"cannot load the CA bundle ssl_ca_certs={params.ssl_ca_certs!r} for RabbitMQ at "
-                         f"{params.describe()}: {e}; expected a PEM file of CA certificates") from e
-    context.check_hostname = True
-    context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-def _without_query_option(url: str, name: str) -> tuple[str, str]:
-    """``url`` without the query option ``name``, and the query that is left."""
-    parts = urlsplit(url)
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    if all(k != name for k, _ in pairs):
-        return url, parts.query
-    query = urlencode([(k, v) for k, v in pairs if k != name])
-    return urlunsplit(parts._replace(query=query)), query
 
 
 def queue_name_for(namespace: str) -> str:
@@ -156,9 +139,7 @@ class RabbitMQQueue(ExperienceQueue):
         confirm_window_bytes: int = CONFIRM_WINDOW_BYTES,
         max_read_bytes: int | None = None,
     ) -> None:
-        if confirm_window < 1 or confirm_window_bytes < 1:
-            raise ValueError(f"confirm_window and confirm_window_bytes must be at least 1, got "
-                             f"{confirm_window} and {confirm_window_bytes}")
+        self._window = ConfirmWindow(confirm_window, confirm_window_bytes)  # the producer's
         self.params = params
         self.role = role
         self.max_read_bytes = max_read_bytes
@@ -175,106 +156,40 @@ class RabbitMQQueue(ExperienceQueue):
         # consumer
         self._buffer: deque[QueueMessage] = deque()
         self._held: dict[int, QueueMessage] = {}  # delivery tag -> handed out, not acked (this connection)
-        # producer
-        self._next_tag = 0
-        self._unconfirmed: dict[int, bytes] = {}  # publish sequence number -> payload, oldest first
-        self._unconfirmed_bytes = 0
-        self._unsent: deque[bytes] = deque()  # to publish, in order (requeued unconfirmed ones first)
-        self._refused: list[bytes] = []  # nacked since the last QueueFullError
-        self._returned = 0  # unroutable since the last error about it
-        self._confirmed = 0  # confirm frames' messages seen, to tell progress while waiting
+        # producer (and self._window)
         self._wake_when: Callable[[], bool] | None = None
         self._closed = False
         self._reconnector = Reconnector(
             broker=f"RabbitMQ at {params.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             reconnect=self._connect,
             timeout_s=params.reconnect_timeout_s,
             hint="check that rabbitmq-server is running there (scripts/services.sh status), reachable, "
             "and not blocking publishers (rabbitmqctl status: alarms)",
-            refused=self._refusal,
+            refused=lambda error: refusal(params, error),
         )
         try:
             self._connect()
-        except ssl.SSLCertVerificationError as e:
-            raise BrokerUnavailableError(
-                f"TLS certificate verification failed for RabbitMQ at {params.describe()} ({e}); set "
-                "ssl_ca_certs (RabbitMQParameters.ssl_ca_certs, or ?ssl_ca_certs=PATH in the amqps:// URL) to "
-                "the CA that signed the broker's certificate, and connect by a host name that certificate names"
-            ) from e
-        except _ANY_AMQP_ERROR as e:
-            refusal = self._refusal(e)
-            if refusal is not None:
-                raise refusal from e
-            if isinstance(e, pika.exceptions.ConnectionClosedByBroker):
-                raise BrokerUnavailableError(
-                    f"RabbitMQ at {params.describe()} closed the connection ({e.reply_code} {e.reply_text}); "
-                    f"check the user's permissions on vhost {params.virtual_host!r}"
-                ) from e
-            if not isinstance(e, _TRANSIENT):
+        except ANY_AMQP_ERROR as e:  # an OSError, a failed TLS check among them, or pika's
+            failure = open_failure(params, e)
+            if failure is None:
                 raise
-            raise BrokerUnavailableError(
-                f"cannot reach RabbitMQ at {params.describe()} for the experience queue "
-                f"({type(e).__name__}: {e}); is rabbitmq-server running there? start it "
-                "(scripts/services.sh start) or fix host/port/url"
-            ) from e
+            raise failure from e
 
     @property
     def unconfirmed(self) -> int:
         """Messages put and not yet confirmed by the broker (published or waiting to be)."""
-        return len(self._unconfirmed) + len(self._unsent)
+        return len(self._window)
 
     # ------------------------------------------------------------ connection
-    def _refusal(self, error: BaseException) -> CredentialsError | None:
-        """A refused login (ACCESS_REFUSED), vhost or resource permission, as a refusal."""
-        where = f"RabbitMQ at {self.params.describe()}"
-        if isinstance(error, (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError)):
-            return authentication_failed(where, error, "the user and password of the queue URL or RabbitMQParameters "
-                                         "(RabbitMQ's guest user can log in only from localhost)")
-        if isinstance(error, pika.exceptions.ProbableAccessDeniedError):
-            return permission_denied(where, error, f"give the user access to vhost {self.params.virtual_host!r} "
-                                     "(rabbitmqctl set_permissions)")
-        closed = error if isinstance(error, (pika.exceptions.ConnectionClosedByBroker,
-                                             pika.exceptions.ChannelClosedByBroker)) else None
-        if closed is not None and closed.reply_code == 403:  # ACCESS_REFUSED on a queue or an exchange
-            return permission_denied(where, error, "give the user configure, write and read permissions on "
-                                     "the task's queue (rabbitmqctl set_permissions)")
-        return None
-
-    def _connection_parameters(self) -> pika.ConnectionParameters | pika.URLParameters:
-        p = self.params
-        client_properties = {"connection_name": self.connection_name}
-        if p.url is not None:
-            url, query = _without_query_option(p.url, "ssl_ca_certs")  # ours (in p.ssl_ca_certs), not pika's
-            url_params = pika.URLParameters(url)
-            if "heartbeat" not in query:
-                url_params.heartbeat = p.heartbeat_s
-            if p.ssl and "ssl_options" not in query:
-                url_params.ssl_options = pika.SSLOptions(_tls_context(p), p.host)
-            url_params.client_properties = client_properties
-            return url_params
-        ssl_options = None
-        if p.ssl:
-            ssl_options = pika.SSLOptions(_tls_context(p), p.host)
-        return pika.ConnectionParameters(
-            host=p.host,
-            port=p.port,
-            virtual_host=p.virtual_host,
-            credentials=pika.PlainCredentials(p.username, p.password),
-            heartbeat=p.heartbeat_s,
-            ssl_options=ssl_options,
-            connection_attempts=1,
-            socket_timeout=10,
-            client_properties=client_properties,
-        )
-
     def _connect(self) -> None:
         self._drop_connection()
-        conn = pika.BlockingConnection(self._connection_parameters())
+        conn = pika.BlockingConnection(connection_parameters(self.params, self.connection_name))
         try:
-            channel = self._declare(conn)
+            channel = declare_queue(conn, self.queue_name, self.params, self.source_name)
             if self.role == "producer":
-                self._enable_confirms(conn, channel)
+                enable_confirms(conn, channel, self._on_confirm)
+                self._window.next_tag = 0  # a new channel numbers its publishes from 1
                 # on the underlying channel, so that they run as the frames are read (as the confirms do)
                 channel._impl.add_on_return_callback(self._on_return)
                 channel._impl.add_on_close_callback(self._on_channel_close)
@@ -282,51 +197,11 @@ class RabbitMQQueue(ExperienceQueue):
                 channel.basic_qos(prefetch_count=self.params.prefetch)
                 channel.basic_consume(self.queue_name, self._on_delivery, auto_ack=False)
         except BaseException:
-            _close_quietly(conn)
+            close_quietly(conn)
             raise
         self._conn, self._channel = conn, channel
         self._channel_closed = None
         self._generation += 1
-
-    def _declare(self, conn: pika.BlockingConnection) -> BlockingChannel:
-        arguments: dict[str, Any] = {"x-max-length": self.params.capacity, "x-overflow": "reject-publish"}
-        arguments.update(self.params.queue_arguments)
-        channel = conn.channel()
-        try:
-            channel.queue_declare(self.queue_name, durable=True, arguments=arguments)
-            return channel
-        except pika.exceptions.ChannelClosedByBroker as e:
-            if e.reply_code != 406:  # PRECONDITION_FAILED: it exists with other arguments
-                raise QueueError(f"{self.source_name}: cannot declare the queue ({e.reply_code} {e.reply_text})") from e
-            if self.queue_name not in _warned_arguments:
-                _warned_arguments.add(self.queue_name)
-                logger.warning(
-                    "%s: the queue already exists with other arguments than %s (%s); using it as it is. "
-                    "To apply these, delete it first (rabbitmqctl delete_queue %s, which drops its messages) "
-                    "or choose another queue_name.",
-                    self.source_name, arguments, e.reply_text, self.queue_name,
-                )
-        channel = conn.channel()
-        channel.queue_declare(self.queue_name, passive=True)
-        return channel
-
-    def _enable_confirms(self, conn: pika.BlockingConnection, channel: BlockingChannel) -> None:
-        # BlockingChannel.confirm_delivery() makes every basic_publish wait for its own
-        # confirm (one round trip per message). Enabling confirm mode on the underlying
-        # channel instead lets put publish and go on, with the confirms read as they come.
-        selected: list[bool] = []
-
-        def on_select_ok(_frame: Any) -> None:
-            selected.append(True)
-            conn.add_callback_threadsafe(_wake)
-
-        channel._impl.confirm_delivery(ack_nack_callback=self._on_confirm, callback=on_select_ok)
-        deadline = time.monotonic() + 10.0
-        while not selected:
-            if time.monotonic() > deadline:
-                raise pika.exceptions.AMQPConnectionError("no Confirm.SelectOk from the broker within 10s")
-            conn.process_data_events(time_limit=0.5)
-        self._next_tag = 0
 
     def _drop_connection(self) -> None:
         conn, self._conn, self._channel = self._conn, None, None
@@ -334,11 +209,9 @@ class RabbitMQQueue(ExperienceQueue):
         self._buffer.clear()
         self._held.clear()
         # what was published over it and not confirmed is published again on the next one, first
-        self._unsent.extendleft(reversed(self._unconfirmed.values()))
-        self._unconfirmed.clear()
-        self._unconfirmed_bytes = 0
+        self._window.requeue()
         if conn is not None:
-            _close_quietly(conn)  # confirms it still reads find self._conn None: ignored
+            close_quietly(conn)  # confirms it still reads find self._conn None: ignored
 
     def _open_channel(self) -> tuple[pika.BlockingConnection, BlockingChannel]:
         if self._closed:
@@ -366,8 +239,8 @@ class RabbitMQQueue(ExperienceQueue):
             raise RuntimeError(f"{self.source_name}: put on a queue opened as {self.role!r}; open a producer")
         if self._closed:
             raise QueueError(f"{self.source_name}: the queue is closed")
-        self._unsent.extend(payloads)
-        if self._unsent:
+        self._window.unsent.extend(payloads)
+        if self._window.unsent:
             self._producer_call(lambda: self._publish("put", drain=False), "put")
         self._raise_refused()
 
@@ -378,7 +251,7 @@ class RabbitMQQueue(ExperienceQueue):
         unconfirmed. Raises ``QueueFullError`` for what the broker refused,
         ``QueueError`` when ``confirm_timeout_s`` passes without any confirm.
         """
-        if self.role == "producer" and not self._closed and (self._unsent or self._unconfirmed):
+        if self.role == "producer" and not self._closed and len(self._window):
             self._producer_call(lambda: self._publish("flush", drain=True), "flush")
         self._raise_refused()
 
@@ -387,68 +260,41 @@ class RabbitMQQueue(ExperienceQueue):
             self._reconnector.call(op, what)
         except pika.exceptions.ChannelClosedByBroker as e:
             # its unconfirmed messages go to the next connection (the one the broker choked on aside)
-            too_large = self._drop_too_large(e)
+            limit = size_limit(e)
+            too_large = 0 if limit is None else self._window.drop_larger_than(limit)
             self._drop_connection()
-            if e.reply_code == 406 and "size" in e.reply_text:
-                raise ValueError(
-                    f"{self.source_name}: the broker refused a message as too large ({e.reply_text}); "
-                    f"{too_large} message(s) over its limit were not sent; lower max_message_bytes to "
-                    "the broker's max_message_size and split batches"
-                ) from e
-            if e.reply_code == 404:
-                raise QueueError(f"{self.source_name}: the queue does not exist any more ({e.reply_text}); "
-                                 "was the task's queue deleted?") from e
-            raise QueueError(f"{self.source_name}: the broker closed the channel ({e.reply_code} "
-                             f"{e.reply_text}); the {self.unconfirmed} unconfirmed message(s) are published "
-                             "again by the next put or flush") from e
-
-    def _drop_too_large(self, e: pika.exceptions.ChannelClosedByBroker) -> int:
-        """Forget the payloads over the size the broker names (sending them again cannot work)."""
-        match = _MAX_SIZE_TEXT.search(e.reply_text or "")
-        if match is None:
-            return 0
-        limit = int(match.group(1))
-        before = self.unconfirmed
-        self._unconfirmed = {tag: data for tag, data in self._unconfirmed.items() if len(data) <= limit}
-        self._unsent = deque(data for data in self._unsent if len(data) <= limit)
-        return before - self.unconfirmed
+            raise closed_channel_error(self.source_name, e, too_large, self.unconfirmed) from e
 
     def _publish(self, what: str, *, drain: bool) -> None:
         """Publish what is unsent, within the window; with ``drain``, then wait for every confirm."""
         conn, channel = self._open_channel()
-        while self._unsent:
-            if not self._has_room():
-                self._wait(conn, self._has_room, what)
-            data = self._unsent[0]
-            # registered before publishing: its confirm may be read while basic_publish flushes
-            self._next_tag += 1
-            self._unconfirmed[self._next_tag] = data
-            self._unconfirmed_bytes += len(data)
-            self._unsent.popleft()
+        window = self._window
+        while window.unsent:
+            if not window.has_room():
+                self._wait(conn, window.has_room, what)
+            data = window.publishing()  # registered first: its confirm may be read while basic_publish flushes
             channel.basic_publish("", self.queue_name, data, _PERSISTENT, mandatory=True)
         if drain:
-            self._wait(conn, lambda: not self._unconfirmed, what)
-
-    def _has_room(self) -> bool:
-        return len(self._unconfirmed) < self.confirm_window and (
-            not self._unconfirmed or self._unconfirmed_bytes < self.confirm_window_bytes)
+            self._wait(conn, lambda: not window.unconfirmed, what)
 
     def _wait(self, conn: pika.BlockingConnection, done: Callable[[], bool], what: str) -> None:
         """Read confirms until ``done()``; raise when ``confirm_timeout_s`` passes without one."""
         timeout = self.params.confirm_timeout_s
-        progress = self._confirmed
+        progress = self._window.confirmed
         deadline = time.monotonic() + timeout
         self._wake_when = done
         try:
             while not done():
-                if self._confirmed != progress:
-                    progress = self._confirmed
+                if self._window.confirmed != progress:
+                    progress = self._window.confirmed
                     deadline = time.monotonic() + timeout
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    waiting = f" ({len(self._unsent)} more wait to be published)" if self._unsent else ""
+                    unsent = self._window.unsent
+                    waiting = f" ({len(unsent)} more wait to be published)" if unsent else ""
                     raise QueueError(
-                        f"{self.source_name}: {what}: the broker confirmed none of the {len(self._unconfirmed)} "
+                        f"{self.source_name}: {what}: the broker confirmed none of the "
+                        f"{len(self._window.unconfirmed)} "
                         f"message(s) in flight{waiting} within {timeout:g}s (confirm_timeout_s); RabbitMQ "
                         "blocks publishers when memory or disk runs low: check `rabbitmqctl status` (alarms) "
                         "and free disk space. They are kept: put or flush waits again, close gives them up"
@@ -463,46 +309,24 @@ class RabbitMQQueue(ExperienceQueue):
         if self._conn is None:
             return  # a confirm read while the old connection closes: its messages were requeued already
         method = frame.method
-        tag, multiple = method.delivery_tag, method.multiple
-        # the dict is in tag order: the tags up to `tag` are its first ones
-        tags = list(itertools.takewhile(lambda t: t <= tag, self._unconfirmed)) if multiple else [tag]
-        nack = isinstance(method, pika.spec.Basic.Nack)
-        for t in tags:
-            data = self._unconfirmed.pop(t, None)
-            if data is None:
-                continue
-            self._unconfirmed_bytes -= len(data)
-            self._confirmed += 1
-            if nack:
-                self._refused.append(data)
+        self._window.settle(method.delivery_tag, method.multiple, isinstance(method, pika.spec.Basic.Nack))
         if self._wake_when is not None and self._wake_when():
-            self._conn.add_callback_threadsafe(_wake)  # makes process_data_events return now
+            self._conn.add_callback_threadsafe(wake)  # makes process_data_events return now
 
     def _on_return(self, _channel: Any, _method: Any, _properties: Any, _body: bytes) -> None:
         # the broker acks a returned message after returning it: count it here, not as refused
         if self._conn is not None:
-            self._returned += 1
+            self._window.returned += 1
 
     def _on_channel_close(self, _channel: Any, reason: Exception) -> None:
         if isinstance(reason, pika.exceptions.ChannelClosedByBroker) and self._conn is not None:
             self._channel_closed = reason
-            self._conn.add_callback_threadsafe(_wake)
+            self._conn.add_callback_threadsafe(wake)
 
     def _raise_refused(self) -> None:
-        if self._returned:
-            returned, self._returned = self._returned, 0
-            raise QueueError(
-                f"{self.source_name}: {returned} message(s) could not be routed: the queue does not "
-                "exist any more (was the task's queue deleted?)"
-            )
-        if self._refused:
-            rejected, self._refused = self._refused, []
-            raise QueueFullError(
-                f"{self.source_name}: the broker refused {len(rejected)} message(s): the queue is at its "
-                f"capacity (x-max-length={self.params.capacity}) or the broker had an internal error; "
-                "back off and put them again (QueueFullError.rejected)",
-                rejected,
-            )
+        error = self._window.take_refusal(self.source_name, self.params.capacity)
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------ consumer
     def _on_delivery(
@@ -565,7 +389,7 @@ class RabbitMQQueue(ExperienceQueue):
             else:
                 for tag in tags:
                     self._channel.basic_ack(tag)
-        except _TRANSIENT as e:
+        except TRANSIENT as e:
             logger.info("%s: connection lost while acking (%s); the broker redelivers those messages",
                         self.source_name, e)
             self._drop_connection()
@@ -613,43 +437,22 @@ class RabbitMQQueue(ExperienceQueue):
         finally:
             self._closed = True
             self._drop_connection()
-            if self._unsent:
+            if self._window.unsent:
                 logger.error("%s: closed with %d message(s) the broker never confirmed: they may or may not "
-                             "be in the queue", self.source_name, len(self._unsent))
-                self._unsent.clear()
+                             "be in the queue", self.source_name, len(self._window.unsent))
+                self._window.unsent.clear()
 
     def destroy(self) -> None:
         """Delete the queue (end of task); its messages are gone, and so are unconfirmed ones."""
-        self._forget_unconfirmed()
+        self._window.forget()  # what this producer still had to publish or see confirmed
         try:
             _, channel = self._open_channel()
             channel.queue_delete(self.queue_name)
-        except _ANY_AMQP_ERROR:
-            conn = pika.BlockingConnection(self._connection_parameters())
+        except ANY_AMQP_ERROR:
+            conn = pika.BlockingConnection(connection_parameters(self.params, self.connection_name))
             try:
                 conn.channel().queue_delete(self.queue_name)
             finally:
-                _close_quietly(conn)
+                close_quietly(conn)
         finally:
             self.close()
-
-
-    def _forget_unconfirmed(self) -> None:
-        """What this producer still has to publish or see confirmed, dropped (the queue is being deleted)."""
-        self._unsent.clear()
-        self._unconfirmed.clear()
-        self._unconfirmed_bytes = 0
-        self._refused.clear()
-        self._returned = 0
-
-
-def _wake() -> None:
-    """A no-op callback: scheduling it makes BlockingConnection.process_data_events return."""
-
-
-def _close_quietly(conn: pika.BlockingConnection) -> None:
-    try:
-        if conn.is_open:
-            conn.close()
-    except Exception as e:  # closing a dead connection: nothing left to do
-        logger.debug("closing the RabbitMQ connection: %s", e)
