@@ -31,8 +31,8 @@ with atheris.instrument_imports() if atheris is not None else contextlib.nullcon
     from srl.algorithms import dqn
     from srl.base.env import EnvConfig
     from srl.base.rollout import Rollout
-    from srl.runner.distribution.wire.codec import BatchHeader, Codec, DecodeError
     from srl.runner.distribution.settings.task import TaskConfigError, TaskTrustError, build_task
+    from srl.runner.distribution.wire.codec import BatchHeader, Codec, DecodeError
 
 SPEC = srl.Runner("Pendulum-v1", dqn.Config()).spec
 SCHEMA = dqn.Config().schema(SPEC)
