@@ -1,7 +1,7 @@
 """Messages written by hand, field by field: what anyone who can write to a queue or the board can send.
 
-Independent of the codec's encoder on purpose (it follows the wire layout in
-``srl/runner/distribution/wire/codec.py``'s docstring), so every field can lie.
+Independent of the codec's encoder on purpose (it follows the wire layout in the docstrings of
+``srl/runner/distribution/wire/frame.py`` and ``wire/batch.py``), so every field can lie.
 """
 
 from __future__ import annotations
