@@ -28,7 +28,8 @@ from srl.runner.distribution.board.board import (
 )
 from srl.runner.distribution.client.evaluator import history_row
 from srl.runner.distribution.client.report import progress_lines, summary_lines
-from srl.runner.distribution.node.serve import LeaseGuard, NodeOptions, lease_kept, serve
+from srl.runner.distribution.node.liveness import LeaseGuard, lease_kept
+from srl.runner.distribution.node.serve import NodeOptions, serve
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from tests.conftest import running
 from tests.nodes import tiny_config, wait_for
@@ -957,8 +958,8 @@ def test_redis_refusing_for_a_while_is_named_and_waited_out(binary: str, caplog:
     waited out like an outage: a heartbeat is "away", not a crashed thread, and a retried call goes on once
     Redis answers again, having said what it waits for."""
     from srl.runner.distribution.board.board import BOARD_AWAY
+    from srl.runner.distribution.node.liveness import BoardWork
     from srl.runner.distribution.node.retry import with_retry
-    from srl.runner.distribution.node.serve import BoardWork
     from srl.runner.distribution.node.stop import StopFlag
     from tests.queue_fixtures import PrivateRedis, redis_refusing
 

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,13 +36,12 @@ from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
 from srl.runner.distribution.actor.inference_client import InferenceClient
 from srl.runner.distribution.actor.params_cache import ParamsCache, default_directory, private_directory
-from srl.runner.distribution.board.board import Board, BoardDataError, ParamsRecord
+from srl.runner.distribution.board.board import Board, BoardDataError, Heartbeat, ParamsRecord
+from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness
 from srl.runner.distribution.node.retry import Throttle
 from srl.runner.distribution.node.serve import (
     BUDGET_BEAT_S,
-    BoardWork,
     CounterDeltas,
-    LeaseGuard,
     apply_overrides,
     remove_orphans,
     require_remote,
@@ -55,7 +54,7 @@ from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.sending.sender import RowSender, sender_name
 from srl.runner.distribution.settings.options import ActorOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
-from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, TaskSpec, batch_rows, max_message_rows
+from srl.runner.distribution.settings.task import TaskSpec, batch_rows, max_message_rows
 from srl.runner.distribution.wire.codec import (
     DEFAULT_MAX_BYTES,
     DecodeError,
@@ -152,7 +151,6 @@ class ActorRun:
         self.latest_version = -1
         self.latest_train_count = 0
         self.board_work = BoardWork("actor", self.stop)
-        self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
         self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
         # stats the heartbeat reports
@@ -172,6 +170,16 @@ class ActorRun:
         self.episodes = 0
         self.params_fetched_bytes = 0
         self._last_rate = 0.0  # env steps/s at the last heartbeat
+        # a heartbeat that asks the run's total costs Redis a look at every role's counters: with many actors
+        # each asks every few heartbeats, and beats less often near the budget, so the board's work for it
+        # stays what TOTAL_ASKERS actors asking at every beat cost
+        self._share = max(1.0, self.task.actor_num / TOTAL_ASKERS)
+        self._beats = 0
+        self._rate_from = (0, time.monotonic())  # env steps, when: the rate's start
+        self._near = False  # the budget is near (it only comes nearer)
+        self._counted_at_beat = 0
+        self.liveness = Liveness(board, self.lease_name, options.uid, options.lease_ttl, self.stop, self.lease_guard,
+                                 self.board_work, self)
         self.throttled_s = 0.0
         self.sync_wait_s = 0.0
         self._awaiting_params = threading.Event()  # the main loop waits for a newer version
@@ -188,74 +196,48 @@ class ActorRun:
         self.recent_rewards: list[float] = []
 
     # ------------------------------------------------------------ background: lease, stats, params
-    def _board_loop(self) -> None:
-        """Heartbeats: the lease, stats and counters, the task's state, the trainer's train_count."""
+    # ------------------------------------------------------------ heartbeats (node.liveness.Liveness's hooks)
+    def report(self) -> Beat:
+        """Stats and counters; the run's total env steps asked every few beats (every beat near the budget)."""
+        now = time.monotonic()
+        steps, since = self._rate_from
+        if now - since >= self.options.heartbeat_interval / 2:  # not over the short beats near the budget: bursty
+            self._last_rate = (self.env_steps - steps) / max(now - since, 1e-9)
+            self._rate_from = (self.env_steps, now)
+        self._counted_at_beat = self._count_steps()
+        ask = self.task.max_steps is not None and (self._near or self._beats % math.ceil(self._share) == 0)
+        self._beats += 1
+        return Beat(self._stats(self._last_rate), total_of="env_steps" if ask else "", counts=self.counters)
+
+    def heard(self, answer: Heartbeat) -> None:
         opts = self.options
-        last = (0, time.monotonic())  # env steps, when
-        # a heartbeat that asks the run's total costs Redis a look at every role's counters: with many actors
-        # each asks every few heartbeats, and beats less often near the budget, so the board's work for it
-        # stays what TOTAL_ASKERS actors asking at every beat cost
-        share = max(1.0, self.task.actor_num / TOTAL_ASKERS)
-        beats = 0
-        near = False  # the budget is near (it only comes nearer)
+        turn = self._beats - 1
+        if answer.total is not None:
+            self._budget_seen = (answer.total, self._counted_at_beat)
+        # the budget ends within two heartbeats (the others' counts are up to one old, and the next comes a
+        # heartbeat on): every actor counts its steps more often, so that what each supposes of the others
+        # (their steps since their last count) is a short time's worth
+        self._near = self._near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval,
+                                                       self.task.actor_num)
+        # elastic actors under a replay ratio look who is there every few beats: every beat while few are, so
+        # that the board answers about TOTAL_ASKERS such looks a heartbeat however many come
+        cadence = math.ceil(max(1.0, self._stepping / TOTAL_ASKERS))
         paced = self.data_path.env_steps_per_train is not None
+        if self.task.elastic_actors and ((self._near and answer.total is not None) or (paced and turn % cadence == 0)):
+            self._look_at_actors()
 
-        def cadence() -> int:
-            # elastic actors under a replay ratio look who is there every this many beats: every beat while
-            # few are, so that the board answers about TOTAL_ASKERS such looks a heartbeat however many come
-            return math.ceil(max(1.0, self._stepping / TOTAL_ASKERS))
+    def in_order(self, answer: Heartbeat) -> None:
+        self._note_head(answer.params_epoch, answer.train_count)
+        if answer.params_version > 0 and answer.params_version != self.latest_version:
+            self._poll_now.set()  # the params thread looks now
 
-        def beat() -> None:
-            nonlocal last, beats, near
-            turn = beats
-            now = time.monotonic()
-            if now - last[1] >= opts.heartbeat_interval / 2:  # not over the short beats near the budget: bursty
-                self._last_rate = (self.env_steps - last[0]) / max(now - last[1], 1e-9)
-                last = (self.env_steps, now)
-            counted = self._count_steps()
-            ask = self.task.max_steps is not None and (near or beats % math.ceil(share) == 0)
-            beats += 1
-            sent = time.monotonic()
-            stats = self._stats(self._last_rate)
-            hb = self.counters.send(lambda deltas, token: self.board.heartbeat(
-                self.lease_name, opts.uid, int(opts.lease_ttl * 1000), self.lease_name, stats, deltas,
-                total_of="env_steps" if ask else "", token=token))
-            if hb.total is not None:
-                self._budget_seen = (hb.total, counted)
-            # the budget ends within two heartbeats (the others' counts are up to one old, and the next comes a
-            # heartbeat on): every actor counts its steps more often, so that what each supposes of the others
-            # (their steps since their last count) is a short time's worth
-            near = near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval, self.task.actor_num)
-            if self.task.elastic_actors and ((near and hb.total is not None) or (paced and turn % cadence() == 0)):
-                self._look_at_actors()
-            if hb.task_status is None:
-                self.task_gone = True
-                self.stop.set(TASK_GONE)
-                return
-            if hb.replaced:
-                self.stop.set(TASK_REPLACED)
-                return
-            if not hb.lease_held and not self._take_slot_back():
-                return
-            self.lease_guard.renewed(sent)
-            if hb.task_status != "ACTIVE":
-                status = self.board.get_status()
-                reason = status.end_reason if status is not None else ""
-                self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
-                return
-            self._note_head(hb.params_epoch, hb.train_count)
-            if hb.params_version > 0 and hb.params_version != self.latest_version:
-                self._poll_now.set()  # the params thread looks now
-
-        while not self.stop.is_set():
-            answer = self.board_work.run(beat, "board")
-            if answer == "stop":
-                break
-            wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
-            if near:
-                wait = min(wait, BUDGET_BEAT_S * share)
-            self._beat_now.wait(wait)
-            self._beat_now.clear()
+    def pause(self, answer: Literal["ok", "away"]) -> None:
+        opts = self.options
+        wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
+        if self._near:
+            wait = min(wait, BUDGET_BEAT_S * self._share)
+        self._beat_now.wait(wait)
+        self._beat_now.clear()
 
     def _params_loop(self) -> None:
         """Params: an actor waiting for the next version (lockstep, or its first) waits for it in Redis and
@@ -346,7 +328,7 @@ class ActorRun:
             self.stop.wait(0.01)
         self._end_wait()
 
-    def _take_slot_back(self) -> bool:
+    def take_lease_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
         opts = self.options
         slot = self.board.claim_actor_slot(opts.uid, self.task.actor_num, int(opts.lease_ttl * 1000),
@@ -557,7 +539,7 @@ class ActorRun:
         """Act until the task ends or the slot is lost; returns why it stopped."""
         opts = self.options
         path = self.data_path
-        threads = [threading.Thread(target=self._board_loop, name="srl-actor-board", daemon=True)]
+        threads = [threading.Thread(target=self.liveness.run, name="srl-actor-board", daemon=True)]
         if self.inference is None:  # with central inference the server holds the params
             threads.append(threading.Thread(target=self._params_loop, name="srl-actor-params", daemon=True))
         self.lease_guard.start()  # renews while a heartbeat is late (a slow board)
@@ -623,7 +605,7 @@ class ActorRun:
                 self.inference.close()
             if self.params_cache is not None:
                 self.params_cache.clear()
-            if self.task_gone:
+            if self.liveness.task_gone:
                 remove_orphans(self.board)
         self.board_work.raise_failure()
         return self.stop.reason

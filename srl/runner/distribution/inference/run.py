@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -50,21 +50,19 @@ from srl.base.env import (
     env_spec,
 )
 from srl.base.rl import Parameter, Worker, join_policy_io, seed_everything, split_policy_io
-from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardDataError
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardDataError, Heartbeat
+from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness
 from srl.runner.distribution.node.retry import Throttle
-from srl.runner.distribution.node.serve import CounterDeltas, LeaseGuard, apply_overrides, require_remote, serve
+from srl.runner.distribution.node.serve import CounterDeltas, apply_overrides, require_remote, serve
 from srl.runner.distribution.node.staged import StagedParams
 from srl.runner.distribution.node.stats import InferenceStats
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import check_queue, open_queue
 from srl.runner.distribution.sending.sender import RowSender, sender_name
-from srl.runner.distribution.settings.credentials import CredentialsError
 from srl.runner.distribution.settings.options import InferenceOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.distribution.settings.task import (
     MAX_CENTRAL_ACTORS,
-    TASK_GONE,
-    TASK_REPLACED,
     TaskSpec,
     batch_rows,
     max_message_rows,
@@ -211,7 +209,10 @@ class InferenceRun:
         self._staged = StagedParams()
         self.params_epoch = 0
         self.latest_version = 0
-        self._board_log = Throttle()
+        self.board_work = BoardWork("inference", self.stop)
+        self.liveness = Liveness(board, "inference", options.uid, options.lease_ttl, self.stop, self.lease_guard,
+                                 self.board_work, self)
+        self._rate_from = (0, time.monotonic())  # agent steps, when: the rate's start
         # stats
         self.agent_steps = 0
         self.batches = 0
@@ -497,59 +498,46 @@ class InferenceRun:
                 return
 
     # ------------------------------------------------------------ background: lease, stats, params, actors
-    def _board_loop(self) -> None:
-        opts = self.options
-        next_beat = 0.0
-        last_steps, last_time = 0, time.monotonic()
-        while not self.stop.is_set():
-            now = time.monotonic()
-            try:
-                if now >= next_beat:
-                    next_beat = now + opts.heartbeat_interval
-                    rate = (self.agent_steps - last_steps) / max(now - last_time, 1e-9)
-                    last_steps, last_time = self.agent_steps, now
-                    stats = self._stats(rate).to_record()
-                    hb = self.counters.send(lambda deltas, token: self.board.heartbeat(  # called here, at once
-                        "inference", opts.uid, int(opts.lease_ttl * 1000), "inference", stats,  # noqa: B023
-                        deltas, token=token))
-                    if hb.task_status is None:
-                        self.stop.set(TASK_GONE)
-                        break
-                    if hb.replaced:
-                        self.stop.set(TASK_REPLACED)
-                        break
-                    if hb.lease_held:
-                        self.lease_guard.renewed(now)
-                    else:
-                        self.stop.set("lost the inference lease: it was not renewed in time (was this process "
-                                      "paused or cut off from Redis?)")
-                        break
-                    if hb.task_status != "ACTIVE":
-                        status = self.board.get_status()
-                        reason = status.end_reason if status is not None else ""
-                        self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
-                        break
-                    self._check_actor_leases()
-                    version = hb.params_version  # the heartbeat read the params head too
-                else:
-                    head = self.board.get_params_head()
-                    version = 0 if head is None else head[1]
-                if version > 0 and version != self.latest_version:
-                    self._fetch_params()
-            except BOARD_AWAY as e:
-                if self._board_log.ready():
-                    logger.warning("board unreachable or unreadable (%s); retrying", short(e))
-            except CredentialsError as e:
-                logger.error("%s", e)
-                self.stop.set(f"refused: {e}")
-                break
-            except Exception as e:
-                logger.exception("inference board thread crashed")
-                self.stop.set(f"board thread crashed: {type(e).__name__}: {short(e)}")
-                break
-            self.stop.wait(opts.params_poll_interval)
+    def _board_thread(self) -> None:
+        self.liveness.run()
         with self._cond:
             self._cond.notify_all()
+
+    # ------------------------------------------------------------ heartbeats (node.liveness.Liveness's hooks)
+    def report(self) -> Beat:
+        now = time.monotonic()
+        steps, since = self._rate_from
+        rate = (self.agent_steps - steps) / max(now - since, 1e-9)
+        self._rate_from = (self.agent_steps, now)
+        return Beat(self._stats(rate).to_record(), counts=self.counters)
+
+    def heard(self, answer: Heartbeat) -> None:
+        pass
+
+    def take_lease_back(self) -> bool:
+        """A server's lease is not taken back: the standby that took it serves the actors now."""
+        self.stop.set("lost the inference lease: it was not renewed in time (was this process paused or cut off "
+                      "from Redis?)")
+        return False
+
+    def in_order(self, answer: Heartbeat) -> None:
+        self._check_actor_leases()
+        if answer.params_version > 0 and answer.params_version != self.latest_version:  # the head, read with it
+            self._fetch_params()
+
+    def pause(self, answer: Literal["ok", "away"]) -> None:
+        """Until the next heartbeat, look for new params every ``params_poll_interval``."""
+        opts = self.options
+        due = self._rate_from[1] + opts.heartbeat_interval
+        while not self.stop.wait(opts.params_poll_interval) and time.monotonic() < due:
+            if self.board_work.run(self._look_for_params, "board") == "stop":
+                return
+
+    def _look_for_params(self) -> None:
+        head = self.board.get_params_head()
+        version = 0 if head is None else head[1]
+        if version > 0 and version != self.latest_version:
+            self._fetch_params()
 
     def _check_actor_leases(self) -> None:
         """Free the state of actors whose slot lease lapsed (a process killed, or paused past its TTL)."""
@@ -610,7 +598,7 @@ class InferenceRun:
         logger.info("inference %s serves %s on %s (%s, batches of up to %d envs, wait %.3g ms)", opts.uid,
                     self.config.algorithm, self.address, "TLS" if self.tls else "no TLS", self.max_batch,
                     opts.max_wait_ms)
-        board_thread = threading.Thread(target=self._board_loop, name="srl-inference-board", daemon=True)
+        board_thread = threading.Thread(target=self._board_thread, name="srl-inference-board", daemon=True)
         sender_thread = threading.Thread(target=self._send_loop, name="srl-inference-sender", daemon=True)
         self.lease_guard.start()  # renews while the board thread is busy fetching params
         board_thread.start()

@@ -42,25 +42,17 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, seed_everything
 from srl.base.schema import Schema
-from srl.runner.distribution.board.board import Board, actor_slot
+from srl.runner.distribution.board.board import Board, Heartbeat, actor_slot
+from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness, lease_kept
 from srl.runner.distribution.node.retry import with_retry
-from srl.runner.distribution.node.serve import (
-    BUDGET_BEAT_S,
-    BoardWork,
-    LeaseGuard,
-    apply_overrides,
-    lease_kept,
-    remove_orphans,
-    require_remote,
-    serve,
-)
+from srl.runner.distribution.node.serve import BUDGET_BEAT_S, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.node.stats import TrainerStats
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
@@ -135,7 +127,7 @@ class TrainerRun:
         self.learner = config.make_learner(self.spec, self.parameter, self.buffer, task.actor_num)
         self.gate = VersionGate(self.data_path)
         self.publisher = Publisher(board, self.codec, options.uid, epoch, self.parameter, config.algorithm, self.gate,
-                                   options.min_publish_interval, self._take_lease_back, options.params_float16,
+                                   options.min_publish_interval, self.take_lease_back, options.params_float16,
                                    self.learner.takeover_state)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
                              task_tag(board.task_id), self.open_consumer, self._messages_expected,
@@ -150,10 +142,13 @@ class TrainerRun:
         self._last_rates = (0.0, 0.0)  # train steps/s, rows received/s at the last heartbeat
         self.task_started_at: float | None = None
         self.board_work = BoardWork("trainer", self.stop, "training goes on, retrying")
-        self.task_gone = False  # the task vanished from the board (what this run wrote back is removed)
-        self.task_replaced = False  # another task of this name replaced it
+        self.liveness = Liveness(board, "trainer", options.uid, options.lease_ttl, self.stop, self.lease_guard,
+                                 self.board_work, self)
         self.fenced = False  # another trainer took the lease over
-        self.task_ended = False  # the task ended on the board (the client's cancel, a limit): final params go
+        # the heartbeat's rates (train steps/s, rows received/s) and the budget coming near
+        self._beat_counts = (self.learner.train_count, 0, time.monotonic())  # train_count, rows received, when
+        self._steps_seen: tuple[int, float] | None = None  # the run's env steps at a heartbeat, and when
+        self._near = False  # max_steps is near (it only comes nearer): heartbeats every BUDGET_BEAT_S
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
         self._taking_back = threading.Lock()
@@ -196,36 +191,46 @@ class TrainerRun:
         server, mono = self._server_time
         return server + (time.monotonic() - mono)
 
-    def _board_loop(self) -> None:
-        """Heartbeats: the lease, stats, the task's state."""
+    # ------------------------------------------------------------ heartbeats (node.liveness.Liveness's hooks)
+    def report(self) -> Beat:
+        """Stats (with the rates since the last heartbeat), and the refused messages noted on the board first."""
         opts = self.options
-        last_train, last_recv, last_time = self.learner.train_count, 0, time.monotonic()
-        steps_seen: tuple[int, float] | None = None  # the run's env steps at a heartbeat, and when
-        near = False  # max_steps is near (it only comes nearer): heartbeats every BUDGET_BEAT_S
-        while not self.stop.is_set():
-            def beat() -> None:
-                nonlocal last_train, last_recv, last_time
-                now = time.monotonic()
-                if now - last_time >= opts.heartbeat_interval / 2:  # not over the short beats: bursty
-                    dt = now - last_time
-                    train_count, received = self.learner.train_count, self.ingest.received_transitions
-                    self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
-                    last_train, last_recv, last_time = train_count, received, now
-                self._heartbeat(self._stats(*self._last_rates))
+        now = time.monotonic()
+        last_train, last_recv, last_time = self._beat_counts
+        if now - last_time >= opts.heartbeat_interval / 2:  # not over the short beats: bursty
+            dt = now - last_time
+            train_count, received = self.learner.train_count, self.ingest.received_transitions
+            self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
+            self._beat_counts = (train_count, received, now)
+        stats = self._stats(*self._last_rates)
+        bad = self.ingest.bad_report()
+        if bad is not None:  # reported once on the board: a board that is away gets it at the next heartbeat
+            self.board.log_event(bad[0], level="WARNING", source=opts.uid)
+            self.ingest.bad_reported(bad[1])
+        self.ingest.flush_dead_letters()
+        return Beat(stats, total_of="env_steps")
 
-            answer = self.board_work.run(beat, "board")
-            if answer == "stop":
-                break
-            wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
-            now = time.monotonic()
-            if answer == "ok" and not near and self.task.max_steps is not None:
-                if steps_seen is None:  # the first count this trainer read (one taking over: the run's so far)
-                    steps_seen = (self.env_steps_total, now)
-                elif now - steps_seen[1] >= opts.heartbeat_interval / 2:
-                    rate = (self.env_steps_total - steps_seen[0]) / (now - steps_seen[1])
-                    near = self.env_steps_total + 2 * rate * opts.heartbeat_interval >= self.task.max_steps
-                    steps_seen = (self.env_steps_total, now)
-            self.stop.wait(min(wait, BUDGET_BEAT_S) if near else wait)
+    def heard(self, answer: Heartbeat) -> None:
+        self._server_time = (answer.server_time, time.monotonic())
+
+    def in_order(self, answer: Heartbeat) -> None:
+        self.env_steps_total = int(answer.total or 0)
+        if self.live_slots is not None:
+            self.live_slots = [slot for name in self.board.held_leases(self.task.actor_num)
+                               if (slot := actor_slot(name)) is not None]
+
+    def pause(self, answer: Literal["ok", "away"]) -> None:
+        opts = self.options
+        wait = min(opts.heartbeat_interval, 1.0) if answer == "away" else opts.heartbeat_interval
+        now = time.monotonic()
+        if answer == "ok" and not self._near and self.task.max_steps is not None:
+            if self._steps_seen is None:  # the first count this trainer read (one taking over: the run's so far)
+                self._steps_seen = (self.env_steps_total, now)
+            elif now - self._steps_seen[1] >= opts.heartbeat_interval / 2:
+                rate = (self.env_steps_total - self._steps_seen[0]) / (now - self._steps_seen[1])
+                self._near = self.env_steps_total + 2 * rate * opts.heartbeat_interval >= self.task.max_steps
+                self._steps_seen = (self.env_steps_total, now)
+        self.stop.wait(min(wait, BUDGET_BEAT_S) if self._near else wait)
 
     def _publish_loop(self) -> None:
         """Writes each version as soon as the main thread hands it over. Its own thread: a publication never
@@ -268,48 +273,7 @@ class TrainerRun:
             extra=learner,
         ).to_record()
 
-    def _heartbeat(self, stats: dict[str, Any]) -> None:
-        opts = self.options
-        board = self.board
-        bad = self.ingest.bad_report()
-        if bad is not None:  # reported once on the board: a board that is away gets it at the next heartbeat
-            board.log_event(bad[0], level="WARNING", source=opts.uid)
-            self.ingest.bad_reported(bad[1])
-        self.ingest.flush_dead_letters()
-        sent = time.monotonic()
-        hb = board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats,
-                             total_of="env_steps")
-        self._server_time = (hb.server_time, time.monotonic())
-        if hb.task_status is None:
-            self._task_lost(TASK_GONE, gone=True)
-            return
-        if hb.replaced:
-            self._task_lost(TASK_REPLACED)
-            return
-        if not hb.lease_held and not self._take_lease_back():
-            return
-        self.lease_guard.renewed(sent)
-        if hb.task_status != "ACTIVE":
-            self.task_ended = True
-            status = board.get_status()
-            reason = status.end_reason if status is not None else ""
-            self.stop.set(f"task {hb.task_status.value}: {reason or 'no reason given'}")
-            return
-        self.env_steps_total = int(hb.total or 0)
-        if self.live_slots is not None:
-            self.live_slots = [slot for name in board.held_leases(self.task.actor_num)
-                               if (slot := actor_slot(name)) is not None]
-
-    def _task_lost(self, reason: str, *, gone: bool = False) -> None:
-        """The task this run serves is no longer on the board: stop (a vanished task's final checkpoint is
-        still written; a replaced one's is not, for the new task of that name keeps its own there)."""
-        self.task_gone = self.task_gone or gone
-        self.task_replaced = self.task_replaced or not gone
-        if not self.stop.is_set():
-            logger.error("%s", reason)
-        self.stop.set(reason)
-
-    def _take_lease_back(self) -> bool:
+    def take_lease_back(self) -> bool:
         """The lease lapsed: take it back if no other trainer took over (else stop, fenced). The heartbeat
         and a publication may both find out: one at a time."""
         with self._taking_back:
@@ -321,10 +285,10 @@ class TrainerRun:
             return False
         answer = self.board.reclaim_trainer(opts.uid, self.epoch, int(opts.lease_ttl * 1000))
         if answer == "gone":
-            self._task_lost(TASK_GONE, gone=True)
+            self.liveness.task_left(TASK_GONE, gone=True)
             return False
         if answer == "replaced":
-            self._task_lost(TASK_REPLACED)
+            self.liveness.task_left(TASK_REPLACED)
             return False
         if answer == "taken":
             away = self.lease_guard.since_renewed()  # a cut link raises nothing: its commands just hang
@@ -350,7 +314,8 @@ class TrainerRun:
 
     def _flush_final(self) -> None:
         """Write what is still pending once the board thread stopped."""
-        if not self.publisher.pending() or self.fenced or self.task_replaced or self.task_gone:
+        live = self.liveness
+        if not self.publisher.pending() or self.fenced or live.task_replaced or live.task_gone:
             return
         before = self.publisher.published_version
         try:
@@ -454,7 +419,7 @@ class TrainerRun:
         if self.data_path.sync and 0 < on_board < first:
             logger.info("sync: the trainer before this one may have taken version %d's segments and died training on "
                         "them; its weights go out again as version %d, so that every actor acts again", on_board, first)
-        board_threads = [threading.Thread(target=self._board_loop, name="srl-trainer-board", daemon=True),
+        board_threads = [threading.Thread(target=self.liveness.run, name="srl-trainer-board", daemon=True),
                          threading.Thread(target=self._publish_loop, name="srl-trainer-publish", daemon=True)]
         self.lease_guard.start()  # renews while a heartbeat is late (a slow board); before the ingest asks it
         self.ingest.start()
@@ -484,9 +449,10 @@ class TrainerRun:
                         next_local = time.monotonic() + opts.checkpoint_interval
                     if board_every is not None and now >= next_on_board:
                         next_on_board = time.monotonic() + board_every
-            if self.task_ended and not (self.fenced or self.task_gone or self.task_replaced):
+            live = self.liveness
+            if live.task_ended and not (self.fenced or live.task_gone or live.task_replaced):
                 self._finish_ended_task(board_threads)
-            elif not self.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
+            elif not live.task_replaced:  # whatever ended the task, keep where it got to (not into the new one's)
                 self.checkpoints.keep(self.env_steps_total)
             # final params first, then END: a client that sees END finds them
             if end_reason and not self.stop.is_set() and self._publish_and_wait():
@@ -507,7 +473,7 @@ class TrainerRun:
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
                 logger.warning("could not report the end of trainer %s: %s", opts.uid, short(e))
-            if self.task_gone:
+            if self.liveness.task_gone:
                 remove_orphans(self.board)
         refused = self.ingest.refused_by or self.board_work.refused_by
         if refused is not None:
