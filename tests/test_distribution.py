@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -344,38 +343,25 @@ def test_redis_refusing_for_a_while_mid_run_the_run_continues(
 def test_a_new_trainer_gets_a_warmup_of_rows_from_a_rate_limited_actor() -> None:
     """A trainer that takes over starts with an empty replay memory at its checkpoint's train_count: an
     actor at its rate limit must be allowed a warmup's share again, or each waits for the other."""
-    from types import SimpleNamespace
-
     from srl.algorithms import dqn
-    from srl.runner.distribution.actor.run import ActorRun
+    from srl.runner.distribution.actor.pacing import Pacing
 
-    actor = object.__new__(ActorRun)  # the rate limit alone: no board, queue or env needed
-    config = dqn.Config(warmup_size=1000)
-    actor.data_path = config.data_path()
-    actor.task = SimpleNamespace(actor_num=2, rl_config=config)  # type: ignore[assignment]
-    actor._stepping = 2
-    actor.options = SimpleNamespace(batch_size=64)  # type: ignore[assignment]
-    actor.max_rows = 10_000
-    actor.env_steps = 0
-    actor.latest_train_count = 0
-    actor._trained_base = None
-    actor._steps_base = 0
-    actor._trainer_epoch = -1
-    actor._rebase_allowance = False
-    actor._head_lock = threading.Lock()
+    config = dqn.Config(warmup_size=1000)  # the rate limit alone: no board, queue or env needed
+    path = config.data_path()
+    actor = Pacing(path, actor_num=2, max_steps=None, batch_rows=64, first_rows_steps=path.first_rows_steps(1))
 
-    actor._note_head(1, 0)
-    assert actor._allowed_steps() == 500 + 64  # its share of the warmup, and one batch of slack
-    actor._note_head(1, 400)
-    actor.env_steps = 700  # at its limit: 500 + 400 / 2 + 64
-    assert actor._allowed_steps() == 764
-    actor._note_head(1, 450)  # the trainer got further, then died; its checkpoint says 300
-    actor._note_head(2, 300)
+    actor.note_head(1, 0)
+    assert actor.allowed_steps(0) == 500 + 64  # its share of the warmup, and one batch of slack
+    actor.note_head(1, 400)
+    env_steps = 700  # at its limit: 500 + 400 / 2 + 64
+    assert actor.allowed_steps(env_steps) == 764
+    actor.note_head(1, 450)  # the trainer got further, then died; its checkpoint says 300
+    actor.note_head(2, 300)
     assert actor.latest_train_count == 300
-    assert actor._allowed_steps() == 700 + 500 + 64  # a warmup's share again, from here
-    actor._note_head(2, 500)
-    assert actor._allowed_steps() == 700 + 500 + 200 / 2 + 64
-    actor._note_head(2, 400)  # an older head read late does not move the count back
+    assert actor.allowed_steps(env_steps) == 700 + 500 + 64  # a warmup's share again, from here
+    actor.note_head(2, 500)
+    assert actor.allowed_steps(env_steps) == 700 + 500 + 200 / 2 + 64
+    actor.note_head(2, 400)  # an older head read late does not move the count back
     assert actor.latest_train_count == 500
 
 

@@ -171,12 +171,10 @@ MODULE_LINES = 600
 CLASS_LINES = 350
 """the most lines a class in srl spans"""
 OVER_TODAY = {
-    "srl/runner/distribution/actor/run.py": 688,
-    "srl/runner/distribution/inference/run.py": 708,
-    "ActorRun": 574,
-    "InferenceRun": 503,
+    "srl/runner/distribution/inference/run.py": 696,
+    "InferenceRun": 493,
     "Ingest": 402,
-    "TrainerRun": 435,
+    "TrainerRun": 409,
 }
 """what is over the limits today, each at most its size now: one may shrink (and then leaves this list once it
 is within the limit), none may grow, and nothing joins it"""

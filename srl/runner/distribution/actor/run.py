@@ -9,7 +9,8 @@ ahead of; in sync mode, waiting for the next params version after each
 segment), and backpressure. Must never: drop experience silently. When the
 queue is full the actor waits (with backoff), keeps renewing its lease, and
 reports how long it stalled. It stops within one heartbeat when the task ends
-or its lease is lost.
+or its lease is lost. Its params are ``params.py``'s, its rate limit and step
+budget ``pacing.py``'s, its heartbeats ``node/liveness.py``'s loop.
 
 The loop::
 
@@ -35,8 +36,10 @@ from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
 from srl.runner.distribution.actor.inference_client import InferenceClient
+from srl.runner.distribution.actor.pacing import Pacing, WaitClock
+from srl.runner.distribution.actor.params import ActorParams
 from srl.runner.distribution.actor.params_cache import ParamsCache, default_directory, private_directory
-from srl.runner.distribution.board.board import Board, BoardDataError, Heartbeat, ParamsRecord
+from srl.runner.distribution.board.board import Board, Heartbeat
 from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness
 from srl.runner.distribution.node.retry import Throttle
 from srl.runner.distribution.node.serve import (
@@ -47,7 +50,6 @@ from srl.runner.distribution.node.serve import (
     require_remote,
     serve,
 )
-from srl.runner.distribution.node.staged import StagedParams
 from srl.runner.distribution.node.stats import ActorStats
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import check_queue, open_queue
@@ -57,20 +59,13 @@ from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.distribution.settings.task import TaskSpec, batch_rows, max_message_rows
 from srl.runner.distribution.wire.codec import (
     DEFAULT_MAX_BYTES,
-    DecodeError,
     params_message_bytes,
-    short,
     task_tag,
 )
 from srl.runner.distribution.wire.inference import InferenceLostError
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.actor")
-
-ONE_TRIP_PARAMS_BYTES = 1 << 20
-"""params up to this size are fetched with their version, in one round trip, by an actor waiting for the next
-version (sync's lockstep); larger ones go through the machine's params cache (fetched once per machine)"""
-
 
 TOTAL_ASKERS = 16
 """actors whose every heartbeat may ask the run's env-step total (more: each asks that share of the time)"""
@@ -97,6 +92,7 @@ class ActorRun:
                                       options.heartbeat_interval)
         self.stop = StopFlag()
         self.counters = CounterDeltas()
+        self.board_work = BoardWork("actor", self.stop)
         config = task.rl_config
         self.data_path = config.data_path()
         torch.set_num_threads(max(1, config.torch_threads))
@@ -105,14 +101,17 @@ class ActorRun:
         allow = allowed_env_modules(options.allow_env_modules)
         self.spec = env_spec(task.env_config, allow)
         config.check_spec(self.spec)
-        self.params_cache: ParamsCache | None = None
-        """the params this machine's actors share (None: each fetches its own)"""
+        self.pacing = Pacing(self.data_path, task.actor_num, task.max_steps, batch_rows(task, options.batch_size),
+                             self.data_path.first_rows_steps(config.envs_per_actor))
+        self.waits = WaitClock()
         self.sender = sender_name(options.uid)  # (sender, seq) names a batch for the trainer's dedupe
         self.task_tag = task_tag(board.task_id)
         self.rows: RowSender | None = None
         self.inference: InferenceClient | None = None
         """with central inference: the task's inference server acts; this actor steps envs, keeps no network"""
         self.parameter: Parameter | None = None
+        self.params: ActorParams | None = None
+        """a local actor's params (None: with central inference the server holds them)"""
         if task.inference == "central":
             self.codec = options.codec(board.task_name)
             ca = options.inference_ca_file or redis_params.ssl_ca_certs
@@ -125,19 +124,22 @@ class ActorRun:
             self.worker.plan(task.max_steps, task.max_train_count)
             schema = config.schema(self.spec)
             compress = options.compress if options.compress is not None else schema.has_images
-            self.max_params_bytes = params_message_bytes(self.parameter.to_arrays())
+            max_params_bytes = params_message_bytes(self.parameter.to_arrays())
             self.codec = options.codec(board.task_name, compress=compress,
-                                       max_bytes=max(self.max_params_bytes, DEFAULT_MAX_BYTES))
+                                       max_bytes=max(max_params_bytes, DEFAULT_MAX_BYTES))
+            cache = None
             if options.params_cache_dir != "":
                 directory = private_directory(Path(options.params_cache_dir) if options.params_cache_dir
                                               else default_directory())
                 if directory is not None:
-                    self.params_cache = ParamsCache(directory, f"{redis_params.describe()} {board.task_id}")
+                    cache = ParamsCache(directory, f"{redis_params.describe()} {board.task_id}")
+            self.params = ActorParams(board, self.codec, self.parameter, max_params_bytes, cache, self.stop,
+                                      self.board_work, self.counters, options, self.pacing.note_head, self.waits)
             queue = open_queue(queue_params, namespace=redis_params.task_name, role="producer",
                                redis_params=redis_params)
             self.rows = RowSender(queue, board, self.lease_name, self.codec, schema, max_message_rows(task),
                                   task.queue_capacity, self.sender, self.task_tag, self.stop, self.counters,
-                                  self._begin_wait, self._end_wait, ahead=options.send_ahead)
+                                  self.waits.begin, self.waits.end, ahead=options.send_ahead)
         try:
             self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed, config.vectorization,
                                    allow)
@@ -145,30 +147,14 @@ class ActorRun:
             if self.rows is not None:
                 self.rows.close()
             raise
-        self._staged = StagedParams()
-        self.params_epoch = -1
-        self.params_version = -1
-        self.latest_version = -1
-        self.latest_train_count = 0
-        self.board_work = BoardWork("actor", self.stop)
         self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
         # stats the heartbeat reports
         self.env_steps = 0
         self._steps_counted = 0  # of env_steps, those handed to the board's counters
-        self._budget_seen: tuple[float, int] | None = None
-        """with ``max_steps``: the run's env steps on the board at the last heartbeat (this actor's counted), and
-        this actor's ``env_steps`` then (:meth:`_budget_spent`)"""
-        self._stepping = self.task.actor_num
-        """the actors supposed to step, this one among them: every slot, or with elastic actors the slots held
-        at the last look (:meth:`_look_at_actors`); the rate limit shares the replay ratio's env steps among
-        them, and the budget supposes each took as many steps as this one"""
-        self._holders: tuple[str | None, ...] | None = None
-        """elastic actors: who held each slot at the last look (None: not looked yet)"""
         self._beat_now = threading.Event()  # wakes the heartbeat: the budget's last steps to count, or a stop
         self.stop.add_hook(self._beat_now.set)
         self.episodes = 0
-        self.params_fetched_bytes = 0
         self._last_rate = 0.0  # env steps/s at the last heartbeat
         # a heartbeat that asks the run's total costs Redis a look at every role's counters: with many actors
         # each asks every few heartbeats, and beats less often near the budget, so the board's work for it
@@ -181,21 +167,8 @@ class ActorRun:
         self.liveness = Liveness(board, self.lease_name, options.uid, options.lease_ttl, self.stop, self.lease_guard,
                                  self.board_work, self)
         self.throttled_s = 0.0
-        self.sync_wait_s = 0.0
-        self._awaiting_params = threading.Event()  # the main loop waits for a newer version
-        self._feed_after = b"0-0"  # the newest params feed entry seen (Board.await_params)
-        self._poll_now = threading.Event()  # wakes the board thread for a params check (or to stop)
-        self._loop_started: float | None = None  # when run() began acting
-        self._waited_s = 0.0  # every wait of the loop (backpressure, sync, rate limit, first params)
-        self._wait_started: float | None = None  # the wait going on now
-        self._trained_base: int | None = None  # the trainer's train_count when the allowance began
-        self._steps_base = 0  # this actor's env steps then
-        self._trainer_epoch = -1  # the epoch of the params head last seen (a new one: a new trainer)
-        self._head_lock = threading.Lock()
-        self._rebase_allowance = False  # set by the board thread when a new trainer took over
         self.recent_rewards: list[float] = []
 
-    # ------------------------------------------------------------ background: lease, stats, params
     # ------------------------------------------------------------ heartbeats (node.liveness.Liveness's hooks)
     def report(self) -> Beat:
         """Stats and counters; the run's total env steps asked every few beats (every beat near the budget)."""
@@ -212,24 +185,27 @@ class ActorRun:
     def heard(self, answer: Heartbeat) -> None:
         opts = self.options
         turn = self._beats - 1
+        pacing = self.pacing
         if answer.total is not None:
-            self._budget_seen = (answer.total, self._counted_at_beat)
+            pacing.budget_seen = (answer.total, self._counted_at_beat)
         # the budget ends within two heartbeats (the others' counts are up to one old, and the next comes a
         # heartbeat on): every actor counts its steps more often, so that what each supposes of the others
         # (their steps since their last count) is a short time's worth
-        self._near = self._near or self._budget_within(2 * self._last_rate * opts.heartbeat_interval,
-                                                       self.task.actor_num)
+        self._near = self._near or pacing.budget_within(self.env_steps, 2 * self._last_rate * opts.heartbeat_interval,
+                                                        self.task.actor_num)
         # elastic actors under a replay ratio look who is there every few beats: every beat while few are, so
         # that the board answers about TOTAL_ASKERS such looks a heartbeat however many come
-        cadence = math.ceil(max(1.0, self._stepping / TOTAL_ASKERS))
+        cadence = math.ceil(max(1.0, pacing.stepping / TOTAL_ASKERS))
         paced = self.data_path.env_steps_per_train is not None
         if self.task.elastic_actors and ((self._near and answer.total is not None) or (paced and turn % cadence == 0)):
-            self._look_at_actors()
+            # one MGET, spaced so that the board gets about TOTAL_ASKERS such looks a heartbeat fleet-wide
+            pacing.saw_actors(tuple(self.board.lease_holders([f"actor:{i}" for i in range(self.task.actor_num)])))
 
     def in_order(self, answer: Heartbeat) -> None:
-        self._note_head(answer.params_epoch, answer.train_count)
-        if answer.params_version > 0 and answer.params_version != self.latest_version:
-            self._poll_now.set()  # the params thread looks now
+        self.pacing.note_head(answer.params_epoch, answer.train_count)
+        params = self.params
+        if params is not None and answer.params_version > 0 and answer.params_version != params.latest_version:
+            params.poll_now.set()  # the params thread looks now
 
     def pause(self, answer: Literal["ok", "away"]) -> None:
         opts = self.options
@@ -239,41 +215,6 @@ class ActorRun:
         self._beat_now.wait(wait)
         self._beat_now.clear()
 
-    def _params_loop(self) -> None:
-        """Params: an actor waiting for the next version (lockstep, or its first) waits for it in Redis and
-        has it half a round trip after it is published; else the head is looked at every
-        ``params_poll_interval`` and newer params fetched. Its own thread: a heartbeat never waits behind
-        params (megabytes over a slow link), nor params behind a heartbeat."""
-        opts = self.options
-
-        waited = False  # the last look waited in Redis
-
-        def look() -> None:
-            nonlocal waited
-            waited = self._awaiting_params.is_set() and self.max_params_bytes <= ONE_TRIP_PARAMS_BYTES
-            if waited:
-                head = self._fetch_if_new(wait_s=min(opts.heartbeat_interval, 1.0))
-            else:
-                head = self.board.get_params_head()
-            if head is not None:
-                self._note_head(head[0], head[2])
-                if head[1] > 0 and head[1] != self.latest_version:
-                    self._fetch_params((head[0], head[1]))
-
-        failures = 0
-        while not self.stop.is_set():
-            answer = self.board_work.run(look, "params")
-            if answer == "stop":
-                break
-            failures = failures + 1 if answer == "away" else 0
-            if failures:  # a reset connection is replaced at once: look again soon, then back off
-                self._poll_now.wait(min(opts.heartbeat_interval, 1.0, 0.05 * 2 ** (failures - 1)))
-            elif not self._awaiting_params.is_set():
-                self._poll_now.wait(opts.params_poll_interval)
-            elif not (waited and self.board.awaits_in_redis):  # else the wait was in Redis
-                self._poll_now.wait(opts.params_wait_poll_interval)
-            self._poll_now.clear()
-
     def _count_steps(self) -> int:
         """Hand the env steps taken since the last count to the board's counters: each heartbeat brings all of
         them. Returns this actor's env steps counted so far."""
@@ -282,51 +223,16 @@ class ActorRun:
         self._steps_counted = steps
         return steps
 
-    def _look_at_actors(self) -> None:
-        """Elastic actors: who holds the task's slots now (one MGET). Their count is the actors supposed to
-        step. When they changed, this actor's rate limit starts over from where it stands, with its share of
-        a warmup among those there: the shares of the replay ratio were cut for as many actors as there
-        were, so a newcomer's share taken from what the others had been allowed, or what one that left was
-        allowed and did not send, would leave the trainer short of rows, and every actor waiting, for ever."""
-        holders = tuple(self.board.lease_holders([f"actor:{i}" for i in range(self.task.actor_num)]))
-        there = max(1, sum(holder is not None for holder in holders))
-        with self._head_lock:
-            changed = self._holders is not None and holders != self._holders
-            self._holders, self._stepping = holders, there
-            if changed and self.data_path.env_steps_per_train is not None:
-                self._rebase_allowance = True
-        if changed:
-            logger.info("%d actor(s) of up to %d there now: the rate limit starts over from here with a "
-                        "warmup's share among them", there, self.task.actor_num)
-
-    # ------------------------------------------------------------ the step budget
-    def _budget_spent(self) -> bool:
-        """Whether the task's ``max_steps`` is reached as far as this actor can tell: the run's total at the
-        last heartbeat, plus the steps this actor took since, as many times as actors step (the task's slots;
-        with elastic actors, the slots held), for the others' steps reach the board only with their
-        heartbeats. The trainer ends the task on the board's count; an actor that stepped on until it heard
-        would overshoot the budget by a heartbeat or two of every actor's steps."""
-        return self._budget_within(0.0)
-
-    def _budget_within(self, steps: float, actors: int | None = None) -> bool:
-        """Whether ``steps`` more of this actor (and as many of every other of ``actors``, by default those
-        supposed to step) would reach ``max_steps``."""
-        seen = self._budget_seen
-        max_steps = self.task.max_steps
-        if seen is None or max_steps is None:
-            return False
-        total, at = seen
-        return total + (self.env_steps - at + steps) * (actors or self._stepping) >= max_steps
-
+    # ------------------------------------------------------------ the step budget and the rate limit
     def _hold_for_budget(self) -> None:
         """The budget looks spent: send what is pending, count these steps on the board now, and wait until
         the task ends, or a heartbeat's count shows steps left (other actors took fewer than supposed)."""
         self._flush()
         self._beat_now.set()
-        self._begin_wait()
-        while not self.stop.is_set() and self._budget_spent():
+        self.waits.begin()
+        while not self.stop.is_set() and self.pacing.budget_spent(self.env_steps):
             self.stop.wait(0.01)
-        self._end_wait()
+        self.waits.end()
 
     def take_lease_back(self) -> bool:
         """The slot lease lapsed (an outage, a pause): take the same slot back if it is still free."""
@@ -350,7 +256,10 @@ class ActorRun:
         rows = self.rows
         stalled_since = None if rows is None else rows.stalled_since
         stalled_now = 0.0 if stalled_since is None else time.monotonic() - stalled_since
-        params_version = self.params_version if self.inference is None else self.inference.params_version
+        params = self.params
+        inference = self.inference
+        params_version = params.version if params is not None else inference.params_version if inference else -1
+        latest_version = params.latest_version if params is not None else -1
         recent = self.recent_rewards[-10:]
         return ActorStats(
             uid=self.options.uid,
@@ -360,162 +269,28 @@ class ActorRun:
             envs=self.rollout.num_envs,
             episodes=self.episodes,
             sent_batches=0 if rows is None else rows.sent_batches,
-            params_shared=0 if self.params_cache is None else self.params_cache.shared,
-            params_fetched_bytes=self.params_fetched_bytes,
+            params_shared=0 if params is None or params.cache is None else params.cache.shared,
+            params_fetched_bytes=0 if params is None else params.fetched_bytes,
             params_version=params_version,
-            params_lag=max(0, self.latest_version - params_version),
+            params_lag=max(0, latest_version - params_version),
             backpressure_wait_s=round((0.0 if rows is None else rows.backpressure_wait_s) + stalled_now, 3),
             stalled_now_s=round(stalled_now, 3),
             rate_limited_s=round(self.throttled_s, 3),
-            sync_wait_s=round(self.sync_wait_s, 3),
-            busy_s=round(self.busy_s(), 3),
+            sync_wait_s=round(0.0 if params is None else params.sync_wait_s, 3),
+            busy_s=round(self.waits.busy_s(), 3),
             reward=round(float(np.mean(recent)), 3) if recent else None,
             reward_min=round(float(np.min(recent)), 3) if recent else None,
             reward_max=round(float(np.max(recent)), 3) if recent else None,
             extra={k: round(v, 5) for k, v in self.worker.stats().items()},
         ).to_record()
 
-    def _note_head(self, epoch: int, train_count: int) -> None:
-        """Follow the trainer's train_count. A new epoch is a new trainer (the last one died): it goes on
-        from its checkpoint's train_count with an empty replay memory, so the rate limit starts over from
-        here, with a warmup's share, or it would wait for rows this actor waits to be allowed to send."""
-        with self._head_lock:  # the heartbeat and the params thread both follow it
-            self._follow_head(epoch, train_count)
-
-    def _follow_head(self, epoch: int, train_count: int) -> None:
-        if epoch > self._trainer_epoch >= 1:
-            logger.info("a new trainer (epoch %d) goes on from train_count %d: the rate limit starts over with "
-                        "a warmup's share", epoch, train_count)
-            self.latest_train_count = train_count
-            self._rebase_allowance = True
-        else:
-            self.latest_train_count = max(self.latest_train_count, train_count)
-        self._trainer_epoch = max(self._trainer_epoch, epoch)
-
-    def _fetch_if_new(self, wait_s: float) -> tuple[int, int, int] | None:
-        """The params head, with the params staged when their version is not the one held: one round trip,
-        for an actor that waits for the next version. The wait is in Redis, up to ``wait_s``, until a version
-        is published (``Board.await_params``). The machine's params cache is skipped: small params only,
-        where a round trip costs more than the bytes."""
-        try:
-            self._feed_after, head, record = self.board.await_params(
-                self._feed_after, self.latest_version, math.ceil(wait_s * 1000), self.max_params_bytes)
-            if record is not None:
-                self.params_fetched_bytes += len(record.blob)
-                self._stage(record, self.codec.decode_params(record.blob, epoch=record.epoch,
-                                                             version=record.version)[1])
-        except (DecodeError, BoardDataError) as e:
-            self._unusable(e)
-            return None
-        return head
-
-    def _fetch_params(self, head: tuple[int, int]) -> None:
-        """Fetch and decode the latest params (at least ``head``'s (epoch, version); from the machine's
-        params cache when another actor here fetched them); the main loop applies them when the worker may
-        load them."""
-        try:
-            def fetch() -> ParamsRecord | None:
-                fetched = self.board.get_params(self.max_params_bytes)
-                self.params_fetched_bytes += 0 if fetched is None else len(fetched.blob)
-                return fetched
-
-            cache = self.params_cache
-            record = fetch() if cache is None else cache.get(head, fetch)
-            if record is None:
-                return
-            try:
-                _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
-            except DecodeError:
-                if cache is None or not cache.discard(record):
-                    raise
-                # a record this machine kept that does not decode: the board's own blob, once
-                logger.warning("the params this machine shares for version %d do not decode; fetching them from "
-                               "the board", record.version)
-                record = fetch()
-                if record is None:
-                    return
-                _, arrays = self.codec.decode_params(record.blob, epoch=record.epoch, version=record.version)
-        except (DecodeError, BoardDataError) as e:
-            self._unusable(e)
-            return
-        self._stage(record, arrays)
-
-    def _stage(self, record: ParamsRecord, arrays: dict[str, np.ndarray]) -> None:
-        """Hand decoded params to the main loop (it applies them when the worker may load them)."""
-        self._staged.put(record.epoch, record.version, arrays)
-        self.latest_version = record.version
-        self._note_head(record.epoch, record.train_count)
-
-    def _unusable(self, error: Exception) -> None:
-        """The params on the board do not decode or are out of bounds: counted, and not fetched again."""
-        logger.error("params on the board cannot be used (%s); keeping version %d", short(error), self.params_version)
-        self.counters.add(bad_messages=1)
-        latest = self.board.get_params_version()
-        self.latest_version = latest[1] if latest is not None else self.latest_version  # not this blob again
-
-    def _begin_wait(self) -> None:
-        self._wait_started = time.monotonic()
-
-    def _end_wait(self) -> float:
-        started, self._wait_started = self._wait_started, None
-        waited = 0.0 if started is None else time.monotonic() - started
-        self._waited_s += waited
-        return waited
-
-    def busy_s(self) -> float:
-        """Seconds the loop has spent not waiting: stepping, acting, sending, loading params."""
-        if self._loop_started is None:
-            return 0.0
-        now = time.monotonic()
-        ongoing = self._wait_started
-        return max(0.0, now - self._loop_started - self._waited_s - (0.0 if ongoing is None else now - ongoing))
-
-    def _apply_staged_params(self) -> None:
-        assert self.parameter is not None  # only a local actor fetches params
-        loaded = self._staged.load(self.parameter)
-        if loaded is not None:
-            self.params_epoch, self.params_version = loaded
-
-    def _wait_for_params(self, newer_than: int, why: str) -> None:
-        """Block (heartbeat going on) until params newer than ``newer_than`` are loaded, or the run stops."""
-        waited = 0.0
-        self._awaiting_params.set()
-        self._poll_now.set()  # look now, then at the waiting cadence
-        while not self.stop.is_set() and self.params_version <= newer_than:
-            if self._staged.pending:
-                self._apply_staged_params()  # work, not waiting
-                continue
-            self._begin_wait()
-            self._staged.fresh.wait(0.05)
-            self._staged.fresh.clear()
-            waited += self._end_wait()
-        self._awaiting_params.clear()
-        if why == "sync":
-            self.sync_wait_s += waited
-
-    # ------------------------------------------------------------ rate limit
-    def _allowed_steps(self) -> float:
-        """Env steps this actor may have taken by now: its share of the warmup plus the replay ratio's
-        env steps per train step the trainer made since this actor started (or the trainer, or the elastic
-        actors there, changed), plus one batch of slack (so the warmup's last transitions are not stuck in
-        an unsent batch) and the steps its envs take before their rows come (R2D2's overlapping sequences).
-        The share is among the actors supposed to step: every slot, or with elastic actors those held (one
-        actor of a maximum of sixteen fills the warmup alone)."""
-        trained = max(0, self.latest_train_count)
-        if self._trained_base is None or self._rebase_allowance:
-            self._rebase_allowance = False
-            self._trained_base, self._steps_base = trained, self.env_steps
-        share = self.data_path.env_steps_allowed(trained - self._trained_base) / self._stepping
-        return (self._steps_base + share + self._batch_rows()
-                + self.data_path.first_rows_steps(self.task.rl_config.envs_per_actor))
-
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
         self._flush()
-        self._begin_wait()
-        while not self.stop.is_set() and self.env_steps >= self._allowed_steps():
+        self.waits.begin()
+        while not self.stop.is_set() and self.env_steps >= self.pacing.allowed_steps(self.env_steps):
             self.stop.wait(0.01)
-        self.throttled_s += self._end_wait()
+        self.throttled_s += self.waits.end()
 
     def _batch_rows(self) -> int:
         return batch_rows(self.task, self.options.batch_size)
@@ -530,9 +305,9 @@ class ActorRun:
         return int(columns["version"].max()) if "version" in columns and len(columns["version"]) else None
 
     def _send(self, columns: Columns) -> None:
-        assert self.rows is not None  # a central actor's worker finishes no rows
-        self.rows.send(columns, self.worker.initial_priorities(columns), self.slot, self.params_epoch,
-                       self.params_version)
+        assert self.rows is not None and self.params is not None  # a central actor's worker finishes no rows
+        self.rows.send(columns, self.worker.initial_priorities(columns), self.slot, self.params.epoch,
+                       self.params.version)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> str:
@@ -540,8 +315,9 @@ class ActorRun:
         opts = self.options
         path = self.data_path
         threads = [threading.Thread(target=self.liveness.run, name="srl-actor-board", daemon=True)]
-        if self.inference is None:  # with central inference the server holds the params
-            threads.append(threading.Thread(target=self._params_loop, name="srl-actor-params", daemon=True))
+        params = self.params
+        if params is not None:  # with central inference the server holds the params
+            threads.append(threading.Thread(target=params.run, name="srl-actor-params", daemon=True))
         self.lease_guard.start()  # renews while a heartbeat is late (a slow board)
         for thread in threads:
             thread.start()
@@ -549,18 +325,18 @@ class ActorRun:
         logger.info("actor %s holds slot %d of %d (%d env(s)%s); env %s", opts.uid, self.slot, self.task.actor_num,
                     self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
         batch_started = time.monotonic()
-        self._loop_started = time.monotonic()
+        self.waits.started = time.monotonic()
         try:
-            if self.inference is None:
-                self._wait_for_params(0, "first")  # act with the trainer's weights from the first step
+            if params is not None:
+                params.wait_for(0, "first")  # act with the trainer's weights from the first step
             while not self.stop.is_set():
-                if self._staged.pending and self.worker.may_load_params():
-                    self._apply_staged_params()
-                if self._budget_spent():
+                if params is not None and params.staged.pending and self.worker.may_load_params():
+                    params.apply()
+                if self.pacing.budget_spent(self.env_steps):
                     self._hold_for_budget()
                     batch_started = time.monotonic()
                     continue
-                if path.env_steps_per_train is not None and self.env_steps >= self._allowed_steps():
+                if path.env_steps_per_train is not None and self.env_steps >= self.pacing.allowed_steps(self.env_steps):
                     self._throttle()
                     batch_started = time.monotonic()
                     continue
@@ -587,11 +363,12 @@ class ActorRun:
                 if pending >= self._batch_rows() or aged:
                     sent_version = self._flush()
                     batch_started = time.monotonic()
-                    if path.sync and sent_version is not None:  # lockstep: the next segment waits for new params
-                        self._wait_for_params(sent_version, "sync")
+                    if path.sync and sent_version is not None and params is not None:  # lockstep: new params next
+                        params.wait_for(sent_version, "sync")
         finally:
             self.stop.set("actor stopping")
-            self._poll_now.set()
+            if params is not None:
+                params.poll_now.set()
             for thread in threads:
                 thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
             self.lease_guard.stop()
@@ -603,8 +380,8 @@ class ActorRun:
                 self.rows.close()
             if self.inference is not None:
                 self.inference.close()
-            if self.params_cache is not None:
-                self.params_cache.clear()
+            if params is not None and params.cache is not None:
+                params.cache.clear()
             if self.liveness.task_gone:
                 remove_orphans(self.board)
         self.board_work.raise_failure()
