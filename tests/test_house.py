@@ -171,8 +171,6 @@ MODULE_LINES = 600
 CLASS_LINES = 350
 """the most lines a class in srl spans"""
 OVER_TODAY = {
-    "srl/runner/distribution/inference/run.py": 696,
-    "InferenceRun": 493,
     "Ingest": 402,
     "TrainerRun": 409,
 }
