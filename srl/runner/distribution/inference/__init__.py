@@ -1,4 +1,4 @@
-"""The central inference role: the gRPC server and its sessions.
+"""The central inference role: the gRPC server (``streams``), its sessions (``session``), the batcher and the run.
 
 Owns ``inference_run_forever``; must never act with weights from two versions in one batch.
 """
