@@ -72,27 +72,11 @@ class BoardAccounts:
 
     def get_role_counters(self) -> dict[str, dict[str, float]]:
         """Running totals per role id (records that are not JSON objects of numbers are skipped)."""
-        out: dict[str, dict[str, float]] = {}
-        for role, value in self.client.hgetall(self._counters_key).items():
-            counters = _json_object(value, MAX_STATS_BYTES)
-            if counters is None:
-                continue
-            totals = {str(k)[:64]: v for k, raw in counters.items() if (v := finite(raw)) is not None}
-            name = _str(role)[:128]
-            if name == "trainer" and "refused_batches" not in totals and totals.get("bad_messages"):
-                # written by a trainer that counted the batches it refused only as bad messages (nothing else
-                # it counts is a bad message): they are its refused batches
-                totals["refused_batches"] = totals["bad_messages"]
-            out[name] = totals
-        return out
+        return _role_counters(self.client.hgetall(self._counters_key))
 
     def get_counters(self) -> dict[str, float]:
         """Running totals summed over every role."""
-        totals: dict[str, float] = {}
-        for counters in self.get_role_counters().values():
-            for name, value in counters.items():
-                totals[name] = totals.get(name, 0.0) + value
-        return totals
+        return _counter_totals(self.get_role_counters())
 
     def note_received(self, owner_uid: str, deltas: Mapping[str, int | float],
                       ledger: list[tuple[str, int]], token: str = "") -> Literal["noted", "not held", "not ours"]:
@@ -137,21 +121,58 @@ class BoardAccounts:
     def get_all_stats(self, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Latest stats per live role id (expired ones are absent; older than ``max_age_s`` too;
         malformed or oversized records are skipped)."""
-        roles = sorted(r for r in (_str(x) for x in self.client.smembers(self._roles_key)) if _ROLE_ID.fullmatch(r))
+        roles = _stats_roles(self.client.smembers(self._roles_key))
         if not roles:
             return {}
-        now = time.time()
-        found: dict[str, dict[str, Any]] = {}
-        for role, raw in zip(roles, self.client.mget([self.prefix + "stats:" + r for r in roles]), strict=True):
-            stats = _json_object(raw, MAX_STATS_BYTES)
-            if stats is None:
-                continue
-            updated = finite(stats.get("updated_at", 0.0))
-            if updated is None:
-                continue
-            if max_age_s is None or now - updated <= max_age_s:
-                found[role] = stats
-        return found
+        return _live_stats(roles, self.client.mget([self.prefix + "stats:" + r for r in roles]), max_age_s)
+
+
+def _role_counters(raw: Mapping[Any, Any]) -> dict[str, dict[str, float]]:
+    """The ``counters`` hash as read (HGETALL) as totals per role id; a malformed record is skipped."""
+    out: dict[str, dict[str, float]] = {}
+    for role, value in raw.items():
+        counters = _json_object(value, MAX_STATS_BYTES)
+        if counters is None:
+            continue
+        totals = {str(k)[:64]: v for k, raw_value in counters.items() if (v := finite(raw_value)) is not None}
+        name = _str(role)[:128]
+        if name == "trainer" and "refused_batches" not in totals and totals.get("bad_messages"):
+            # written by a trainer that counted the batches it refused only as bad messages (nothing else
+            # it counts is a bad message): they are its refused batches
+            totals["refused_batches"] = totals["bad_messages"]
+        out[name] = totals
+    return out
+
+
+def _counter_totals(role_counters: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Totals per role summed over every role."""
+    totals: dict[str, float] = {}
+    for counters in role_counters.values():
+        for name, value in counters.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def _stats_roles(members: Any) -> list[str]:
+    """The ``roles`` set as read (SMEMBERS): the well-formed role ids, sorted (the order their stats are read in)."""
+    return sorted(r for r in (_str(x) for x in members) if _ROLE_ID.fullmatch(r))
+
+
+def _live_stats(roles: list[str], raws: list[Any], max_age_s: float | None) -> dict[str, dict[str, Any]]:
+    """Each role's stats as read (``raws[i]``: the value of ``stats:<roles[i]>``), those alive and younger than
+    ``max_age_s``; a malformed or oversized record is skipped."""
+    now = time.time()
+    found: dict[str, dict[str, Any]] = {}
+    for role, raw in zip(roles, raws, strict=True):
+        stats = _json_object(raw, MAX_STATS_BYTES)
+        if stats is None:
+            continue
+        updated = finite(stats.get("updated_at", 0.0))
+        if updated is None:
+            continue
+        if max_age_s is None or now - updated <= max_age_s:
+            found[role] = stats
+    return found
 
 
 def _stats_json(stats: Mapping[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import redis
 
@@ -153,14 +154,19 @@ class BoardJournal:
         raw = self.client.hgetall(self._refusals_key)
         if not raw:
             return []
-        now = self.server_time()
-        found = []
-        for uid, value in raw.items():
-            item = _json_object(value, 4 * EVENT_TEXT_LIMIT)
-            ts = finite(item.get("ts")) if item is not None else None
-            if item is None or ts is None:
-                continue
-            if max_age_s is None or now - ts <= max_age_s:
-                found.append(Refusal(_str(uid)[:128], str(item.get("role", ""))[:16],
-                                     str(item.get("reason", ""))[:EVENT_TEXT_LIMIT], ts))
-        return sorted(found, key=lambda r: r.ts)
+        return _refusals(raw, self.server_time(), max_age_s)
+
+
+def _refusals(raw: Mapping[Any, Any], now: float, max_age_s: float | None) -> list[Refusal]:
+    """The ``refusals`` hash as read (HGETALL): those noted within ``max_age_s`` of ``now`` (the server's clock),
+    oldest first; a malformed entry is skipped."""
+    found = []
+    for uid, value in raw.items():
+        item = _json_object(value, 4 * EVENT_TEXT_LIMIT)
+        ts = finite(item.get("ts")) if item is not None else None
+        if item is None or ts is None:
+            continue
+        if max_age_s is None or now - ts <= max_age_s:
+            found.append(Refusal(_str(uid)[:128], str(item.get("role", ""))[:16],
+                                 str(item.get("reason", ""))[:EVENT_TEXT_LIMIT], ts))
+    return sorted(found, key=lambda r: r.ts)

@@ -42,6 +42,8 @@ from srl.runner.distribution.board.scripts import (
 SMALL_TASK_SLOTS = 64
 """up to this many slots an actor takes the lowest free one; beyond, the first free one from a random start"""
 
+_INFERENCE_FIELDS = ("uid", "address", "tls")
+"""the fields of ``inference``, in the order :func:`_inference_address` reads them"""
 _ADDRESS = re.compile(r"[A-Za-z0-9._\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
 
 
@@ -104,7 +106,7 @@ class BoardLeases:
         """The holder of each lease in ``names`` (None: free), in one MGET."""
         if not names:
             return []
-        return [_text(holder, 256) for holder in self.client.mget([self.lease_key(n) for n in names])]
+        return [_holder(holder) for holder in self.client.mget([self.lease_key(n) for n in names])]
 
     def release_leases_of(self, owner_uid: str, actor_num: int) -> list[str]:
         """Release every lease of the task ``owner_uid`` holds, and return their names: for a node stopped
@@ -131,14 +133,9 @@ class BoardLeases:
         address it wrote (None while no server holds it or it has not written one)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.get(self.lease_key("inference"))
-        pipe.hmget(self._inference_key, "uid", "address", "tls")
-        holder, (uid, address, tls) = pipe.execute()
-        holder_text, uid_text, address_text = _text(holder, 256), _text(uid, 256), _text(address, 300)
-        if holder_text is None or holder_text != uid_text or not address_text:
-            return None
-        if not _ADDRESS.fullmatch(address_text):
-            raise BoardDataError(f"the inference address on the board is not host:port: {address_text[:80]!r}")
-        return InferenceAddress(holder_text, address_text, _text(tls, 4) == "1")
+        pipe.hmget(self._inference_key, *_INFERENCE_FIELDS)
+        holder, fields = pipe.execute()
+        return _inference_address(holder, fields)
 
     def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int, prefer: int | None = None) -> int | None:
         """An actor slot now leased to ``owner_uid``: ``prefer`` if it holds it or it is free (an actor taking
@@ -211,6 +208,23 @@ class BoardLeases:
             # any finite total (the script sums finite entries only): a forged entry must not fail every heartbeat
             total=None if not total else _float(total, total_of, -sys.float_info.max, sys.float_info.max),
         )
+
+
+def _holder(raw: bytes | str | None) -> str | None:
+    """A lease's value as read: its holder's uid (None: free)."""
+    return _text(raw, 256)
+
+
+def _inference_address(holder: bytes | str | None, fields: list[Any]) -> InferenceAddress | None:
+    """Where central inference is served, from the ``inference`` lease and the :data:`_INFERENCE_FIELDS` of
+    ``inference`` as read: None unless the holder wrote an address. BoardDataError: it is not host:port."""
+    uid, address, tls = fields
+    holder_text, uid_text, address_text = _holder(holder), _text(uid, 256), _text(address, 300)
+    if holder_text is None or holder_text != uid_text or not address_text:
+        return None
+    if not _ADDRESS.fullmatch(address_text):
+        raise BoardDataError(f"the inference address on the board is not host:port: {address_text[:80]!r}")
+    return InferenceAddress(holder_text, address_text, _text(tls, 4) == "1")
 
 
 def _ttl(ttl_ms: int) -> int:

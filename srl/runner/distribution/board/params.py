@@ -20,6 +20,9 @@ from srl.runner.distribution.board.scripts import _GET_PARAMS_LUA, _PUBLISH_PARA
 
 logger = logging.getLogger("srl.board")
 
+_HEAD_FIELDS = ("params_epoch", "params_version", "train_count")
+"""the fields of ``task`` that hold the params head"""
+
 
 class BoardParams:
     """The params' part of :class:`Board`: publish, read and await them; keep the trainer's checkpoint."""
@@ -60,12 +63,7 @@ class BoardParams:
 
     def get_params_head(self) -> tuple[int, int, int] | None:
         """``(epoch, version, train_count)`` of the latest params (one HMGET); None before the first publish."""
-        epoch, version, train_count = self.client.hmget(self._task_key, "params_epoch", "params_version",
-                                                        "train_count")
-        if epoch is None or version is None:
-            return None
-        head = _int(epoch, "params_epoch"), _int(version, "params_version"), _int(train_count or 0, "train_count")
-        return None if head[0] == 0 else head
+        return _params_head(self.client.hmget(self._task_key, *_HEAD_FIELDS))
 
     def get_params(self, max_bytes: int | None = None, master: bool = False) -> ParamsRecord | None:
         """The latest params (one round trip); None before the first publish. ``max_bytes``: a larger blob is a
@@ -166,3 +164,13 @@ class BoardParams:
     def clear_checkpoint(self) -> None:
         """Drop the checkpoint on the board (a client kept it): a replay memory need not stay in Redis."""
         self.client.delete(self._checkpoint_key)
+
+
+def _params_head(fields: list[Any]) -> tuple[int, int, int] | None:
+    """The params head from the ``task`` fields :data:`_HEAD_FIELDS` as read (HMGET); None before the first
+    publish. BoardDataError: a field is not an integer."""
+    epoch, version, train_count = fields
+    if epoch is None or version is None:
+        return None
+    head = _int(epoch, "params_epoch"), _int(version, "params_version"), _int(train_count or 0, "train_count")
+    return None if head[0] == 0 else head

@@ -40,6 +40,8 @@ from srl.runner.distribution.board.scripts import _CREATE_TASK_LUA, _END_TASK_LU
 
 MAX_CONFIG_BYTES = 1 << 20
 """largest task config JSON read from the board"""
+_RECORD_FIELDS = ("config", "format", "config_sig", "task_id")
+"""the fields of ``task`` a node builds the task from, in the order :meth:`BoardTasks._task_record` reads them"""
 
 _STATUS_FIELDS = (
     "status", "end_reason", "created_at", "started_at", "ended_at", "actor_num", "max_train_count",
@@ -200,8 +202,12 @@ class BoardTasks:
     def get_task_record(self) -> TaskRecord:
         """The task's config JSON, its signature and the task's id, as stored (one round trip); the caller
         verifies and parses."""
-        raw_config, raw_format, raw_sig, raw_id = self.client.hmget(self._task_key, "config", "format", "config_sig",
-                                                                     "task_id")
+        return self._task_record(self.client.hmget(self._task_key, *_RECORD_FIELDS))
+
+    def _task_record(self, fields: list[Any]) -> TaskRecord:
+        """The task's record from the ``task`` fields :data:`_RECORD_FIELDS` as read (HMGET). TaskNotFoundError:
+        there is no task; BoardFormatError: another board format's; BoardDataError: its config is damaged."""
+        raw_config, raw_format, raw_sig, raw_id = fields
         if raw_config is None:
             raise TaskNotFoundError(
                 f"no task {self.task_name!r} on this Redis; submit it first (Runner.train_distribution)"
@@ -219,6 +225,10 @@ class BoardTasks:
     def get_task_config(self) -> dict[str, Any]:
         """The task's config (JSON object), unverified: for display. Nodes verify the signature first."""
         config_json, _ = self.get_task_config_raw()
+        return self._task_config(config_json)
+
+    def _task_config(self, config_json: str) -> dict[str, Any]:
+        """The task's config JSON text (of its record) as a JSON object; BoardDataError: it is not one."""
         config = _json_object(config_json, MAX_CONFIG_BYTES)
         if config is None:
             raise BoardDataError(f"task {self.task_name!r} config is not a JSON object")
