@@ -5,8 +5,9 @@ Owns: binding the board's parts to one task — its name, and the ``task_id`` a 
 Each part owns its keys and the methods that read and write them, in a module of its own: ``tasks`` (the task
 record, config, status, resume), ``leases`` (``lease:*``, the epoch, the inference address, the heartbeat),
 ``params`` (params, their feed, the checkpoint), ``accounts`` (counters, ledgers, stats, roles) and
-``journal`` (events, dead letters, history, refusals); ``keys`` names every key, ``scripts`` holds the Lua,
-``records`` the errors and what is read back. ``Board`` inherits the parts (one level, nothing deeper):
+``journal`` (events, dead letters, history, refusals); ``view`` owns no key: it reads those of every part in
+one round trip (:meth:`Board.view`, what a progress line shows); ``keys`` names every key, ``scripts`` holds
+the Lua, ``records`` the errors and what is read back. ``Board`` inherits the parts (one level, nothing deeper):
 a part is read and changed beside its keys, while callers keep one object and its method names. What
 was importable from this module still is (``__all__``).
 
@@ -26,7 +27,8 @@ Times that decide something (a task's start for its timeout, a heartbeat's
 
 Cost (the system-wide budget is about 0.05 Redis commands per transition):
 an actor's heartbeat — lease renewal, stats, counters and the read of task
-status and params head it needs — is ONE ``EVALSHA``.
+status and params head it needs — is ONE ``EVALSHA``; what a progress line
+reads of the board is ONE pipeline (:meth:`Board.view`), however many actors.
 
 A task is its name and the ``task_id`` its client's ``create_task`` drew. A
 node's board is bound to the id of the task it serves (:meth:`Board.bound`):
@@ -93,6 +95,7 @@ from srl.runner.distribution.board.records import (
 )
 from srl.runner.distribution.board.scripts import _DELETE_ORPHANS_LUA
 from srl.runner.distribution.board.tasks import MAX_CONFIG_BYTES, BoardTasks
+from srl.runner.distribution.board.view import BoardViews, TaskView
 
 __all__ = [
     "BOARD_AWAY",
@@ -124,6 +127,7 @@ __all__ = [
     "TaskRecord",
     "TaskState",
     "TaskStatus",
+    "TaskView",
     "actor_slot",
     "count_token",
     "list_tasks",
@@ -131,7 +135,7 @@ __all__ = [
 ]
 
 
-class Board(BoardTasks, BoardLeases, BoardParams, BoardAccounts, BoardJournal):
+class Board(BoardTasks, BoardLeases, BoardParams, BoardAccounts, BoardJournal, BoardViews):
     """The blackboard of task ``task_name`` on ``client`` (a redis-py client with bytes responses).
 
     One instance per process and task; it is as thread-safe as the client. ``task_id`` binds it to
