@@ -189,11 +189,15 @@ class Dashboard:
 
     def _detail(self, board: Board, status: TaskStatus) -> dict[str, Any]:
         now = time.time()
-        reports = Reports.read(board)
-        counters = board.get_counters()
+        shown_slots = range(min(status.actor_num, SHOWN_ACTORS))
+        # stats, counters, config and every lease shown in one round trip: a read per slot cost a round trip
+        # each, 64 per refresh of the page
+        view = board.view(status.actor_num, lease_slots=len(shown_slots))
+        reports = Reports.of(view.stats)
+        counters = view.counters
         detail: dict[str, Any] = {"name": board.task_name, **_status_fields(status), "error": None, "now": now}
-        try:  # one read of the task config (unverified: for display); a damaged one is named, and reads as {}
-            config, config_error = board.get_task_config(), None
+        try:  # the task config (unverified: for display); a damaged one is named, and reads as {}
+            config, config_error = view.config, None
         except BoardError as e:
             config, config_error = {}, e
         detail.update(self._config_fields(config, config_error))
@@ -201,9 +205,7 @@ class Dashboard:
         detail["elapsed_s"] = round(max(0.0, (status.ended_at or now) - start), 1) if start else None
 
         trainer = reports.trainer
-        shown_slots = range(min(status.actor_num, SHOWN_ACTORS))
-        # every lease shown in one MGET: a read per slot cost a round trip each, 64 per refresh of the page
-        holders = board.lease_holders(["trainer", "inference", *(f"actor:{slot}" for slot in shown_slots)])
+        holders = [view.holders[name] for name in ("trainer", "inference", *(f"actor:{slot}" for slot in shown_slots))]
         detail["trainer"] = {
             "holder": _scalar(holders[0]), "heartbeat_age_s": _heartbeat_age(trainer, now),
             "stats": _clean_stats(trainer),

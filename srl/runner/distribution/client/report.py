@@ -1,11 +1,11 @@
 """What the client (and ``srl status``) says of a task: progress lines, the summary, how to start a node.
 
 Owns: :class:`BoardSnapshot` and :class:`Serving`, what a line needs from the board, read before any line
-is formatted; the lines themselves as pure functions of them (``progress_text``, ``summary_text``,
-``batch_accounts``); the readers that take a snapshot and format it (``progress_lines``, ``summary_lines``);
-:class:`NodeHints`; how long a task has run by the board's clock. Must never: read the board while
-formatting a line: every read is in a snapshot's ``read``, a constant number of round trips whatever
-the number of actors.
+is formatted (both from one ``Board.view``: ``read_task``); the lines themselves as pure functions of them
+(``progress_text``, ``summary_text``, ``batch_accounts``); the readers that take a snapshot and format it
+(``progress_lines``, ``summary_lines``); :class:`NodeHints`; how long a task has run by the board's clock.
+Must never: read the board while formatting a line: every read is in ``read_task`` or a snapshot's
+``read``, one round trip whatever the number of actors.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from srl.runner.distribution.board.board import Board, InferenceAddress, Refusal, TaskStatus
+from srl.runner.distribution.board.board import Board, InferenceAddress, Refusal, TaskStatus, TaskView
 from srl.runner.distribution.node.stats import ActorStats, InferenceStats, NodeStats, Reports, TrainerStats
 from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.sending.in_flight import batches_in_flight, batches_refused
@@ -40,8 +40,14 @@ class BoardSnapshot:
     """``(epoch, version, train_count)`` of the latest params; None before the first publish"""
 
     @classmethod
-    def read(cls, board: Board) -> BoardSnapshot:
-        return cls(Reports.read(board), board.get_counters(), board.get_params_head())
+    def read(cls, board: Board, actor_num: int = 0) -> BoardSnapshot:
+        """Read in one round trip (``actor_num``: the task's actor slots, whose stats are read in it; any
+        other role's cost one more)."""
+        return cls.of(board.view(actor_num, lease_slots=0))
+
+    @classmethod
+    def of(cls, view: TaskView) -> BoardSnapshot:
+        return cls(Reports.of(view.stats), view.counters, view.params_head)
 
     @property
     def train_count(self) -> int:
@@ -72,20 +78,32 @@ class Serving:
     """this machine's clock when read: how long a node has been missing is counted to it"""
 
     @classmethod
-    def read(cls, board: Board, ended: bool) -> Serving:
-        config = board.get_task_config()
+    def of(cls, view: TaskView, ended: bool, board: Board) -> Serving:
+        """From ``view``, read with the refusals of the last ``REFUSAL_SHOWN_S``; ``board`` reads the leases of
+        the slots the task's config counts beyond those of its record, when they differ (they do not for a
+        task the client submitted)."""
+        config = view.config
         actor_num = int(config.get("actor_num", 1))
         central = config.get("inference") == "central"
         refusals: dict[str, list[Refusal]] = {"trainer": [], "actor": [], "inference": []}
         if not ended:
-            for refusal in board.get_refusals(max_age_s=REFUSAL_SHOWN_S):
+            for refusal in view.refusals:
                 refusals.setdefault(refusal.role, []).append(refusal)
-        # every lease in one MGET: a read per slot would cost a round trip each (1,000 slots at 20 ms: 20 s a
+        # every lease in one read: a read per slot would cost a round trip each (1,000 slots at 20 ms: 20 s a
         # line, during which the client would see neither the task's end nor its own timeout)
-        holders = board.lease_holders(["trainer", "inference", *(f"actor:{i}" for i in range(actor_num))])
+        names = ["trainer", "inference", *(f"actor:{i}" for i in range(actor_num))]
+        unread = [name for name in names if name not in view.holders]
+        read = {**view.holders, **dict(zip(unread, board.lease_holders(unread), strict=True))}
+        holders = [read[name] for name in names]
         return cls(actor_num=actor_num, central=central, elastic=config.get("elastic_actors") is True,
                    trainer=holders[0], inference=holders[1], actors=holders[2:], refusals=refusals,
-                   inference_address=board.get_inference_address() if central else None, read_at=time.time())
+                   inference_address=view.inference_address if central else None, read_at=time.time())
+
+
+def read_task(board: Board, status: TaskStatus) -> tuple[BoardSnapshot, Serving]:
+    """What a progress line says of the task ``status`` is of, read from ``board`` in one round trip."""
+    view = board.view(status.actor_num, refusal_age_s=REFUSAL_SHOWN_S)
+    return BoardSnapshot.of(view), Serving.of(view, status.status.finished, board)
 
 
 def progress_lines(
@@ -98,8 +116,7 @@ def progress_lines(
     hints: NodeHints | None = None,
 ) -> list[str]:
     """The client's (and ``srl status``') view of a task, read from ``board``: see :func:`progress_text`."""
-    snapshot = BoardSnapshot.read(board)
-    serving = Serving.read(board, ended=status.status.finished)
+    snapshot, serving = read_task(board, status)
     return progress_text(snapshot, serving, status, elapsed, max_train_count, max_steps, timeout, hints)
 
 
@@ -232,7 +249,7 @@ def _inference_line(holder: str | None, address: InferenceAddress | None, stats:
 
 def summary_lines(board: Board, status: TaskStatus, elapsed: float, queued: int | None = None) -> list[str]:
     """The end of a run, read from ``board``: see :func:`summary_text`."""
-    return summary_text(BoardSnapshot.read(board), status, elapsed, queued)
+    return summary_text(BoardSnapshot.read(board, status.actor_num), status, elapsed, queued)
 
 
 def summary_text(snapshot: BoardSnapshot, status: TaskStatus, elapsed: float, queued: int | None = None) -> list[str]:

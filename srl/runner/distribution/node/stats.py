@@ -219,7 +219,11 @@ class Reports:
 
     @classmethod
     def read(cls, board: Board) -> Reports:
-        raw = board.get_all_stats()
+        return cls.of(board.get_all_stats())
+
+    @classmethod
+    def of(cls, raw: dict[str, dict[str, Any]]) -> Reports:
+        """From each role's stats record, by role id (``Board.get_all_stats()``, ``TaskView.stats``)."""
         actors = {slot: ActorStats.from_record(record) for role, record in sorted(raw.items())
                   if (slot := actor_slot(role)) is not None}
         return cls(
