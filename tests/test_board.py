@@ -590,6 +590,57 @@ def test_malformed_records_are_board_data_errors_not_crashes(task: Board, client
     assert [e.text for e in task.get_events()][-1:] == ["ok"]
 
 
+def test_a_view_reads_what_each_getter_reads(task: Board, client: redis.Redis) -> None:
+    """``Board.view`` reads at once what the getters read one by one, parsed as they parse it: a forged entry
+    skipped alike, a role outside the task's slots read too, and a value that cannot be read (a damaged
+    config, inference address or params head) held as its error, raised only when it is asked for."""
+    p = task.prefix
+    status = task.get_status()
+    assert status is not None
+    node = task.bound(status.task_id)
+    epoch = node.claim_trainer("t", 10_000)
+    assert epoch is not None and node.publish_params("t", epoch, 2, b"v2", 20)
+    assert node.heartbeat("trainer", "t", 10_000, "trainer", {"train_count": 20}, {"received_batches": 4})
+    assert node.claim_lease("actor:1", "a1", 10_000)
+    assert node.heartbeat("actor:1", "a1", 10_000, "actor:1", {"envs": 2}, {"env_steps": 3})
+    assert node.claim_lease("inference", "i", 10_000) and node.set_inference_address("i", "127.0.0.1:5000", True)
+    node.put_stats("evaluator", {"eval_mean": 1.5})
+    node.note_refusal("n", "actor", "no GPU")
+    client.hset(p + "counters", "intruder", '{"env_steps": 1e400, "x": 2}')
+    client.set(p + "stats:intruder", json.dumps({"updated_at": time.time(), "loss": 1}))
+    client.set(p + "stats:evil", "[1, 2")
+    client.sadd(p + "roles", "intruder", "evil", "bad role name!")
+    client.hset(p + "refusals", "forged", "{")
+
+    view = task.view(status.actor_num)
+    names = ["trainer", "inference", "actor:0", "actor:1", "actor:2"]
+    assert view.stats == task.get_all_stats() and set(view.stats) == {"trainer", "actor:1", "evaluator", "intruder"}
+    assert view.counters == task.get_counters() == {"received_batches": 4, "env_steps": 3, "x": 2}
+    assert view.params_head == task.get_params_head() == (epoch, 2, 20)
+    assert view.config == task.get_task_config() == json.loads(CONFIG)
+    assert view.refusals == task.get_refusals() and [r.uid for r in view.refusals] == ["n"]
+    assert view.holders == dict(zip(names, task.lease_holders(names), strict=True))
+    assert view.holders == {"trainer": "t", "inference": "i", "actor:0": None, "actor:1": "a1", "actor:2": None}
+    assert view.inference_address == task.get_inference_address() and view.inference_address is not None
+    assert task.view(status.actor_num, refusal_age_s=-1.0).refusals == task.get_refusals(max_age_s=-1.0) == []
+    assert set(task.view(status.actor_num, lease_slots=1).holders) == {"trainer", "inference", "actor:0"}
+
+    client.hset(p + "task", "config", "[1, 2]")
+    client.hset(p + "inference", "address", "no port")
+    client.hset(p + "task", "params_version", "abc")
+    damaged = task.view(status.actor_num)
+    assert damaged.counters == view.counters and damaged.stats.keys() == view.stats.keys()
+    with pytest.raises(BoardDataError, match="config is not a JSON object"):
+        _ = damaged.config
+    with pytest.raises(BoardDataError, match="not host:port"):
+        _ = damaged.inference_address
+    with pytest.raises(BoardDataError, match="params_version"):
+        _ = damaged.params_head
+    client.delete(p + "task")
+    with pytest.raises(TaskNotFoundError):
+        _ = task.view(status.actor_num).config
+
+
 HUGE = "1" + "0" * 400
 """a JSON integer of 401 digits: Python reads it, and math.isfinite (a float) raises OverflowError on it"""
 HOSTILE_NUMBERS = [HUGE, "-" + HUGE, "1e400", "NaN", "-Infinity"]
@@ -840,6 +891,16 @@ def test_the_batch_accounts_count_refused_batches_not_every_bad_message(board: B
     board.client.hset(board.prefix + "counters", "trainer", json.dumps({"received_batches": 6, "bad_messages": 1}))
     assert board.get_counters()["refused_batches"] == 1  # a board written before refused batches were apart
     assert summary_lines(board, status, elapsed=10.0, queued=3)[1] == accounts
+
+
+def test_a_progress_line_shows_every_slot_its_config_counts(board: Board) -> None:
+    """A task whose config counts more actor slots than its record (created with another ``actor_num``) is
+    shown with the config's slots, as before the view: their leases are read too."""
+    status = board.create_task({"algorithm": "dqn", "actor_num": 3}, actor_num=1)
+    assert status.actor_num == 1
+    assert board.claim_lease("actor:2", "a2", 10_000)
+    lines = progress_lines(board, status, 1.0)
+    assert [line.split(":")[0] for line in lines[2:]] == ["  actor 0", "  actor 1", "  actor 2 a2"], lines
 
 
 def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:

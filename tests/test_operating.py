@@ -601,6 +601,59 @@ def test_a_progress_line_reads_every_slots_lease_at_once(tmp_path: Path) -> None
     assert many == few, f"a progress line took {few} commands for 8 actor slots and {many} for 400"
 
 
+def test_a_progress_line_is_one_round_trip_whatever_the_number_of_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything a progress line reads of the board (stats, counters, params head, config, refusals, every
+    lease, where central inference listens) is one pipeline: one request to Redis, and the same commands, for
+    8 actor slots as for 400. Requests are counted as the client sends them; commands on a Redis of the test's
+    own, which nothing else talks to."""
+    from srl.runner.distribution.board.board import Board
+
+    sent = [0]
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: redis.connection.AbstractConnection, command: object, check_health: bool = True) -> None:
+        sent[0] += 1
+        send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    config = {**srl.Runner("Pendulum-v1", tiny_config()).task_config(), "inference": "central"}
+    with running(PrivateRedis()) as server:
+        client = redis.Redis.from_url(server.url)
+
+        def cost_of_a_line(actor_num: int) -> tuple[int, int]:
+            board = Board(client, f"trips{actor_num}")
+            board = board.bound(board.create_task({**config, "actor_num": actor_num}).task_id)
+            board.set_active()
+            assert board.claim_lease("trainer", "trainer-x", 60_000)
+            assert board.heartbeat("trainer", "trainer-x", 60_000, "trainer", {"train_count": 7},
+                                   {"received_batches": 2})
+            assert board.claim_lease("inference", "inference-x", 60_000)
+            assert board.set_inference_address("inference-x", "127.0.0.1:5000", tls=False)
+            assert board.heartbeat("inference", "inference-x", 60_000, "inference", {"sessions": 1})
+            for slot in range(0, actor_num, 2):  # half the slots held and reporting, half missing
+                assert board.claim_lease(f"actor:{slot}", f"actor-{slot}", 60_000)
+                assert board.heartbeat(f"actor:{slot}", f"actor-{slot}", 60_000, f"actor:{slot}", {"envs": 1},
+                                       {"sent_batches": 1})
+            board.note_refusal("actor-y", "actor", "its env does not build")
+            status = board.get_status()
+            assert status is not None
+            commands, requests = int(client.info("stats")["total_commands_processed"]), sent[0]
+            lines = progress_lines(board, status, 1.0)
+            requests = sent[0] - requests
+            commands = int(client.info("stats")["total_commands_processed"]) - commands
+            assert len(lines) == 3 + actor_num, lines
+            assert lines[1].startswith("  trainer trainer-x") and "train 7 " in lines[0], lines[:2]
+            assert lines[2].startswith("  inference inference-x at 127.0.0.1:5000: 1 actor(s) connected"), lines[2]
+            assert lines[3].startswith("  actor 0 actor-0: ") and "1 env(s)" in lines[3], lines[3]
+            assert "actor 1: MISSING" in lines[4] and "actor-y refuses the task: its env does not build" in lines[4]
+            return requests, commands
+
+        few, many = cost_of_a_line(8), cost_of_a_line(400)
+        client.close()
+    assert few[0] == many[0] == 1, f"a progress line sent {few[0]} requests for 8 actor slots, {many[0]} for 400"
+    assert few[1] == many[1], f"a progress line took {few[1]} commands for 8 actor slots and {many[1]} for 400"
+
+
 # --------------------------------------------------------------------------- counts that add up
 @pytest.mark.slow
 @pytest.mark.parametrize("queue", [None, RABBITMQ_URL, "mqtt://127.0.0.1:1883"], ids=["redis", "amqp", "mqtt"])
