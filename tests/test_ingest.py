@@ -24,7 +24,8 @@ from srl.runner.distribution.queues import ExperienceQueue, Message, open_queue
 from srl.runner.distribution.sending.in_flight import InFlight
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.distribution.settings.task import build_task
-from srl.runner.distribution.trainer.ingest import SeenBatches, StoppedWhileWaiting
+from srl.runner.distribution.trainer.counter import StoppedWhileWaiting
+from srl.runner.distribution.trainer.ingest import SeenBatches
 from srl.runner.distribution.trainer.run import TrainerOptions, TrainerRun
 from srl.runner.distribution.trainer.versions import PolicyLag, VersionGate
 from srl.runner.distribution.wire.codec import BatchHeader

@@ -4,9 +4,11 @@ Owns: :class:`Ingest`, the path every batch takes in a trainer: read what the bu
 open each message (frame, signature, size bounds, the task it belongs to), dedupe by ``(actor, seq)``
 (:class:`SeenBatches`), make the rows of the good ones as one block per layout, check them against the
 algorithm's schema, apply the version policy (:class:`~srl.runner.distribution.trainer.versions.VersionGate`),
-insert them, count the read on the board with a ledger of the last reads, then ack it. Must never: ack a
-read before its rows are in the buffer and its count is on the board, let one message stop it
-(whatever a message does, it is counted, noted with its source, acked and skipped), or count a batch twice.
+insert them, count the read on the board with a ledger of the last reads, then ack it (its
+:class:`~srl.runner.distribution.trainer.counter.ReadCounter`); a refused message is noted by its
+:class:`~srl.runner.distribution.trainer.refused.RefusedMessages`. Must never: ack a read before its rows
+are in the buffer and its count is on the board, let one message stop it (whatever a message does, it is
+counted, noted with its source, acked and skipped), or count a batch twice.
 
 At least once, counted once: a batch that a killed trainer counted but had not acked (its ledger on the
 board names it) comes again to the trainer that takes over, which adds its rows (the killed one's buffer went
@@ -37,21 +39,22 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from srl.base.rl import Buffer, Columns
 from srl.base.schema import Schema
-from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError, DeadLetter, count_token
-from srl.runner.distribution.node.retry import BoardUnreachableError, Throttle, with_retry
+from srl.runner.distribution.board.board import BOARD_AWAY, Board
+from srl.runner.distribution.node.retry import Throttle
 from srl.runner.distribution.node.serve import InTransit
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import ExperienceQueue, Message, QueueError
 from srl.runner.distribution.settings.credentials import CredentialsError
 from srl.runner.distribution.settings.options import TrainerOptions
+from srl.runner.distribution.trainer.counter import Key, LeaseLapsed, ReadCounter, StoppedWhileWaiting
+from srl.runner.distribution.trainer.refused import RefusedMessages
 from srl.runner.distribution.trainer.versions import VersionGate
 from srl.runner.distribution.wire.codec import BatchFrame, Codec, DecodeError, join_frames, short
 
@@ -66,11 +69,6 @@ _WAIT_OUT: tuple[type[BaseException], ...] = (*BOARD_AWAY, QueueError)
 
 MAX_INITIAL_PRIORITY = 1e6
 """initial priorities from actors are clipped here (one huge value would starve every other row)"""
-LEDGER_READS = 3
-"""reads whose batches a trainer names in its ledger: the one it counts, and the two before, whose acks
-may still be on their way to the broker (Redis sends an ack with the next read; AMQP does not wait)"""
-Key = tuple[str, int]
-"""a batch's name: its sender and seq"""
 
 
 class SeenBatches:
@@ -157,16 +155,10 @@ class ReadWindow:
             self.capacity = rows
 
 
-class StoppedWhileWaiting(Exception):
-    """The run stopped while a read's rows waited for room in the buffer: the read is not acked."""
-
-
-class LeaseLapsed(Exception):
-    """The trainer's lease lapsed while its reads waited to be counted: they go back to the queue unacked."""
-
-
 class Ingest:
-    """One trainer run's ingest: its own thread (``start``), counters and refused-message notes."""
+    """One trainer run's ingest: its own thread (``start``), its counters; its reads' counts and acks are
+    ``counter``'s (:class:`~srl.runner.distribution.trainer.counter.ReadCounter`), the messages it refuses
+    ``refused``'s (:class:`~srl.runner.distribution.trainer.refused.RefusedMessages`)."""
 
     def __init__(
         self,
@@ -205,27 +197,14 @@ class Ingest:
         self.seen = SeenBatches()
         self.data_arrived = threading.Event()
         """set after each read: the main thread, waiting for rows to train on, looks again"""
-        # the (actor, seq) of the batches of the last reads, counted on the board before their acks: a
-        # trainer that takes over after this one dies takes their redeliveries without counting them again
-        self._ledger: deque[list[Key]] = deque(maxlen=LEDGER_READS)
-        self._counted_before: set[Key] = set()
-        """batches the trainers before this run counted and may not have acked (their ledgers): one that comes
-        again is taken (counted as redelivered), once"""
-        # a read's count is written in this thread while the ingest reads the next one; acked once written
-        self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srl-trainer-count")
-        self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue]] = deque()
+        self.counter = ReadCounter(options.uid, stop, lease_lapsed)
+        self.refused = RefusedMessages(options.heartbeat_interval)
         self.received_batches = 0
         self.received_transitions = 0
-        self.bad_messages = 0
         self.duplicates = 0
         self.redelivered_batches = 0
         self.other_task_batches = 0
         self.stale_rows = 0
-        self.last_bad = ""
-        self._bad_reported = 0
-        self._dead_letters: deque[DeadLetter] = deque(maxlen=100)
-        self._letters_lock = threading.Lock()
-        self._bad_log = Throttle(options.heartbeat_interval)
         self._queue_log = Throttle()
         self.fatal: str | None = None
         self.refused_by: CredentialsError | None = None  # the queue refused this trainer's login
@@ -239,33 +218,20 @@ class Ingest:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def bad_report(self) -> tuple[str, int] | None:
-        """A line for the board's event log on the messages refused since the last report (one event per
-        heartbeat, not one per message), and the count to pass to ``bad_reported`` once the line is on the
-        board; None when none were refused."""
-        if self.bad_messages <= self._bad_reported:
-            return None
-        text = f"{self.bad_messages - self._bad_reported} bad message(s) skipped; last from {self.last_bad}"
-        return text, self.bad_messages
+    @property
+    def bad_messages(self) -> int:
+        """messages refused (``refused.count``)"""
+        return self.refused.count
 
-    def bad_reported(self, count: int) -> None:
-        self._bad_reported = max(self._bad_reported, count)
+    @property
+    def last_bad(self) -> str:
+        """the last refused message's source and reason"""
+        return self.refused.last
 
     def recall_counted_batches(self) -> None:
-        """Batches that trainers before this one counted, and may not have acked before they died, come
-        again: their rows are taken (they went with the dead trainer's buffer), but they are counted as
-        redelivered, not as received twice."""
-        try:
-            ledgers = with_retry(self.board.get_ledgers, "reading the trainers' ledgers")
-        except BoardError as e:
-            logger.warning("the trainers' ledgers cannot be read (%s): batches a dead trainer counted may be "
-                           "counted again", short(e))
-            return
-        for taken in ledgers.values():  # this process's own earlier run too: this run starts a new SeenBatches
-            self._counted_before.update(taken)
-        if self._counted_before:
-            logger.info("%d batch(es) an earlier trainer counted are taken without being counted again if they "
-                        "come again", len(self._counted_before))
+        """Batches the trainers before this one counted come again without being counted again
+        (:meth:`ReadCounter.recall <srl.runner.distribution.trainer.counter.ReadCounter.recall>`)."""
+        self.counter.recall(self.board)
 
     def ingest_once(self, queue: ExperienceQueue) -> int:
         """One step of the ingest path: read what the buffer has room for, decode, validate and insert; the
@@ -289,62 +255,29 @@ class Ingest:
                 return 0
         # with a read still to ack, only look: a dry queue gets it acked before the long wait
         started = time.monotonic()
-        messages = queue.get_expecting(count, 0.0 if self._counting else 0.2, self.expected())
+        messages = queue.get_expecting(count, 0.0 if self.counter.in_flight else 0.2, self.expected())
         if messages and self.window is not None:
             self.window.link.timed(time.monotonic() - started)
         if not messages:
             self.settle_count()
             return 0
         counts, taken = self._ingest(messages)
-        self._counting.append((self._counter.submit(self._count, counts, taken), messages, queue))
+        self.counter.submit(lambda: self._count(counts, taken), messages, queue)
         self.data_arrived.set()
         self.settle_count(keep=1)  # the read before: counted while this one was read, acked now
         return len(messages)
 
     def settle_count(self, keep: int = 0) -> None:
-        """Wait for the counts of the reads in flight (all but the newest ``keep``) to be on the board, and
-        ack each read once its count is (after every message is in the buffer, or refused, and counted).
-        Raises StoppedWhileWaiting, and acks nothing more, when the run stopped before a count was
-        written: that read is delivered again; LeaseLapsed when the lease lapsed while a count waited."""
-        while len(self._counting) > keep:
-            future, messages, queue = self._counting[0]
-            while True:
-                try:
-                    future.result(timeout=0.25)
-                    break
-                except TimeoutError:
-                    if self.lease_lapsed():
-                        raise LeaseLapsed(f"the lease lapsed with {len(self._counting)} read(s) not yet "
-                                          "counted") from None
-            self._counting.popleft()
-            queue.ack_many(messages)
+        """Ack the reads in flight (all but the newest ``keep``) once their counts are on the board
+        (:meth:`ReadCounter.settle <srl.runner.distribution.trainer.counter.ReadCounter.settle>`)."""
+        self.counter.settle(keep)
 
     def _count(self, counts: dict[str, float], taken: list[Key]) -> None:
-        """Count a read on the board before it is acked (one round trip), with the ledger of the last reads.
-        Killed between the two, this trainer leaves the read counted and named: the next trainer takes its
-        redelivery without counting it again. Counted after the ack, a killed trainer would lose the read from the
-        counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
-        from these counts, so they see room as soon as it is made."""
+        """Count a read on the board (in the count thread), the notes of the messages it refused first."""
         if counts.get("bad_messages"):  # their notes are on the board by the time the count says they came
             with contextlib.suppress(*BOARD_AWAY):  # else the next heartbeat writes them
-                self.flush_dead_letters()
-        self._ledger.append(taken)
-        ledger = [key for read in self._ledger for key in read]
-        uid = self.options.uid
-        token = count_token()  # the same on every try: a try whose reply was lost counted the read already
-        while True:
-            try:
-                answer = with_retry(lambda: self.board.note_received(uid, counts, ledger, token),
-                                    "counting received batches", should_stop=self.stop.is_set)
-            except BoardUnreachableError:  # stopping while the board is away
-                answer = "not held"
-            if answer == "noted":
-                return
-            if self.stop.is_set():  # the read stays unacked: delivered again, to whoever holds the lease
-                raise StoppedWhileWaiting(f"the run stopped before its read of {len(taken)} batches was counted")
-            # the lease lapsed (an outage) or the task is another one: the board thread takes the lease back
-            # or stops the run
-            self.stop.wait(0.05)
+                self.refused.flush(self.board)
+        self.counter.count(self.board, counts, taken)
 
     def run(self) -> None:
         """The thread: read, ingest, count, ack until the run stops; a queue away is waited out."""
@@ -365,7 +298,7 @@ class Ingest:
                                        "holds the lease, and reads again once it holds the lease", e)
                         _close_quietly(queue)
                         queue = None
-                    self._counting.clear()  # their counts still go on: they land only if the lease is still ours
+                    self.counter.forget()  # their counts still go on: they land only if the lease is still ours
                     while self.lease_lapsed() and not self.stop.is_set():
                         self.stop.wait(0.1)
                 except CredentialsError as e:  # the queue (or the board) refused it: this node stops, the task stays
@@ -379,10 +312,7 @@ class Ingest:
                     if queue is not None:
                         _close_quietly(queue)  # unacked messages come again (counted: as this run's duplicates)
                         queue = None
-                    for future, _, _ in self._counting:  # counted or not, their messages come again
-                        with contextlib.suppress(Exception):
-                            future.result()
-                    self._counting.clear()
+                    self.counter.forget(wait=True)  # counted or not, their messages come again
                     self.stop.wait(delay)
                     delay = min(delay * 2, 2.0)
         except Exception as e:  # a bug, not a message: stop the trainer instead of training on nothing
@@ -394,8 +324,7 @@ class Ingest:
                 with contextlib.suppress(Exception):  # what was counted is acked; else it comes again
                     self.settle_count()
                 _close_quietly(queue)
-            self._counting.clear()
-            self._counter.shutdown(wait=True)
+            self.counter.close()
 
     def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[Key]]:
         """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
@@ -430,7 +359,7 @@ class Ingest:
                 opened.append((message, frame))
             except Exception as e:  # whatever one message causes stays that message's problem
                 bad += 1
-                self._note_bad(message, e)
+                self.refused.note(message, e)
         blocks, unfit = self._valid_blocks(opened)
         bad += unfit
         received = rows = stale = redelivered = 0
@@ -443,14 +372,14 @@ class Ingest:
             except Exception as e:  # not a message's fault (they passed every check): count them all bad
                 bad += len(block)
                 for message, _ in block:
-                    self._note_bad(message, e)
+                    self.refused.note(message, e)
                 continue
             again = self._counted_again(block[0][1])  # a block is all of one kind (_valid_blocks)
             for _, frame in block:
                 key = (frame.header.actor_id, frame.header.seq)
                 self.seen.mark(*key)
                 if again:  # the trainer that counted it has it in its ledger, not in a buffer
-                    self._counted_before.discard(key)
+                    self.counter.counted_before.discard(key)
                 else:
                     taken.append(key)
             if again:
@@ -461,7 +390,7 @@ class Ingest:
             stale += refused
         self.received_batches += received
         self.received_transitions += rows
-        self.bad_messages += bad
+        self.refused.count += bad
         self.duplicates += dups
         self.stale_rows += stale
         self.redelivered_batches += redelivered
@@ -474,7 +403,8 @@ class Ingest:
 
     def _counted_again(self, frame: BatchFrame) -> bool:
         """Whether a trainer before this run counted this batch (its redelivery is not counted again)."""
-        return bool(self._counted_before) and (frame.header.actor_id, frame.header.seq) in self._counted_before
+        before = self.counter.counted_before
+        return bool(before) and (frame.header.actor_id, frame.header.seq) in before
 
     def _valid_blocks(self, opened: list[Opened]) -> tuple[list[Block], int]:
         """The opened batches that fit the algorithm's schema as blocks of rows (one per layout: the
@@ -498,7 +428,7 @@ class Ingest:
                         frame.arrays(self.schema)
                     except DecodeError as e:
                         unfit += 1
-                        self._note_bad(message, e)
+                        self.refused.note(message, e)
                         continue
                     fitting.append((message, frame))
                 if not fitting:
@@ -544,29 +474,6 @@ class Ingest:
         self.buffer.add(columns, priorities)
         if self.window is not None:
             self.window.added(n)
-
-    def flush_dead_letters(self) -> None:
-        """Put the notes of refused messages taken since the last flush on the board (kept on failure); the
-        count thread and the board thread both do, one at a time."""
-        with self._letters_lock:
-            letters = [self._dead_letters.popleft() for _ in range(len(self._dead_letters))]
-            if letters:
-                try:
-                    self.board.add_dead_letters(letters)
-                except BaseException:
-                    self._dead_letters.extendleft(reversed(letters))
-                    raise
-
-    def _note_bad(self, message: Message, error: BaseException) -> None:
-        source = short(getattr(message, "source", "?"), 200)
-        reason = short(error if isinstance(error, DecodeError) else f"{type(error).__name__}: {error}")
-        self.last_bad = f"{source}: {reason}"
-        size = len(message.data) if isinstance(message.data, (bytes, bytearray)) else 0
-        self._dead_letters.append(DeadLetter(time.time(), source, reason, size))
-        if self._bad_log.ready():
-            more = self._bad_log.take_suppressed()
-            logger.warning("skipped a bad message from %s: %s%s", source, reason,
-                           f" (and {more} more since the last line)" if more else "")
 
 
 def _close_quietly(queue: ExperienceQueue) -> None:

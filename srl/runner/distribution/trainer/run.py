@@ -203,11 +203,7 @@ class TrainerRun:
             self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
             self._beat_counts = (train_count, received, now)
         stats = self._stats(*self._last_rates)
-        bad = self.ingest.bad_report()
-        if bad is not None:  # reported once on the board: a board that is away gets it at the next heartbeat
-            self.board.log_event(bad[0], level="WARNING", source=opts.uid)
-            self.ingest.bad_reported(bad[1])
-        self.ingest.flush_dead_letters()
+        self.ingest.refused.report(self.board, opts.uid)
         return Beat(stats, total_of="env_steps")
 
     def heard(self, answer: Heartbeat) -> None:
