@@ -171,7 +171,6 @@ MODULE_LINES = 600
 CLASS_LINES = 350
 """the most lines a class in srl spans"""
 OVER_TODAY = {
-    "TrainerRun": 409,
 }
 """what is over the limits today, each at most its size now: one may shrink (and then leaves this list once it
 is within the limit), none may grow, and nothing joins it"""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,8 @@ class TrainerCheckpoints:
         self.rows_base = 0
         """rows the run started with in its buffer (a checkpoint's replay memory)"""
         self._memory_log = Throttle(3600.0)
+        self._next_local = math.inf  # when the next checkpoint is due under checkpoint_dir (``schedule``)
+        self._next_on_board = math.inf  # and on the board
 
     def _at_version(self, version: int, train_count: int) -> None:
         """The run goes on from ``version`` (on the board already) at ``train_count``."""
@@ -165,6 +168,26 @@ class TrainerCheckpoints:
                     self.learner.train_count, checkpoint["env_steps"],
                     "" if state is not None else " (weights only: the optimizer starts fresh)")
         return True
+
+    def schedule(self) -> None:
+        """Training starts: the first checkpoints are due an interval from now (``keep_when_due``)."""
+        if self.options.checkpoint_dir:
+            self._next_local = time.monotonic() + self.options.checkpoint_interval
+        if self.task.checkpoint_interval is not None:
+            self._next_on_board = time.monotonic() + max(1.0, self.task.checkpoint_interval)
+
+    def keep_when_due(self, env_steps: int) -> None:
+        """Keep the checkpoints that are due (under ``checkpoint_dir`` every ``checkpoint_interval`` seconds,
+        on the board every task's ``checkpoint_interval``, at least 1 s), and set when the next ones are."""
+        now = time.monotonic()
+        local, on_board = now >= self._next_local, now >= self._next_on_board
+        if not (local or on_board):
+            return
+        self.keep(env_steps, local=local, on_board=on_board)
+        if local:
+            self._next_local = time.monotonic() + self.options.checkpoint_interval
+        if on_board:
+            self._next_on_board = time.monotonic() + max(1.0, self.task.checkpoint_interval or 0.0)
 
     def keep(self, env_steps: int, *, local: bool = True, on_board: bool = True) -> Path | None:
         """Keep a checkpoint: under ``checkpoint_dir/<task>/`` when a directory is set (``local``), and on the

@@ -3,12 +3,12 @@
 Owns: the trainer process — taking the lease (which increments the epoch that fences every params
 write) and wiring one run's parts (:class:`TrainerRun`): the ingest thread (``ingest.py``), the version
 gate (``versions.py``), publication (``publisher.py``), what the run starts from and leaves
-(``checkpoints.py``); its own are the board thread (heartbeat, the task's state, the lease taken back
-after an outage), the publish thread (each version written as soon as it is handed over) and the main
-thread's loop, which ends the task at its limits with the final params
-written first. It follows the algorithm's ``DataPath`` and never branches on the algorithm. Must never:
-ack a batch before it is in the buffer, let one message stop it, or give up on a board that is away for a
-while.
+(``checkpoints.py``), what its heartbeats report (``stats.py``), its buffer's memory bound (``sizing.py``);
+its own are the board thread (heartbeat, the task's state, the lease taken back after an outage), the
+publish thread (each version written as soon as it is handed over) and the main thread's loop, which ends
+the task at its limits with the final params written first. It follows the algorithm's ``DataPath`` and
+never branches on the algorithm. Must never: ack a batch before it is in the buffer, let one message stop
+it, or give up on a board that is away for a while.
 
 The loop::
 
@@ -38,8 +38,6 @@ between (the epoch moved) fences it off, and the log names that trainer.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from typing import Any, Literal
@@ -53,29 +51,21 @@ from srl.runner.distribution.board.board import Board, Heartbeat, actor_slot
 from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness, lease_kept
 from srl.runner.distribution.node.retry import with_retry
 from srl.runner.distribution.node.serve import BUDGET_BEAT_S, apply_overrides, remove_orphans, require_remote, serve
-from srl.runner.distribution.node.stats import TrainerStats
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import ExperienceQueue, check_queue, open_queue
 from srl.runner.distribution.settings.options import TrainerOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, TaskSpec, max_message_rows
 from srl.runner.distribution.trainer.checkpoints import TrainerCheckpoints
-from srl.runner.distribution.trainer.ingest import Ingest, ReadWindow
+from srl.runner.distribution.trainer.ingest import Ingest
 from srl.runner.distribution.trainer.publisher import Publisher
+from srl.runner.distribution.trainer.sizing import check_memory_fits, memory_limit, read_window
+from srl.runner.distribution.trainer.stats import RunStats
 from srl.runner.distribution.trainer.versions import VersionGate
 from srl.runner.distribution.wire.codec import batch_message_bytes, params_message_bytes, short, task_tag
 from srl.runner.progress import ensure_logging
 
 logger = logging.getLogger("srl.trainer")
-
-
-
-def machine_memory_bytes() -> int:
-    """Physical memory of this machine (0 when it cannot be told)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class TrainerRun:
@@ -88,6 +78,7 @@ class TrainerRun:
     - ``publisher`` (:class:`~srl.runner.distribution.trainer.publisher.Publisher`): weights → board, fenced;
     - ``checkpoints`` (:class:`~srl.runner.distribution.trainer.checkpoints.TrainerCheckpoints`): what it starts
       from, what it leaves;
+    - ``stats`` (:class:`~srl.runner.distribution.trainer.stats.RunStats`): what its heartbeats report;
     - this class: the board thread (heartbeat = lease renewal and stats, the task's state, the lease taken
       back after an outage) and the main thread's loop (``run``: train, publish, checkpoint, end).
     """
@@ -123,7 +114,8 @@ class TrainerRun:
         self.codec = options.codec(board.task_name, max_bytes=max(batch_message_bytes(self.schema, max_rows),
                                                                   params_bytes))
         self.buffer: Buffer = config.make_buffer(self.spec, task.actor_num)
-        self._check_memory_fits(self.buffer.nbytes)  # the arrays are reserved, not yet touched
+        limit = memory_limit(options)
+        check_memory_fits(self.buffer, self.schema, limit)  # the arrays are reserved, not yet touched
         self.learner = config.make_learner(self.spec, self.parameter, self.buffer, task.actor_num)
         self.gate = VersionGate(self.data_path)
         self.publisher = Publisher(board, self.codec, options.uid, epoch, self.parameter, config.algorithm, self.gate,
@@ -131,53 +123,27 @@ class TrainerRun:
                                    self.learner.takeover_state)
         self.ingest = Ingest(board, self.codec, self.schema, self.buffer, self.gate, self.stop, options, max_rows,
                              task_tag(board.task_id), self.open_consumer, self._messages_expected,
-                             self._read_window(max_rows), self.lease_guard.lapsed)
+                             read_window(self.buffer, self.data_path.sync, limit, max_rows), self.lease_guard.lapsed)
         self.checkpoints = TrainerCheckpoints(board, self.codec, task, options, epoch, self.parameter, self.learner,
                                               self.buffer, self.gate, self.publisher, params_bytes)
         self._train_base = 0  # train_count when this run began
         self.env_steps_total = 0
         self.live_slots: list[int] | None = [] if task.elastic_actors and self.data_path.sync else None
         """elastic actors, sync: the actor slots held at the last heartbeat (None: every slot is waited for)"""
-        self.last_stats: dict[str, float] = {}
-        self._last_rates = (0.0, 0.0)  # train steps/s, rows received/s at the last heartbeat
         self.task_started_at: float | None = None
         self.board_work = BoardWork("trainer", self.stop, "training goes on, retrying")
         self.liveness = Liveness(board, "trainer", options.uid, options.lease_ttl, self.stop, self.lease_guard,
                                  self.board_work, self)
         self.fenced = False  # another trainer took the lease over
-        # the heartbeat's rates (train steps/s, rows received/s) and the budget coming near
-        self._beat_counts = (self.learner.train_count, 0, time.monotonic())  # train_count, rows received, when
+        self.stats = RunStats(options.uid, epoch, self.device, self.learner, self.buffer, self.gate, self.ingest,
+                              options.heartbeat_interval)
+        # the budget coming near
         self._steps_seen: tuple[int, float] | None = None  # the run's env steps at a heartbeat, and when
         self._near = False  # max_steps is near (it only comes nearer): heartbeats every BUDGET_BEAT_S
         # server clock: Redis TIME at the last heartbeat, and our monotonic clock then
         self._server_time = (time.time(), time.monotonic())
         self._taking_back = threading.Lock()
         self.resumed = self.checkpoints.resume()
-
-    def _memory_limit(self) -> int:
-        return self.options.max_buffer_bytes or int(0.75 * machine_memory_bytes())
-
-    def _read_window(self, message_rows: int) -> ReadWindow | None:
-        """A bounded FIFO the learner trains from as rows come (IMPALA, APPO) grows with the queue's round trip,
-        up to 16 times its size and within this trainer's memory bound; a sync update's buffer and a replay
-        memory do not."""
-        rows = buffer_capacity(self.buffer)
-        if self.data_path.sync or self.buffer.room() is None or not rows:
-            return None
-        limit = min(16 * rows, self._memory_limit() // max(1, self.buffer.nbytes // rows))
-        return ReadWindow(self.buffer, rows, limit, message_rows) if limit > rows else None
-
-    def _check_memory_fits(self, needed: int) -> None:
-        limit = self._memory_limit()
-        rows = buffer_capacity(self.buffer)
-        per_row = f"{needed // rows:,} bytes per stored row" if rows else f"{self.schema.row_nbytes} bytes per row"
-        logger.info("buffer: %s rows reserved in %.2f GiB (%s)", f"{rows:,}" if rows else "?", needed / 2**30, per_row)
-        if limit and needed > limit:
-            raise MemoryError(
-                f"the task's buffer needs {needed / 2**30:.2f} GiB ({per_row}); this "
-                f"trainer allows {limit / 2**30:.2f} GiB (--max-buffer-bytes); make the buffer smaller "
-                "(e.g. memory.capacity)"
-            )
 
     def open_consumer(self) -> ExperienceQueue:
         """The task's experience queue, opened as this trainer's consumer."""
@@ -194,16 +160,8 @@ class TrainerRun:
     # ------------------------------------------------------------ heartbeats (node.liveness.Liveness's hooks)
     def report(self) -> Beat:
         """Stats (with the rates since the last heartbeat), and the refused messages noted on the board first."""
-        opts = self.options
-        now = time.monotonic()
-        last_train, last_recv, last_time = self._beat_counts
-        if now - last_time >= opts.heartbeat_interval / 2:  # not over the short beats: bursty
-            dt = now - last_time
-            train_count, received = self.learner.train_count, self.ingest.received_transitions
-            self._last_rates = ((train_count - last_train) / dt, (received - last_recv) / dt)
-            self._beat_counts = (train_count, received, now)
-        stats = self._stats(*self._last_rates)
-        self.ingest.refused.report(self.board, opts.uid)
+        stats = self.stats.beat()
+        self.ingest.refused.report(self.board, self.options.uid)
         return Beat(stats, total_of="env_steps")
 
     def heard(self, answer: Heartbeat) -> None:
@@ -241,33 +199,6 @@ class TrainerRun:
             if answer == "away":  # the blob is kept: try again in a while
                 self.stop.wait(min(self.options.heartbeat_interval, 1.0))
                 wake.set()
-
-    def _stats(self, train_per_s: float, received_per_s: float) -> dict[str, Any]:
-        learner = {k: round(v, 6) for k, v in self.last_stats.items()}
-        lag = {k: round(v, 2) for k, v in self.gate.lag.summary().items()}
-        ingest = self.ingest
-        return TrainerStats(
-            uid=self.options.uid,
-            epoch=self.epoch,
-            train_count=self.learner.train_count,
-            train_per_s=round(train_per_s, 1),
-            received_per_s=round(received_per_s, 1),
-            memory=len(self.buffer),
-            memory_bytes=self.buffer.nbytes,
-            memory_capacity=buffer_capacity(self.buffer),
-            received_batches=ingest.received_batches,
-            bad_messages=ingest.bad_messages,
-            duplicates=ingest.duplicates,
-            stale_rows=ingest.stale_rows,
-            params_version=self.gate.version,
-            waiting_for=",".join(str(i) for i in self.gate.waiting_for),
-            device=str(self.device),
-            loss=learner.pop("loss", None),
-            lag_p50=lag.get("lag_p50"), lag_p95=lag.get("lag_p95"), lag_max=lag.get("lag_max"),
-            lag_steps_p50=lag.get("lag_steps_p50"), lag_steps_p95=lag.get("lag_steps_p95"),
-            lag_steps_max=lag.get("lag_steps_max"),
-            extra=learner,
-        ).to_record()
 
     def take_lease_back(self) -> bool:
         """The lease lapsed: take it back if no other trainer took over (else stop, fenced). The heartbeat
@@ -384,7 +315,7 @@ class TrainerRun:
                 self.publisher.request(learner.train_count)
         if stats is None:
             return False
-        self.last_stats = {k: v for k, v in stats.scalars().items() if k != "gradient_steps"}
+        self.stats.learned(stats.scalars())
         return True
 
     def _ahead_of_data(self) -> bool:
@@ -426,9 +357,7 @@ class TrainerRun:
         self.learner.plan(self.task.max_steps, self.task.max_train_count, self.env_steps_total)
         self.publisher.request(self.learner.train_count)  # actors act with this trainer's weights from the start
         end_reason: str | None = None
-        next_local = time.monotonic() + opts.checkpoint_interval if opts.checkpoint_dir else math.inf
-        board_every = None if self.task.checkpoint_interval is None else max(1.0, self.task.checkpoint_interval)
-        next_on_board = math.inf if board_every is None else time.monotonic() + board_every
+        self.checkpoints.schedule()
         try:
             while not self.stop.is_set():
                 end_reason = self._limit_reached()
@@ -437,14 +366,7 @@ class TrainerRun:
                 if not self._update():
                     self.ingest.data_arrived.wait(0.05)
                     self.ingest.data_arrived.clear()
-                now = time.monotonic()
-                if now >= next_local or now >= next_on_board:
-                    self.checkpoints.keep(self.env_steps_total, local=now >= next_local,
-                                          on_board=now >= next_on_board)
-                    if now >= next_local:
-                        next_local = time.monotonic() + opts.checkpoint_interval
-                    if board_every is not None and now >= next_on_board:
-                        next_on_board = time.monotonic() + board_every
+                self.checkpoints.keep_when_due(self.env_steps_total)
             live = self.liveness
             if live.task_ended and not (self.fenced or live.task_gone or live.task_replaced):
                 self._finish_ended_task(board_threads)
@@ -464,7 +386,7 @@ class TrainerRun:
             self._flush_final()  # a publication the publish thread had not written yet
             try:
                 # a fenced trainer's stats would overwrite its successor's: it only lets go
-                stats = None if self.fenced else self._stats(*self._last_rates)
+                stats = None if self.fenced else self.stats.record()
                 self.board.heartbeat("trainer", opts.uid, int(opts.lease_ttl * 1000), "trainer", stats)
                 self.board.release_lease("trainer", opts.uid)
             except Exception as e:
@@ -483,12 +405,6 @@ class TrainerRun:
         ingest = self.ingest
         return (f"epoch {self.epoch}, train_count {self.learner.train_count}, received {ingest.received_batches} "
                 f"batches, {ingest.bad_messages} bad, {ingest.duplicates} duplicates, {ingest.stale_rows} stale rows")
-
-
-def buffer_capacity(buffer: Buffer) -> int:
-    """The rows ``buffer`` holds when full (0: not said)."""
-    capacity = getattr(buffer, "capacity", 0)
-    return capacity if isinstance(capacity, int) else 0
 
 
 def trainer_run_forever(
