@@ -172,7 +172,7 @@ def measure_srl(backend: str, rows: int, messages: int, rounds: int, options: Tr
         deadline = time.perf_counter() + 120
         while handled() < target and time.perf_counter() < deadline:
             run.ingest.ingest_once(queue)
-        run.ingest.settle_count()  # the last read is acked once its count is on the board
+        run.ingest.ack_counted()  # the last read is acked once its count is on the board
         return run.ingest.received_transitions - start
 
     try:

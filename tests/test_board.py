@@ -28,7 +28,7 @@ from srl.runner.distribution.board.board import (
 )
 from srl.runner.distribution.client.evaluator import history_row
 from srl.runner.distribution.client.report import progress_lines, summary_lines
-from srl.runner.distribution.node.liveness import LeaseGuard, lease_kept
+from srl.runner.distribution.node.liveness import LeaseGuard, keep_lease
 from srl.runner.distribution.node.serve import NodeOptions, serve
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from tests.conftest import running
@@ -121,12 +121,12 @@ def test_a_lease_is_kept_while_a_node_builds_its_run_and_lapses_after(board: Boa
     """A node renews its lease while it builds the run (which can outlast the TTL); after that, only its
     run's heartbeats keep it."""
     assert board.claim_lease("trainer", "a", 1000)
-    with lease_kept(board, "trainer", "a", ttl_s=1.0, interval_s=0.1):
+    with keep_lease(board, "trainer", "a", ttl_s=1.0, interval_s=0.1):
         time.sleep(3.0)  # a build three times the TTL: the time passing is the case under test
         assert board.lease_holder("trainer")[0] == "a"
     wait_for(lambda: board.lease_holder("trainer")[0] is None, 5, "the lease to lapse", interval=0.01)  # no heartbeats
     assert board.claim_lease("trainer", "b", 10_000)
-    with lease_kept(board, "trainer", "a", ttl_s=1.0, interval_s=0.05):  # another's: renewing cannot take it
+    with keep_lease(board, "trainer", "a", ttl_s=1.0, interval_s=0.05):  # another's: renewing cannot take it
         time.sleep(0.2)
     assert board.lease_holder("trainer")[0] == "b"
 
@@ -178,7 +178,7 @@ def test_a_start_that_hangs_lets_its_lease_lapse(board: Board) -> None:
     """Renewing while a run starts stops after ``max_start_s``: a node whose start hangs (an env import,
     a CUDA init, a read that never returns) does not hold the slot for ever."""
     assert board.claim_lease("trainer", "a", 300)
-    with lease_kept(board, "trainer", "a", ttl_s=0.3, interval_s=0.05, max_s=0.6):
+    with keep_lease(board, "trainer", "a", ttl_s=0.3, interval_s=0.05, max_s=0.6):
         wait_for(lambda: board.lease_holder("trainer")[0] is None, 10, "the lease to lapse", interval=0.01)
 
 
@@ -463,8 +463,8 @@ def test_a_count_sent_again_with_its_token_adds_nothing(board: Board) -> None:
     bound.incr_counters("actor:0", sent_batches=1)
     bound.incr_counters("actor:0", sent_batches=1)
     read = count_token()
-    assert [bound.note_received("t", {"received_batches": 3}, [("a", 0)], read) for _ in range(2)] == ["noted"] * 2
-    assert bound.note_received("t", {"received_batches": 1, "refused_batches": 1}, [], count_token()) == "noted"
+    assert [bound.count_received("t", {"received_batches": 3}, [("a", 0)], read) for _ in range(2)] == ["noted"] * 2
+    assert bound.count_received("t", {"received_batches": 1, "refused_batches": 1}, [], count_token()) == "noted"
     assert bound.get_counters() == {"sent_batches": 5, "received_batches": 4, "refused_batches": 1}
     assert board.prefix + "counted" in board.task_keys()
     with pytest.raises(ValueError, match="count token"):
@@ -763,7 +763,7 @@ def test_the_float32_master_beside_float16_params_is_read_by_a_trainer_only_and_
     epoch = task.claim_trainer("t", 10_000)
     assert epoch is not None and task.publish_params("t", epoch, 1, b"half 1", 10, master=b"full 1")
     assert task.get_params() == ParamsRecord(epoch, 1, 10, b"half 1")
-    assert task.get_params_unless(None) == ((epoch, 1, 10), ParamsRecord(epoch, 1, 10, b"half 1"))
+    assert task.get_newer_params(None) == ((epoch, 1, 10), ParamsRecord(epoch, 1, 10, b"half 1"))
     assert task.get_params(master=True) == ParamsRecord(epoch, 1, 10, b"full 1")
     with pytest.raises(BoardDataError, match="6 bytes"):  # the master is bounded like any params read
         task.get_params(max_bytes=5, master=True)
@@ -776,19 +776,19 @@ def test_a_node_waiting_for_a_version_gets_it_with_its_head_in_one_round_trip(pr
     client = private_client  # calls are counted server-wide: on a Redis nothing else talks to
     board = Board(client, namespace)
     task = board.bound(board.create_task(CONFIG, actor_num=1).task_id)  # nodes read as their task's
-    assert task.get_params_unless(None) == (None, None)  # nothing published yet
+    assert task.get_newer_params(None) == (None, None)  # nothing published yet
     epoch = task.claim_trainer("t", 10_000)
     assert epoch is not None and task.publish_params("t", epoch, 3, b"v3", 30)
     calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    assert task.get_params_unless(2, max_bytes=100) == ((epoch, 3, 30), ParamsRecord(epoch, 3, 30, b"v3"))
+    assert task.get_newer_params(2, max_bytes=100) == ((epoch, 3, 30), ParamsRecord(epoch, 3, 30, b"v3"))
     assert client.info("commandstats")["cmdstat_evalsha"]["calls"] == calls + 1  # one command: one round trip
-    assert task.get_params_unless(3, max_bytes=100) == ((epoch, 3, 30), None)  # the version it holds: no blob
+    assert task.get_newer_params(3, max_bytes=100) == ((epoch, 3, 30), None)  # the version it holds: no blob
     assert task.publish_params("t", epoch, 4, b"x" * 5000, 40)
     with pytest.raises(BoardDataError, match="5000 bytes"):
-        task.get_params_unless(3, max_bytes=4999)
-    assert task.get_params_unless(4, max_bytes=4999) == ((epoch, 4, 40), None)  # held: its size does not matter
+        task.get_newer_params(3, max_bytes=4999)
+    assert task.get_newer_params(4, max_bytes=4999) == ((epoch, 4, 40), None)  # held: its size does not matter
     other = task.bound("another-task-id")
-    assert other.get_params_unless(3) == (None, None)  # another task's params: never acted with
+    assert other.get_newer_params(3) == (None, None)  # another task's params: never acted with
 
 
 def test_a_node_waiting_for_the_next_version_gets_it_as_it_is_published(board: Board, client: redis.Redis) -> None:

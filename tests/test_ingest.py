@@ -173,7 +173,7 @@ def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, names
         assert run.ingest.received_transitions == 32 and len(run.buffer) == 32
         assert "seq 2" in run.ingest.last_bad and "NaN" in run.ingest.last_bad
         assert run.gate._arrivals == {0: 32}
-        run.ingest.settle_count()  # the read is acked once its count is on the board
+        run.ingest.ack_counted()  # the read is acked once its count is on the board
         assert queue.depth() == 0  # all six acked, the bad and the duplicate too
     finally:
         run.stop.set("test over")
@@ -282,7 +282,7 @@ def test_refused_batches_give_their_place_in_the_queue_back(redis_url: str, name
             producer.put_many([batch("a", seq, 0, obs=nan_obs)])
             in_flight.sent(1, 8)
             ingest_until(run, queue, lambda n=seq + 1: run.ingest.bad_messages >= n, "the trainer to read the batch")
-            run.ingest.settle_count()  # counted on the board, then acked
+            run.ingest.ack_counted()  # counted on the board, then acked
             assert run.ingest.bad_messages == seq + 1 and run.ingest.received_batches == 0
             assert in_flight.depth() == 0
         counters = board.get_counters()
@@ -346,7 +346,7 @@ def test_a_count_whose_reply_was_lost_is_counted_once(redis_url: str, namespace:
         assert in_flight.depth() == 2
         loss.armed = True  # the trainer's count of its read
         ingest_until(run, queue, lambda: run.ingest.received_batches >= 2, "the trainer to read both batches")
-        run.ingest.settle_count()
+        run.ingest.ack_counted()
         assert loss.lost == 2 and run.ingest.received_batches == 2
         counters = board.get_counters()
         assert (counters["received_batches"], counters["received_transitions"]) == (2, 16)
@@ -391,7 +391,7 @@ def test_a_trainer_that_takes_over_takes_the_rows_its_killed_predecessor_counted
             return ingest.received_batches + ingest.redelivered_batches + ingest.duplicates >= 4
 
         wait_for(all_in, 60, "the redelivered read, the new batch and the copy")
-        ingest.settle_count()
+        ingest.ack_counted()
         assert (ingest.received_batches, ingest.redelivered_batches, ingest.duplicates) == (1, 2, 1)
         assert len(successor.buffer) == 24 and ingest.received_transitions == 8  # every row, counted once
         counters = board.get_counters()
@@ -603,7 +603,7 @@ def test_batches_of_the_task_this_one_replaced_are_dropped_not_counted(redis_url
     try:
         while run.ingest.received_batches + run.ingest.other_task_batches < 3:
             run.ingest.ingest_once(queue)
-        run.ingest.settle_count()
+        run.ingest.ack_counted()
         assert (run.ingest.received_batches, run.ingest.other_task_batches, run.ingest.bad_messages) == (2, 1, 0)
         counters = board.get_counters()
         assert counters["other_task_batches"] == 1 and counters["received_batches"] == 2
@@ -681,7 +681,7 @@ def test_a_trainer_whose_lease_lapsed_gives_its_unacked_reads_back_to_the_queue(
         ingest = successor.ingest
         wait_for(lambda: ingest.ingest_once(successor_queue) >= 0 and ingest.received_batches >= 2, 60,
                  "the standby to receive the batches the cut-off trainer read and could not count", interval=0.0)
-        ingest.settle_count()
+        ingest.ack_counted()
         assert board.get_counters()["received_batches"] == 2  # counted once, by the lease's holder
         assert len(successor.buffer) == 16
     finally:

@@ -548,7 +548,7 @@ def test_the_nodes_of_a_replaced_task_write_nothing_into_the_new_one(redis_url: 
     assert new.claim_trainer("t-new", 60_000) == 1 and new.publish_params("t-new", 1, 1, b"new params", 10)
     assert old.get_params() is None and new.get_params().blob == b"new params"  # type: ignore[union-attr]
     assert new.release_lease("trainer", "t-new")
-    assert old.note_received("t-old", {"received_batches": 1}, []) == "not ours"
+    assert old.count_received("t-old", {"received_batches": 1}, []) == "not ours"
     assert not old.end_task("FAILED", "the old task's trainer crashed")
     assert new.get_all_stats() == {} and new.get_counters() == {} and new.get_events() == []
     assert new.get_refusals() == [] and new.held_leases(1) == []

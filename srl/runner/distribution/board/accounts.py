@@ -20,7 +20,7 @@ import redis
 from srl.runner.distribution.board import values as board_values
 from srl.runner.distribution.board.keys import _ROLE_ID, _check_role
 from srl.runner.distribution.board.records import _json_object, _str
-from srl.runner.distribution.board.scripts import _INCR_COUNTERS_LUA, _NOTE_RECEIVED_LUA, _PUT_STATS_LUA
+from srl.runner.distribution.board.scripts import _COUNT_RECEIVED_LUA, _INCR_COUNTERS_LUA, _PUT_STATS_LUA
 from srl.runner.distribution.board.values import BoardValueError, finite
 
 LEDGER_BYTES = 64 * 1024
@@ -51,7 +51,7 @@ class BoardAccounts:
         self._roles_key = self.prefix + "roles"
         self._ledger_key = self.prefix + "ledger"
         self._incr = self.client.register_script(_INCR_COUNTERS_LUA)
-        self._note_received = self.client.register_script(_NOTE_RECEIVED_LUA)
+        self._count_received = self.client.register_script(_COUNT_RECEIVED_LUA)
         self._put_stats = self.client.register_script(_PUT_STATS_LUA)
 
     def stats_key(self, role_id: str) -> str:
@@ -78,7 +78,7 @@ class BoardAccounts:
         """Running totals summed over every role."""
         return _counter_totals(self.get_role_counters())
 
-    def note_received(self, owner_uid: str, deltas: Mapping[str, int | float],
+    def count_received(self, owner_uid: str, deltas: Mapping[str, int | float],
                       ledger: list[tuple[str, int]], token: str = "") -> Literal["noted", "not held", "not ours"]:
         """The trainer's count of one read, before it acks the read, and its ledger: the ``(actor, seq)`` of
         the batches of its last reads whose acks may not have reached the broker yet. "not held": this
@@ -86,12 +86,12 @@ class BoardAccounts:
         ``token``: as :meth:`incr_counters`'s (a retry of a count that was added is "noted", adding nothing)."""
         ledger_json = json.dumps(ledger, separators=(",", ":"))
         keys = [self.lease_key("trainer"), self._counters_key, self._task_key, self._ledger_key, self._counted_key]
-        answer = int(self._note_received(keys=keys, args=[owner_uid, _deltas_json(deltas), ledger_json,
+        answer = int(self._count_received(keys=keys, args=[owner_uid, _deltas_json(deltas), ledger_json,
                                                           self.task_id, _check_token(token)]))
         return {1: "noted", 0: "not held"}.get(answer, "not ours")  # type: ignore[return-value]
 
     def get_ledgers(self) -> dict[str, list[tuple[str, int]]]:
-        """Each trainer's ledger (see :meth:`note_received`); malformed entries are skipped."""
+        """Each trainer's ledger (see :meth:`count_received`); malformed entries are skipped."""
         out: dict[str, list[tuple[str, int]]] = {}
         for uid, raw in self.client.hgetall(self._ledger_key).items():
             if raw is None:
@@ -180,7 +180,7 @@ def _stats_json(stats: Mapping[str, Any]) -> str:
 
 
 def count_token() -> str:
-    """A fresh token for one count (:meth:`Board.incr_counters`, :meth:`Board.note_received`): made once per
+    """A fresh token for one count (:meth:`Board.incr_counters`, :meth:`Board.count_received`): made once per
     count, outside the retry loop, so that each retry of the count carries it."""
     return uuid.uuid4().hex
 

@@ -74,7 +74,7 @@ class BoardParams:
                                                                  "1" if master else ""])
         return self._params_answer(answer, None, max_bytes)[1]
 
-    def get_params_unless(self, held_version: int | None, max_bytes: int | None = None
+    def get_newer_params(self, held_version: int | None, max_bytes: int | None = None
                           ) -> tuple[tuple[int, int, int] | None, ParamsRecord | None]:
         """``(head, record)`` in one round trip: the latest params' ``(epoch, version, train_count)`` and, unless
         their version is ``held_version`` (the caller's), the params themselves (None: not new, none yet, or
@@ -84,12 +84,12 @@ class BoardParams:
 
     def await_params(self, after: bytes, held_version: int | None, block_ms: int, max_bytes: int | None = None
                      ) -> tuple[bytes, tuple[int, int, int] | None, ParamsRecord | None]:
-        """``get_params_unless`` once a version is published after the feed entry ``after`` (``b"0-0"``: any),
+        """``get_newer_params`` once a version is published after the feed entry ``after`` (``b"0-0"``: any),
         or once ``block_ms`` passed: one round trip, the wait in Redis. A node waiting for the next version gets
         it half a round trip after it is published, not at its next poll. Returns the newest feed entry seen
         (the next call's ``after``) with the head and the record."""
         if not self._feed_usable:
-            return after, *self.get_params_unless(held_version, max_bytes)
+            return after, *self.get_newer_params(held_version, max_bytes)
         socket_timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
         if socket_timeout:  # well inside it: a wait is not a dead connection
             block_ms = min(block_ms, int(socket_timeout * 500))
@@ -108,7 +108,7 @@ class BoardParams:
             if entries and isinstance(entries[-1][0], bytes):
                 after = entries[-1][0]
         if isinstance(answer, redis.exceptions.NoScriptError):  # a restarted Redis: the script is loaded again
-            return after, *self.get_params_unless(held_version, max_bytes)
+            return after, *self.get_newer_params(held_version, max_bytes)
         if isinstance(answer, Exception):
             raise answer
         return after, *self._params_answer(answer, held_version, max_bytes)

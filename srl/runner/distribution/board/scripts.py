@@ -211,7 +211,7 @@ return 1
 # task id, token ('' = none).
 # Returns 1 written (or written already: a retry), 0 the lease is not this trainer's (do not ack: the
 # next holder gets the batches), -1 the task is gone or was replaced.
-_NOTE_RECEIVED_LUA = _ADD_COUNTERS_LUA + _FIRST_COUNT_LUA + """
+_COUNT_RECEIVED_LUA = _ADD_COUNTERS_LUA + _FIRST_COUNT_LUA + """
 if task_is(KEYS[3], ARGV[4]) ~= 1 then return -1 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[2] ~= '' and first_count(KEYS[5], 'trainer', ARGV[5]) then add_counters(KEYS[2], 'trainer', ARGV[2]) end

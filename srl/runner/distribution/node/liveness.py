@@ -214,7 +214,7 @@ class LeaseGuard:
             self.late_renewals += 1
 
 
-def lease_kept(board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
+def keep_lease(board: Board, name: str, uid: str, ttl_s: float, interval_s: float,
                max_s: float = float("inf")) -> LeaseGuard:
     """Renew lease ``name`` every ``interval_s`` while a block runs that sends no heartbeats (a run being
     built, a trainer's last publication), for ``max_s`` at most: a :class:`LeaseGuard` nobody tells."""

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from srl.base.env import allowed_env_modules
 from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardError, count_token
-from srl.runner.distribution.node.liveness import lease_kept
+from srl.runner.distribution.node.liveness import keep_lease
 from srl.runner.distribution.node.retry import Throttle, with_retry
 from srl.runner.distribution.settings.credentials import CredentialsError
 from srl.runner.distribution.settings.options import NodeOptions
@@ -290,7 +290,7 @@ def serve(
             with contextlib.suppress(*BOARD_AWAY):
                 task_board.clear_refusal(uid)
                 task_board.log_event(f"{role} {uid} took lease {lease_name(claimed)} ({role} {claimed})", source=uid)
-            with lease_kept(task_board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval,
+            with keep_lease(task_board, lease_name(claimed), uid, options.lease_ttl, options.heartbeat_interval,
                             options.max_start_s):
                 run = build_run(task_board, task, claimed)
         except CredentialsError as e:  # the queue refused this node: the task is fine, this node is not

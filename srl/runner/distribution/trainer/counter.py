@@ -127,7 +127,7 @@ class ReadCounter:
         token = count_token()  # the same on every try: a try whose reply was lost counted the read already
         while True:
             try:
-                answer = with_retry(lambda: board.note_received(uid, counts, ledger, token),
+                answer = with_retry(lambda: board.count_received(uid, counts, ledger, token),
                                     "counting received batches", should_stop=self.stop.is_set)
             except BoardUnreachableError:  # stopping while the board is away
                 answer = "not held"

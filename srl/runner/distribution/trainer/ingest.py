@@ -250,7 +250,7 @@ class Ingest:
             if count < 1:
                 # the acks wait for the next read: actors' backpressure counts what was not read yet, so
                 # sending them now would only cost a round trip in which no read could go
-                self.settle_count()
+                self.ack_counted()
                 self.stop.wait(0.005)
                 return 0
         # with a read still to ack, only look: a dry queue gets it acked before the long wait
@@ -259,15 +259,15 @@ class Ingest:
         if messages and self.window is not None:
             self.window.link.timed(time.monotonic() - started)
         if not messages:
-            self.settle_count()
+            self.ack_counted()
             return 0
         counts, taken = self._ingest(messages)
         self.counter.submit(lambda: self._count(counts, taken), messages, queue)
         self.data_arrived.set()
-        self.settle_count(keep=1)  # the read before: counted while this one was read, acked now
+        self.ack_counted(keep=1)  # the read before: counted while this one was read, acked now
         return len(messages)
 
-    def settle_count(self, keep: int = 0) -> None:
+    def ack_counted(self, keep: int = 0) -> None:
         """Ack the reads in flight (all but the newest ``keep``) once their counts are on the board
         (:meth:`ReadCounter.settle <srl.runner.distribution.trainer.counter.ReadCounter.settle>`)."""
         self.counter.settle(keep)
@@ -322,7 +322,7 @@ class Ingest:
         finally:
             if queue is not None:
                 with contextlib.suppress(Exception):  # what was counted is acked; else it comes again
-                    self.settle_count()
+                    self.ack_counted()
                 _close_quietly(queue)
             self.counter.close()
 

@@ -48,7 +48,7 @@ from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Buffer, seed_everything
 from srl.base.schema import Schema
 from srl.runner.distribution.board.board import Board, Heartbeat, actor_slot
-from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness, lease_kept
+from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness, keep_lease
 from srl.runner.distribution.node.retry import with_retry
 from srl.runner.distribution.node.serve import BUDGET_BEAT_S, apply_overrides, remove_orphans, require_remote, serve
 from srl.runner.distribution.node.stop import StopFlag
@@ -333,7 +333,7 @@ class TrainerRun:
     def run(self) -> str:
         opts = self.options
         # params of hundreds of MB over a slow link can outlast the TTL: the lease is kept until heartbeats start
-        with lease_kept(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval, opts.max_start_s):
+        with keep_lease(self.board, "trainer", opts.uid, opts.lease_ttl, opts.heartbeat_interval, opts.max_start_s):
             status = with_retry(self.board.get_status, "reading the task")
             self.task_started_at = status.started_at if status is not None else None
             self._server_time = (with_retry(self.board.server_time, "reading the server clock"), time.monotonic())
