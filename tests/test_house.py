@@ -182,3 +182,14 @@ def test_modules_and_classes_stay_within_their_size() -> None:
             if isinstance(node, ast.ClassDef) and (span := (node.end_lineno or 0) - node.lineno + 1) > CLASS_LINES:
                 over.append(f"{name}:{node.lineno} {node.name}: {span} lines (at most {CLASS_LINES})")
     assert not over, "over its size: " + "; ".join(over) + " (split it where its concerns part)"
+
+
+def test_an_actor_of_local_inference_never_loads_grpc() -> None:
+    """grpc starts threads and an epoll poller from its import on; an actor that acts with its own network has no
+    use for them (only central inference, and the Pub/Sub queue, load it)."""
+    import subprocess
+    import sys
+
+    code = "import sys, srl.cli, srl.runner.distribution.actor.run; print('grpc' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -35,7 +35,6 @@ import torch
 from srl.base.env import allowed_env_modules, env_spec
 from srl.base.rl import Columns, Parameter, Worker, seed_everything
 from srl.base.rollout import Rollout
-from srl.runner.distribution.actor.inference_client import InferenceClient
 from srl.runner.distribution.actor.pacing import Pacing, WaitClock
 from srl.runner.distribution.actor.params import ActorParams
 from srl.runner.distribution.actor.params_cache import ParamsCache, default_directory, private_directory
@@ -64,6 +63,9 @@ from srl.runner.distribution.wire.codec import (
 )
 from srl.runner.distribution.wire.inference import InferenceLostError
 from srl.runner.progress import ensure_logging
+
+if TYPE_CHECKING:  # grpc is loaded by an actor of central inference only (it runs threads from its import on)
+    from srl.runner.distribution.actor.inference_client import InferenceClient
 
 logger = logging.getLogger("srl.actor")
 
@@ -115,6 +117,8 @@ class ActorRun:
         if task.inference == "central":
             self.codec = options.codec(board.task_name)
             ca = options.inference_ca_file or redis_params.ssl_ca_certs
+            from srl.runner.distribution.actor.inference_client import InferenceClient
+
             self.inference = InferenceClient(board, self.spec, config.envs_per_actor, slot, self.sender,
                                              self.task_tag, self.codec, self.stop, ca)
             self.worker: Worker = self.inference
