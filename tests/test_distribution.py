@@ -315,17 +315,20 @@ def test_redis_refusing_for_a_while_mid_run_the_run_continues(
                      "training to be under way")
             admin = redis.Redis(port=server.port)
 
-            def everyone_met_it() -> bool:
-                """The client and both nodes said they met the refusal, or something ended (today's defect)."""
+            def met_it() -> bool:
+                """The client and a node said they met the refusal, or something ended (the defect this guards).
+                Not always both nodes: with OOM a node that needs no standalone write meanwhile never meets it
+                (its heartbeat script renews the lease with PEXPIRE first, and Redis lets a script that has
+                written go on), e.g. a trainer waiting for rows the actor cannot send."""
                 if not client.is_alive() or not trainer.alive() or not actor.alive():
                     return True
                 with contextlib.suppress(redis.RedisError):
                     if (s := admin.hget(f"srl:{{{ns}}}:task", "status")) is not None and s != b"ACTIVE":
                         return True
-                return refusal in caplog.text and refusal in trainer.output() and refusal in actor.output()
+                return refusal in caplog.text and (refusal in trainer.output() or refusal in actor.output())
 
             with redis_refusing(admin, refusal):
-                wait_for(everyone_met_it, 120, f"the client and the nodes to meet {refusal}")
+                wait_for(met_it, 120, f"the client and a node to meet {refusal}")
             client.join(240)
         assert not client.is_alive(), "the run did not end"
         assert client.error is None, f"the client crashed: {client.error!r}"
@@ -334,7 +337,8 @@ def test_redis_refusing_for_a_while_mid_run_the_run_continues(
         assert status.train_count >= 1500
         assert trainer.alive() and actor.alive(), "a node ended on a refusal"
         for output in (trainer.output(), actor.output(), caplog.text):
-            assert "Traceback" not in output and refusal in output
+            assert "Traceback" not in output
+        assert refusal in caplog.text and (refusal in trainer.output() or refusal in actor.output())
     finally:
         kill_all(nodes)
         server.cleanup()
