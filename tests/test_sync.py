@@ -235,3 +235,59 @@ def test_asynchronous_trainers_refuse_segments_beyond_max_policy_lag_and_report_
     client.join(60)
     assert client.error is None, client.error
     assert board.get_counters()["stale_rows"] >= 8  # (a real actor's segments may age past the bound too)
+
+
+def test_an_asynchronous_actor_makes_no_more_than_its_lead_of_versions_ahead_of_the_learner() -> None:
+    """Asynchronous segments are paced on the lag budget: an actor makes at most its share of ``lead_versions``
+    versions' segments (half ``max_policy_lag``) beyond what the learner consumed, and starts over with a new
+    trainer; sync PPO and IMPALA without a lag bound are not paced (V-trace corrects what ages)."""
+    from srl.algorithms import impala
+    from srl.runner.distribution.actor.pacing import Pacing
+
+    path = ppo.Config(sync=False, max_policy_lag=10, envs_per_actor=8).data_path()
+    assert path.lead_versions == 5
+    pacing = Pacing(path, actor_num=2, max_steps=None, batch_rows=8, first_rows_steps=0, envs_per_actor=8)
+    assert pacing.paced and pacing.version_segments == 16  # an update: one segment per env of both actors
+    pacing.note_head(1, 0, 1)
+    assert pacing.allowed_segments(0) == 5 * 16 / 2  # five of its rollouts of 8 segments, before any update
+    pacing.note_head(1, 96, 4)  # three updates later
+    assert pacing.allowed_segments(40) == 8 * 16 / 2
+    pacing.note_head(2, 96, 4)  # a new trainer: counted from here
+    assert pacing.allowed_segments(64) == 64 + 5 * 16 / 2
+    pacing.saw_actors(("a", None))  # elastic: one of two there, it makes the whole update
+    pacing.saw_actors(("a", "b"))
+    assert pacing.allowed_segments(70) == 70 + 5 * 16 / 2
+
+    assert not Pacing(ppo.Config().data_path(), 2, None, 8, 0, 8).paced
+    assert impala.Config().data_path().lead_versions is None
+    bounded = impala.Config(max_policy_lag=4, batch_segments=8, publish_every=4).data_path()
+    assert bounded.lead_versions == 2 and bounded.segments_per_version(2, 8) == 32  # 4 train steps of 8
+
+
+def test_a_learner_bound_asynchronous_run_refuses_no_row_as_stale(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """A learner much slower than its actor (100 epochs an update): without pacing the queue and the trainer's
+    buffer fill with segments that age past ``max_policy_lag`` and are refused; paced on the lag budget, the
+    actor waits instead (rate-limited), and every row it made is trained on within the bound."""
+    from srl.runner.distribution.node.stats import Reports
+
+    config = ppo.Config(seed=0, envs_per_actor=4, segment_length=32, epochs=100, sync=False, max_policy_lag=6)
+    runner = srl.Runner("CartPole-v1", config)
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=1,
+                          max_steps=12_000)
+    client.start()
+    board = board_for(redis_url, namespace)
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    actor = start(nodes, "actor", redis_url, namespace, tmp_path)
+    client.join(240)
+    assert not client.is_alive(), f"the run did not end: {board.get_status()}"
+    assert client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END, status
+    counters = board.get_counters()
+    reports = Reports.read(board)
+    assert reports.trainer is not None and reports.trainer.lag_max is not None
+    assert counters.get("stale_rows", 0) == 0, (counters, reports.trainer, actor.output()[-3000:])
+    assert reports.trainer.lag_max <= 6
+    assert reports.actors[0].rate_limited_s > 0, reports.actors[0]  # it waited for the learner

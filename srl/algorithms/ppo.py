@@ -198,6 +198,7 @@ class Config(RLConfig):
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=0, sync=self.sync,
                         max_policy_lag=0 if self.sync else self.max_policy_lag, sync_wait_s=self.sync_wait_s,
+                        lead_versions=None if self.sync else DataPath.lead_of(self.max_policy_lag),
                         min_segments=self.min_segments)
 
     def schema(self, spec: EnvSpec) -> Schema:

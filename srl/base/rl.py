@@ -92,6 +92,15 @@ class DataPath:
     overlapping sequences for R2D2's"""
     row_lead: int = 0
     """env steps an env takes before its first row beyond ``row_steps`` (R2D2: the overlap of its sequences)"""
+    lead_versions: int | None = None
+    """asynchronous segments: an actor makes at most its share of this many params versions' rows ahead of
+    the learner (``segments_per_version``), so what it acts now is trained within about that many versions,
+    well inside ``max_policy_lag``: without it a learner-bound run fills the queue and the trainer's buffer
+    with rows that age past the lag and are refused (Cleanba bounds its queue for the same reason). None:
+    not paced, backpressure alone"""
+    version_segments: int = 0
+    """segments one params version consumes, all actors together; 0: one per env of every actor (an update
+    of asynchronous PPO, ``update_segments``)"""
 
     # ---------------------------------------------------------------- the rules it implies, in one place:
     # Runner.train, the actor, the trainer and bench/learning.py all ask these, so a version and a replay
@@ -138,6 +147,16 @@ class DataPath:
     def update_segments(actor_num: int, envs_per_actor: int) -> int:
         """Segments one on-policy update learns from: one per env of every actor."""
         return actor_num * envs_per_actor
+
+    def segments_per_version(self, actor_num: int, envs_per_actor: int) -> int:
+        """Segments the learner consumes per params version it publishes, all actors together."""
+        return self.version_segments or self.update_segments(actor_num, envs_per_actor)
+
+    @staticmethod
+    def lead_of(max_policy_lag: int | None) -> int | None:
+        """The ``lead_versions`` an asynchronous path with ``max_policy_lag`` paces its actors to: half the
+        lag (the other half is for the params an actor acts with to reach it and for a trainer's buffer)."""
+        return None if max_policy_lag is None else max(1, max_policy_lag // 2)
 
 
 @dataclass

@@ -36,11 +36,12 @@ version (sync's lockstep); larger ones go through the machine's params cache (fe
 
 class ActorParams:
     """The params of one actor's run: ``run`` is the params thread; the acting thread calls ``apply`` and
-    ``wait_for``. ``on_head(epoch, train_count)`` is told the trainer's progress each params read shows."""
+    ``wait_for``. ``on_head(epoch, train_count, version)`` is told the trainer's progress each params read
+    shows."""
 
     def __init__(self, board: Board, codec: Codec, parameter: Parameter, max_bytes: int, cache: ParamsCache | None,
                  stop: StopFlag, work: BoardWork, counters: CounterDeltas, options: ActorOptions,
-                 on_head: Callable[[int, int], None], waits: WaitClock) -> None:
+                 on_head: Callable[[int, int, int], None], waits: WaitClock) -> None:
         self.board = board
         self.codec = codec
         self.parameter = parameter
@@ -81,7 +82,7 @@ class ActorParams:
             else:
                 head = self.board.get_params_head()
             if head is not None:
-                self.on_head(head[0], head[2])
+                self.on_head(head[0], head[2], head[1])
                 if head[1] > 0 and head[1] != self.latest_version:
                     self._fetch((head[0], head[1]))
 
@@ -151,7 +152,7 @@ class ActorParams:
         """Hand decoded params to the acting thread (it applies them when the worker may load them)."""
         self.staged.put(record.epoch, record.version, arrays)
         self.latest_version = record.version
-        self.on_head(record.epoch, record.train_count)
+        self.on_head(record.epoch, record.train_count, record.version)
 
     def _unusable(self, error: Exception) -> None:
         """The params on the board do not decode or are out of bounds: counted, and not fetched again."""

@@ -104,7 +104,9 @@ class ActorRun:
         self.spec = env_spec(task.env_config, allow)
         config.check_spec(self.spec)
         self.pacing = Pacing(self.data_path, task.actor_num, task.max_steps, batch_rows(task, options.batch_size),
-                             self.data_path.first_rows_steps(config.envs_per_actor))
+                             self.data_path.first_rows_steps(config.envs_per_actor), config.envs_per_actor)
+        self.segments_made = 0
+        """asynchronous segments: the segments this actor's worker finished (sent or about to be)"""
         self.waits = WaitClock()
         self.sender = sender_name(options.uid)  # (sender, seq) names a batch for the trainer's dedupe
         self.task_tag = task_tag(board.task_id)
@@ -200,13 +202,13 @@ class ActorRun:
         # elastic actors under a replay ratio look who is there every few beats: every beat while few are, so
         # that the board answers about TOTAL_ASKERS such looks a heartbeat however many come
         cadence = math.ceil(max(1.0, pacing.stepping / TOTAL_ASKERS))
-        paced = self.data_path.env_steps_per_train is not None
+        paced = pacing.paced
         if self.task.elastic_actors and ((self._near and answer.total is not None) or (paced and turn % cadence == 0)):
             # one MGET, spaced so that the board gets about TOTAL_ASKERS such looks a heartbeat fleet-wide
             pacing.saw_actors(tuple(self.board.lease_holders([f"actor:{i}" for i in range(self.task.actor_num)])))
 
     def in_order(self, answer: Heartbeat) -> None:
-        self.pacing.note_head(answer.params_epoch, answer.train_count)
+        self.pacing.note_head(answer.params_epoch, answer.train_count, answer.params_version)
         params = self.params
         if params is not None and answer.params_version > 0 and answer.params_version != params.latest_version:
             params.poll_now.set()  # the params thread looks now
@@ -288,11 +290,20 @@ class ActorRun:
             extra={k: round(v, 5) for k, v in self.worker.stats().items()},
         ).to_record()
 
+    def _ahead(self) -> bool:
+        """Ahead of the trainer: of the replay ratio's allowance, or of an asynchronous path's lead."""
+        if self.data_path.env_steps_per_train is not None:
+            return self.env_steps >= self.pacing.allowed_steps(self.env_steps)
+        if self.data_path.lead_versions is not None and self.params is not None:  # central: the server's rows
+            made = self.segments_made + self.worker.pending()
+            return made >= self.pacing.allowed_segments(made)
+        return False
+
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
         self._flush()
         self.waits.begin()
-        while not self.stop.is_set() and self.env_steps >= self.pacing.allowed_steps(self.env_steps):
+        while not self.stop.is_set() and self._ahead():
             self.stop.wait(0.01)
         self.throttled_s += self.waits.end()
 
@@ -305,6 +316,7 @@ class ActorRun:
         columns = self.worker.take()
         if columns is None:
             return None
+        self.segments_made += len(next(iter(columns.values())))
         self._send(columns)
         return int(columns["version"].max()) if "version" in columns and len(columns["version"]) else None
 
@@ -340,7 +352,7 @@ class ActorRun:
                     self._hold_for_budget()
                     batch_started = time.monotonic()
                     continue
-                if path.env_steps_per_train is not None and self.env_steps >= self.pacing.allowed_steps(self.env_steps):
+                if self.pacing.paced and self._ahead():
                     self._throttle()
                     batch_started = time.monotonic()
                     continue
