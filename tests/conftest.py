@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import uuid
@@ -17,6 +18,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import pytest
+
+# Node processes must stop on SIGINT as they do when a user presses Ctrl-C, even where the suite runs as a
+# shell's background job (``... &``), whose SIGINT is ignored and would be inherited through exec. A Python
+# handler here is reset to the default action by exec, so every child starts with it. (Not a ``preexec_fn``
+# per Popen: that makes Popen fork without vfork, and runs the atfork handlers of a gRPC this process has
+# loaded, whose poller thread then died in the child before its exec: a node that never started.)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 import redis
 
 from srl.runner.distribution.board.board import Board

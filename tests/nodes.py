@@ -56,12 +56,6 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
-def default_sigint() -> None:
-    """``preexec_fn`` for a process a test sends SIGINT: Ctrl-C's default action, even where the suite itself
-    runs as a shell's background job (``... &``), whose SIGINT is ignored and would be inherited."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class Node:
     """One ``srl actor`` / ``srl trainer`` process with its output in a log file."""
 
@@ -73,7 +67,7 @@ class Node:
         cmd = [sys.executable, "-m", "srl.cli", role, "--url", redis_url, "--task-name", task_name, *args, *extra]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, preexec_fn=default_sigint)
+                                     env={**os.environ, **(env or {})})  # SIGINT: conftest.py
 
     @property
     def uid_prefix(self) -> str:

@@ -23,7 +23,6 @@ from tests.nodes import (
     ClientThread,
     Node,
     board_for,
-    default_sigint,
     kill_all,
     lease_holder_pid,
     tiny_config,
@@ -62,8 +61,7 @@ def test_ctrl_c_on_the_client_ends_the_task_as_cancelled(redis_url: str, namespa
     log = tmp_path / "client.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT.format(url=redis_url, ns=namespace)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent,
-                                preexec_fn=default_sigint)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
         try:
             board = board_for(redis_url, namespace)
             wait_for(lambda: (s := board.get_status()) and s.status == TaskState.ACTIVE, 60, "the task")
@@ -103,10 +101,11 @@ def test_local_nodes_stop_when_their_client_is_killed(redis_url: str, namespace:
     board = board_for(redis_url, namespace)
     pids: list[int] = []
     with open(log, "wb") as out:
-        # started as a shell's background job is: SIGINT ignored, which the local nodes inherit
-        proc = subprocess.Popen([sys.executable, "-c", LOCAL_CLIENT_SCRIPT.format(url=redis_url, ns=namespace)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        # as a shell's background job starts it: SIGINT ignored, which the local nodes inherit (set by the
+        # script itself: a preexec_fn would fork this process's gRPC, see conftest.py)
+        script = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + LOCAL_CLIENT_SCRIPT
+        proc = subprocess.Popen([sys.executable, "-c", script.format(url=redis_url, ns=namespace)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
         try:
             started = wait_for(lambda: re.search(r"local actor\(s\) \(pids \[([\d, ]+)\]\)", log.read_text()), 60,
                                "the client to start its local nodes")

@@ -22,7 +22,7 @@ from srl.runner.distribution.board.board import TaskExistsError, TaskNotFoundErr
 from srl.runner.distribution.client.report import progress_lines
 from srl.runner.distribution.settings.credentials import CredentialsError
 from tests.conftest import broker_unavailable, port_open, running
-from tests.nodes import ClientThread, Node, board_for, default_sigint, start, tiny_config, wait_for
+from tests.nodes import ClientThread, Node, board_for, start, tiny_config, wait_for
 from tests.queue_fixtures import PrivateMosquitto, PrivateRedis
 
 SUBCOMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
@@ -140,7 +140,7 @@ def _client_process(tmp_path: Path, name: str, code: str) -> tuple[subprocess.Po
     log = tmp_path / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).parent.parent, preexec_fn=default_sigint)
+                                cwd=Path(__file__).parent.parent)
     return proc, log
 
 
