@@ -100,6 +100,15 @@ class Pacing:
         share = self.data_path.env_steps_allowed(trained - self._trained_base) / self.stepping
         return self._steps_base + share + self.slack
 
+    def ahead(self, env_steps: int, segments: int | None) -> bool:
+        """Whether an actor that took ``env_steps`` and made ``segments`` (None: rows it does not make) is
+        ahead of the trainer: of the replay ratio's allowance, or of an asynchronous path's lead."""
+        if self.data_path.env_steps_per_train is not None:
+            return env_steps >= self.allowed_steps(env_steps)
+        if self.data_path.lead_versions is not None and segments is not None:
+            return segments >= self.allowed_segments(segments)
+        return False
+
     def allowed_segments(self, segments: int) -> float:
         """Asynchronous segments (``lead_versions``): the segments this actor may have made by now (``segments``
         made so far): its share among the actors stepping of what the learner consumed since this actor started

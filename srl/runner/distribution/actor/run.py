@@ -105,8 +105,7 @@ class ActorRun:
         config.check_spec(self.spec)
         self.pacing = Pacing(self.data_path, task.actor_num, task.max_steps, batch_rows(task, options.batch_size),
                              self.data_path.first_rows_steps(config.envs_per_actor), config.envs_per_actor)
-        self.segments_made = 0
-        """asynchronous segments: the segments this actor's worker finished (sent or about to be)"""
+        self.segments_made = 0  # the segments (rows) its worker finished and this actor sent
         self.waits = WaitClock()
         self.sender = sender_name(options.uid)  # (sender, seq) names a batch for the trainer's dedupe
         self.task_tag = task_tag(board.task_id)
@@ -291,13 +290,9 @@ class ActorRun:
         ).to_record()
 
     def _ahead(self) -> bool:
-        """Ahead of the trainer: of the replay ratio's allowance, or of an asynchronous path's lead."""
-        if self.data_path.env_steps_per_train is not None:
-            return self.env_steps >= self.pacing.allowed_steps(self.env_steps)
-        if self.data_path.lead_versions is not None and self.params is not None:  # central: the server's rows
-            made = self.segments_made + self.worker.pending()
-            return made >= self.pacing.allowed_segments(made)
-        return False
+        """Ahead of the trainer (``Pacing.ahead``); with central inference the server makes the segments."""
+        return self.pacing.ahead(self.env_steps, None if self.params is None else self.segments_made
+                                 + self.worker.pending())
 
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
