@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ from srl.runner.distribution.board.board import Board, TaskState  # noqa: E402
 from srl.runner.distribution.queues import open_queue  # noqa: E402
 from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, tiny_config, wait_for  # noqa: E402
 from tests.partitions import LogLines  # noqa: E402
-from tests.queue_fixtures import PrivateMosquitto, PrivateRedis  # noqa: E402
+from tests.queue_fixtures import PrivateMosquitto, PrivateRabbitMQ, PrivateRedis, redis_refusing  # noqa: E402
 from tests.wan_proxy import WanProxy  # noqa: E402
 
 PUBSUB_HOST = os.environ.get("PUBSUB_EMULATOR_HOST", "127.0.0.1:8085")
@@ -71,7 +72,7 @@ INFERENCE_ARGS = ("--listen", "127.0.0.1:0", "--batch-max-age", "0.2")
 LEASE_TTL_S = 2.0
 """the lease TTL tests/nodes.py gives every node"""
 PARTITION_S = 20.0
-OOM_S = 10.0
+REFUSAL_S = 10.0
 RUN_TIMEOUT_S = 300.0
 """the longest a cell waits for a stage of its run (a budget a slow machine meets, not a measurement)"""
 
@@ -146,7 +147,8 @@ class Run:
         self.task = f"faults-{uuid.uuid4().hex[:10]}"
         self.nodes: list[Node] = []
         self.redis = PrivateRedis(persistent=cell.fault == "broker-restart" and cell.queue == "redis")
-        self.mosquitto: PrivateMosquitto | None = None
+        self.broker: PrivateMosquitto | PrivateRabbitMQ | None = None
+        """the cell's private broker for the queue (one the fault restarts); None: the shared one"""
         self.proxy: WanProxy | None = None
         self.injected = 0
         """messages the injector put into the queue itself (not sent by an actor)"""
@@ -165,8 +167,8 @@ class Run:
 
     @property
     def queue_url(self) -> str | None:
-        if self.mosquitto is not None:
-            return self.mosquitto.url
+        if self.broker is not None:
+            return self.broker.url
         return QUEUES[self.cell.queue]
 
     @property
@@ -299,24 +301,29 @@ def inject_client_attach(run: Run) -> None:
     run.client.start()
 
 
-def inject_redis_oom(run: Run) -> None:
-    """The board's Redis answers every write with OOM for 10 s (maxmemory 1 byte, noeviction), then
-    takes writes again."""
-    admin = redis.Redis.from_url(run.url)
-    admin.config_set("maxmemory-policy", "noeviction")
-    admin.config_set("maxmemory", "1")
-    try:
-        time.sleep(OOM_S)  # the fault is the time passing
-    finally:
-        admin.config_set("maxmemory", "0")
-        admin.close()
+def redis_refusing_for(refusal: str) -> Callable[[Run], None]:
+    """An injector: the board's Redis refuses with ``refusal`` for 10 s, then answers again. OOM: every
+    write (maxmemory 1 byte, noeviction), as a full Redis; READONLY: every write, as a primary a failover
+    demoted to a replica (of a primary that never answers); BUSY: everything, as a Redis running a slow
+    script (a script spinning past lua-time-limit, then SCRIPT KILL)."""
+
+    def inject(run: Run) -> None:
+        admin = redis.Redis.from_url(run.url)
+        try:
+            with redis_refusing(admin, refusal):
+                time.sleep(REFUSAL_S)  # the fault is the time passing
+        finally:
+            admin.close()
+
+    inject.__doc__ = f"The board's Redis answers {refusal} for {REFUSAL_S:g} s."
+    return inject
 
 
 def inject_broker_restart(run: Run) -> None:
     """Restart the cell's private broker (SIGTERM, then start on the same port and data directory)."""
-    if run.cell.queue == "mqtt":
-        assert run.mosquitto is not None
-        run.mosquitto.restart()
+    if run.cell.queue in ("mqtt", "amqp"):  # its persistence: the queue and its messages come back
+        assert run.broker is not None
+        run.broker.restart()
     else:  # redis with its append-only file: the board and the queue come back
         run.redis.restart()
 
@@ -346,6 +353,8 @@ class Fault:
     queues: tuple[str, ...] = tuple(QUEUES)
     """the queues it is built for (others: not built yet)"""
     central_only: bool = False
+    not_for: dict[str, str] = field(default_factory=dict)
+    """queue -> why the fault cannot apply there"""
     kills_sender: bool = False
     """SIGKILLs a node that sends batches: what it sent after its last report is received but was never
     counted as sent (the client's summary names this surplus), so more received than sent is no loss"""
@@ -359,8 +368,12 @@ FAULTS: dict[str, Fault] = {
     "malformed": Fault(inject_malformed),
     "elastic": Fault(inject_elastic),
     "client-attach": Fault(inject_client_attach),
-    "redis-oom": Fault(inject_redis_oom),
-    "broker-restart": Fault(inject_broker_restart, queues=("redis", "mqtt")),
+    "redis-oom": Fault(redis_refusing_for("OOM")),
+    "redis-readonly": Fault(redis_refusing_for("READONLY")),
+    "redis-busy": Fault(redis_refusing_for("BUSY")),
+    "broker-restart": Fault(inject_broker_restart, queues=("redis", "mqtt", "amqp"), not_for={
+        "pubsub": "the Pub/Sub emulator keeps nothing across a restart (topics, subscriptions and messages go), "
+                  "and Google's service has no restart a client sees: its outage is the partition's fault"}),
     "partition": Fault(inject_partition, standby="trainer"),
     "inference-kill": Fault(inject_inference_kill, standby="inference", central_only=True, kills_sender=True),
 }
@@ -396,7 +409,7 @@ class Cell:
             return algorithm.not_applicable
         if fault.central_only and not algorithm.central:
             return "local inference: there is no inference server to kill"
-        return ""
+        return fault.not_for.get(self.queue, "")
 
     def not_built(self) -> str:
         fault = FAULTS[self.fault]
@@ -522,7 +535,7 @@ def balance(run: Run) -> tuple[bool, str]:
 
 
 def _cleanup_queue(run: Run) -> None:
-    if run.queue_url is None or run.mosquitto is not None:
+    if run.queue_url is None or run.broker is not None:
         return  # in the private Redis/broker, which goes with the cell
     try:
         with open_queue(run.queue_url, namespace=run.task, role="consumer", redis_params=run.redis_params) as q:
@@ -544,6 +557,7 @@ def run_cell(cell: Cell, seed: int, work: Path | None = None) -> Result:
             verdict, cost, accounts = _run(run)
         except Exception as e:
             verdict, cost, accounts = f"FAIL: {type(e).__name__}: {e}", None, ""
+            (run.work / "bench-error.txt").write_text(traceback.format_exc())  # kept with the logs below
         finally:
             (run.work / "client.log").write_text("\n".join(run.client_lines) + "\n")
             for node in run.nodes:
@@ -554,8 +568,8 @@ def run_cell(cell: Cell, seed: int, work: Path | None = None) -> Result:
             _cleanup_queue(run)
             if run.proxy is not None:
                 run.proxy.stop()
-            if run.mosquitto is not None:
-                run.mosquitto.cleanup()
+            if run.broker is not None:
+                run.broker.cleanup()
             run.redis.cleanup()
         kept = ""
         if verdict.startswith("FAIL"):  # the logs outlive the cell, to read why
@@ -567,9 +581,9 @@ def run_cell(cell: Cell, seed: int, work: Path | None = None) -> Result:
 def _run(run: Run) -> tuple[str, float | None, str]:
     cell, algorithm, fault = run.cell, ALGORITHMS[run.cell.algorithm], FAULTS[run.cell.fault]
     run.redis.start()
-    if cell.fault == "broker-restart" and cell.queue == "mqtt":
-        run.mosquitto = PrivateMosquitto()
-        run.mosquitto.start()
+    if cell.fault == "broker-restart" and cell.queue in ("mqtt", "amqp"):
+        run.broker = PrivateMosquitto() if cell.queue == "mqtt" else PrivateRabbitMQ()
+        run.broker.start()
     board = run.board()
     trainer_url = run.url
     if cell.fault == "partition":

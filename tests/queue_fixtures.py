@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tests.conftest import port_open
 
@@ -69,9 +71,20 @@ class PrivateServer:
     def command(self) -> list[str]:
         raise NotImplementedError
 
-    def start(self, timeout: float = 10.0) -> None:
+    start_timeout = 10.0
+    """seconds it may take to answer on its port"""
+    own_session = False
+    """started in a session (and process group) of its own, which :meth:`stop` ends whole"""
+
+    def environment(self) -> dict[str, str]:
+        """Variables its process starts with, beyond this one's."""
+        return {}
+
+    def start(self, timeout: float | None = None) -> None:
+        timeout = self.start_timeout if timeout is None else timeout
         log = open(self.dir / f"{self.name}.log", "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
+                                     env={**os.environ, **self.environment()}, start_new_session=self.own_session)
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port, timeout=0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -153,6 +166,68 @@ class PrivateMosquitto(PrivateServer):
         return ["mosquitto", "-c", str(conf)]
 
 
+class PrivateRabbitMQ(PrivateServer):
+    """A RabbitMQ node of its own (its own name, port, distribution port, data and config; the machine's
+    epmd and Erlang cookie shared), so that a test may restart or stop it. Its data directory survives
+    :meth:`restart`: durable queues and persistent messages come back, as on a restarted production node.
+    It takes seconds to start (Erlang boots, then the node)."""
+
+    name = "rabbitmq"
+    start_timeout = 120.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dist_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    def environment(self) -> dict[str, str]:
+        (self.dir / "rabbitmq.conf").write_text(f"listeners.tcp.local = 127.0.0.1:{self.port}\n"
+                                                "loopback_users = none\n")
+        (self.dir / "enabled_plugins").write_text("[].\n")
+        (self.dir / "rabbitmq-env.conf").write_text("")
+        return {
+            "RABBITMQ_NODENAME": f"srl{self.port}@localhost",
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
+            "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+            "RABBITMQ_PID_FILE": str(self.dir / "rabbitmq.pid"),
+        }
+
+    def command(self) -> list[str]:
+        return ["rabbitmq-server"]
+
+    own_session = True  # rabbitmq-server runs the node under su and sh: SIGTERM to it stops nothing
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM: the node stops as ``rabbitmqctl stop`` stops it (it writes what it holds); any other
+        signal: every process of it is killed at once. Either way, returns once its port is closed."""
+        if self.proc is None:
+            return
+        if sig == signal.SIGTERM and self.proc.poll() is None:
+            subprocess.run(["rabbitmqctl", "-n", self.environment()["RABBITMQ_NODENAME"], "stop"],
+                           env={**os.environ, **self.environment()}, capture_output=True, timeout=120)
+        with contextlib.suppress(OSError, ValueError):  # the Erlang VM (su runs it in a session of its own)
+            os.kill(int((self.dir / "rabbitmq.pid").read_text().split()[0]), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while port_open("127.0.0.1", self.port, timeout=0.2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.proc = None
+
+
 @contextlib.contextmanager
 def redis_refusing(admin: redis.Redis, refusal: str) -> Iterator[None]:
     """Make the Redis behind ``admin`` answer ``refusal`` (OOM, READONLY, BUSY) to what it would refuse so
@@ -165,8 +240,12 @@ def redis_refusing(admin: redis.Redis, refusal: str) -> Iterator[None]:
     elif refusal == "READONLY":
         admin.execute_command("REPLICAOF", "127.0.0.1", closed_port())  # a primary that never answers
     else:
+        time_limit = admin.config_get("lua-time-limit").get("lua-time-limit", "5000")
         admin.config_set("lua-time-limit", 100)
-        stuck = redis.Redis(port=admin.get_connection_kwargs()["port"])
+        # no socket timeout and no retry: redis-py (8.x: 5 s, 3 retries) would time the script out, send it
+        # again on a new connection, meet BUSY and end this thread, and the first would spin for ever
+        stuck = redis.Redis(port=admin.get_connection_kwargs()["port"], socket_timeout=None,
+                            retry=Retry(NoBackoff(), 0))
 
         def spin() -> None:
             with contextlib.suppress(redis.ResponseError):  # "Script killed by user": how it ends
@@ -199,6 +278,7 @@ def redis_refusing(admin: redis.Redis, refusal: str) -> Iterator[None]:
             while busy.is_alive() and not _killed_a_script(admin) and time.monotonic() < deadline:
                 time.sleep(0.02)
             busy.join(30)
+            admin.config_set("lua-time-limit", time_limit)
 
 
 def _killed_a_script(admin: redis.Redis) -> bool:

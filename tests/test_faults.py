@@ -55,6 +55,8 @@ def test_a_cell_of_the_fault_matrix_ends_with_nothing_lost(cell: faults.Cell) ->
             broker_unavailable(what, "127.0.0.1", port)
     if cell.fault == "broker-restart" and cell.queue == "mqtt":
         require_tool("mosquitto", "a private Mosquitto to restart")
+    if cell.fault == "broker-restart" and cell.queue == "amqp":
+        require_tool("rabbitmq-server", "a private RabbitMQ node to restart")
     result = faults.run_cell(cell, SEED)
     # "pass (the run ended before ...)": the run reached its budget with the fault in it, on its own
     assert result.verdict.startswith("pass"), (f"{result.row()}\n  accounts: {result.accounts}\n  logs: {result.logs}\n"
