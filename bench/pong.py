@@ -26,7 +26,8 @@ Columns per mode:
   wall s           from submitting the task to its end (the processes' start included, as for the peer)
   trained/s        trained-on agent steps per wall second; frames/s is 4x that
   stale            rows refused as too old for the learner (async PPO's ``max_policy_lag``)
-  stalled          seconds the actors waited: on a full queue, and (sync) for the next params, summed
+  stalled          seconds the actors waited, summed: on a full queue, for the next params (sync), or at
+                   their lead on the learner (async: rate-limited)
   lag p50/p95      the policy lag of the rows trained on, in train steps (the trainer's last report)
   GPU util         mean of ``nvidia-smi``'s utilization over the run ("-": no nvidia-smi)
   eval             mean return of ``--eval-episodes`` greedy episodes of the final params (-21..21)
@@ -161,7 +162,7 @@ def srl_run(sync: bool, actors: int, envs: int, budget: int, eval_episodes: int,
     # PPO publishes a version per update (train_count counts its gradient steps: epochs x minibatches each)
     updates = 0 if status is None else max(0, status.params_version - DataPath.FIRST_VERSION)
     trained_on = max(0, min(runner.env_steps, updates * update_rows) - (0 if sync else stale))
-    stalled = sum(a.backpressure_wait_s + a.sync_wait_s for a in snapshot.reports.actors.values())
+    stalled = sum(a.backpressure_wait_s + a.sync_wait_s + a.rate_limited_s for a in snapshot.reports.actors.values())
     lag = "-" if trainer is None or trainer.lag_steps_p50 is None else \
         f"{trainer.lag_steps_p50:g}/{trainer.lag_steps_p95:g}"
     print(f"{name}: evaluating over {eval_episodes} episodes ...", flush=True)

@@ -291,3 +291,24 @@ def test_a_learner_bound_asynchronous_run_refuses_no_row_as_stale(
     assert counters.get("stale_rows", 0) == 0, (counters, reports.trainer, actor.output()[-3000:])
     assert reports.trainer.lag_max <= 6
     assert reports.actors[0].rate_limited_s > 0, reports.actors[0]  # it waited for the learner
+
+
+def test_an_asynchronous_run_with_an_actor_slot_left_empty_still_reaches_its_budget(
+    redis_url: str, namespace: str, tmp_path: Path, nodes: list[Node]
+) -> None:
+    """Asynchronous PPO's update takes the segments of whoever is there: one actor of two slots (the other
+    never started) makes every update's segments. Paced on its lead, it counts the actors there, not the
+    slots, or it would make its half-share of a few versions and wait for ever for a learner waiting for it."""
+    config = ppo.Config(seed=0, envs_per_actor=4, segment_length=32, sync=False)
+    runner = srl.Runner("CartPole-v1", config)
+    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
+                          max_steps=8_000)
+    client.start()
+    board = board_for(redis_url, namespace)
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    start(nodes, "actor", redis_url, namespace, tmp_path)
+    client.join(240)
+    assert not client.is_alive(), f"the run did not end: {board.get_status()}, {board.get_all_stats()}"
+    assert client.error is None, client.error
+    status = board.get_status()
+    assert status is not None and status.status == TaskState.END and status.params_version > 8, status

@@ -198,11 +198,13 @@ class ActorRun:
         # (their steps since their last count) is a short time's worth
         self._near = self._near or pacing.budget_within(self.env_steps, 2 * self._last_rate * opts.heartbeat_interval,
                                                         self.task.actor_num)
-        # elastic actors under a replay ratio look who is there every few beats: every beat while few are, so
-        # that the board answers about TOTAL_ASKERS such looks a heartbeat however many come
+        # elastic actors under a replay ratio, and any under an asynchronous lead (shares of empty slots would
+        # stall it), look who is there every few beats: every beat while few are, so that the board answers
+        # about TOTAL_ASKERS such looks a heartbeat however many come
         cadence = math.ceil(max(1.0, pacing.stepping / TOTAL_ASKERS))
-        paced = pacing.paced
-        if self.task.elastic_actors and ((self._near and answer.total is not None) or (paced and turn % cadence == 0)):
+        elastic = self.task.elastic_actors
+        looks = pacing.paced and (elastic or self.data_path.lead_versions is not None) and turn % cadence == 0
+        if (elastic and self._near and answer.total is not None) or looks:
             # one MGET, spaced so that the board gets about TOTAL_ASKERS such looks a heartbeat fleet-wide
             pacing.saw_actors(tuple(self.board.lease_holders([f"actor:{i}" for i in range(self.task.actor_num)])))
 
