@@ -271,14 +271,21 @@ def inject_zombie(run: Run) -> None:
         node.signal(signal.SIGCONT)
 
 
+MALFORMED = 10
+"""messages the malformed fault puts: more than a queue holds at the client's default capacity (8 batches),
+so that a refused message keeping its place in the queue's accounts (a backpressure leak) would stall the
+actors, not pass unseen"""
+
+
 def inject_malformed(run: Run) -> None:
-    """Put a message that is no batch into the task's queue; the trainer must count it, log it, ack it
-    and go on."""
+    """Put messages that are no batch into the task's queue; the trainer must count each, log it, ack it
+    and go on, and the actors must not lose their room in the queue to them."""
     with open_queue(run.queue_url, namespace=run.task, role="producer", redis_params=run.redis_params) as queue:
-        queue.put_many([b"not an srl batch: " + os.urandom(16)])
-    run.injected += 1
+        queue.put_many([b"not an srl batch: " + os.urandom(16) for _ in range(MALFORMED)])
+    run.injected += MALFORMED
     board = run.board()
-    until(run, lambda: board.get_counters().get("bad_messages", 0) >= 1, 60, "the trainer refused the message")
+    until(run, lambda: board.get_counters().get("bad_messages", 0) >= MALFORMED, 60,
+          f"the trainer refused the {MALFORMED} messages")
 
 
 def inject_elastic(run: Run) -> None:
