@@ -273,18 +273,7 @@ def test_a_learner_bound_asynchronous_run_refuses_no_row_as_stale(
     from srl.runner.distribution.node.stats import Reports
 
     config = ppo.Config(seed=0, envs_per_actor=4, segment_length=32, epochs=100, sync=False, max_policy_lag=6)
-    runner = srl.Runner("CartPole-v1", config)
-    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=1,
-                          max_steps=12_000)
-    client.start()
-    board = board_for(redis_url, namespace)
-    start(nodes, "trainer", redis_url, namespace, tmp_path)
-    actor = start(nodes, "actor", redis_url, namespace, tmp_path)
-    client.join(240)
-    assert not client.is_alive(), f"the run did not end: {board.get_status()}"
-    assert client.error is None, client.error
-    status = board.get_status()
-    assert status is not None and status.status == TaskState.END, status
+    board, actor = _one_actor_to_the_end(config, 1, 12_000, redis_url, namespace, tmp_path, nodes)
     counters = board.get_counters()
     reports = Reports.read(board)
     assert reports.trainer is not None and reports.trainer.lag_max is not None
@@ -300,15 +289,24 @@ def test_an_asynchronous_run_with_an_actor_slot_left_empty_still_reaches_its_bud
     never started) makes every update's segments. Paced on its lead, it counts the actors there, not the
     slots, or it would make its half-share of a few versions and wait for ever for a learner waiting for it."""
     config = ppo.Config(seed=0, envs_per_actor=4, segment_length=32, sync=False)
-    runner = srl.Runner("CartPole-v1", config)
-    client = ClientThread(runner, RedisParameters(url=redis_url, task_name=namespace), actor_num=2,
-                          max_steps=8_000)
+    board, _ = _one_actor_to_the_end(config, 2, 8_000, redis_url, namespace, tmp_path, nodes)
+    status = board.get_status()
+    assert status is not None and status.params_version > 8, status
+
+
+def _one_actor_to_the_end(config: ppo.Config, actor_num: int, max_steps: int, redis_url: str, namespace: str,
+                          tmp_path: Path, nodes: list[Node]) -> tuple[Board, Node]:
+    """A trainer and one actor process run ``config`` on CartPole for ``max_steps`` (``actor_num`` slots);
+    check the run ended END; the board and the actor's node."""
+    client = ClientThread(srl.Runner("CartPole-v1", config), RedisParameters(url=redis_url, task_name=namespace),
+                          actor_num=actor_num, max_steps=max_steps)
     client.start()
     board = board_for(redis_url, namespace)
     start(nodes, "trainer", redis_url, namespace, tmp_path)
-    start(nodes, "actor", redis_url, namespace, tmp_path)
+    actor = start(nodes, "actor", redis_url, namespace, tmp_path)
     client.join(240)
     assert not client.is_alive(), f"the run did not end: {board.get_status()}, {board.get_all_stats()}"
     assert client.error is None, client.error
     status = board.get_status()
-    assert status is not None and status.status == TaskState.END and status.params_version > 8, status
+    assert status is not None and status.status == TaskState.END, status
+    return board, actor
