@@ -300,10 +300,15 @@ def inject_elastic(run: Run) -> None:
 
 
 def inject_client_attach(run: Run) -> None:
-    """SIGKILL the client; the same call again attaches to the task and watches it to its end."""
+    """SIGKILL the client; the same call again attaches to the task and watches it to its end. A task that
+    ended while no client watched is replaced by the same call (attach=None submits a new task of this
+    config over an ended one, as documented): the cell notes it, and the new task's counts start over."""
     assert run.client_process is not None
     run.client_process.kill()
     run.client_process.wait(10)
+    status = run.board().get_status()
+    if status is not None and status.status.finished:
+        run.notes.append("the run ended before the same call came again, which submitted a new run over it")
     run.client = _thread_client(run)
     run.client.start()
 
@@ -491,7 +496,7 @@ def _thread_client(run: Run) -> ClientThread:
 
 def _sampler(run: Run, samples: Samples, stop: threading.Event) -> None:
     board = run.board()
-    last = (0, 0, 0)
+    last, task_id = (0, 0, 0), ""
     while not stop.wait(0.1):
         try:
             status = board.get_status()
@@ -499,6 +504,10 @@ def _sampler(run: Run, samples: Samples, stop: threading.Event) -> None:
             continue  # the board away (a restart, OOM does not refuse reads): sampled again next time
         if status is None:
             continue
+        if status.task_id != task_id:  # a new task of this name (client-attach after the end): its own counts
+            if task_id and not any("new run" in note for note in run.notes):
+                run.notes.append("a new run of this name replaced the ended one")
+            last, task_id = (0, 0, 0), status.task_id
         now = (status.train_count, status.params_epoch, status.params_version)
         samples.times.append((time.monotonic(), status.train_count))
         if now[0] < last[0]:
