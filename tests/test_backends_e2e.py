@@ -125,7 +125,12 @@ def test_stalled_trainer_backpressure_blocks_and_loses_nothing(
         wait_for(lambda: lease_holder_pid(board, "trainer") == nodes[0].proc.pid, 30, "the trainer")
         wait_for(lambda: (s := board.get_status()) and s.params_version >= 1, 30, "its first params")
         nodes[0].signal(signal.SIGSTOP)
-        nodes += [Node("actor", redis_url, namespace, tmp_path, "--run-once", *queue_args) for _ in range(actor_num)]
+        # --send-ahead 0: each actor sends its own batches, so the bound below is exact. With a sending thread
+        # (the default) an actor may keep what two puts' round trips carry in transit beyond the capacity
+        # (Sender.in_transit): 0 on an idle loopback, but a Pub/Sub emulator slowed by a loaded machine
+        # measured 1 and the queue held 9 of a bound of 8
+        nodes += [Node("actor", redis_url, namespace, tmp_path, "--run-once", "--send-ahead", "0", *queue_args)
+                  for _ in range(actor_num)]
 
         def in_flight() -> float:
             counters = board.get_counters()
