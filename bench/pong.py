@@ -153,8 +153,8 @@ def srl_run(sync: bool, actors: int, envs: int, budget: int, eval_episodes: int,
         runner.train_distribution(params, actor_num=actors, max_steps=budget, timeout=timeout,
                                   progress_interval=30.0, local_processes=True)
         wall = time.perf_counter() - started
-        snapshot = BoardSnapshot.read(Board(params.connect(), params.task_name), actors)
-        status = Board(params.connect(), params.task_name).get_status()
+        board = Board(params.connect(), params.task_name)
+        snapshot, status = BoardSnapshot.read(board, actors), board.get_status()
     trainer = snapshot.reports.trainer
     stale = int(snapshot.counters.get("stale_rows", 0))
     resolved = config.resolved(runner.spec)

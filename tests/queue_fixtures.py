@@ -174,22 +174,24 @@ class PrivateRabbitMQ(PrivateServer):
 
     name = "rabbitmq"
     start_timeout = 120.0
+    own_session = True  # rabbitmq-server runs the node under su and sh: SIGTERM to it stops nothing
 
     def __init__(self) -> None:
         super().__init__()
         self.dist_port = free_port()
+        self.node = f"srl{self.port}@localhost"
+        (self.dir / "rabbitmq.conf").write_text(f"listeners.tcp.local = 127.0.0.1:{self.port}\n"
+                                                "loopback_users = none\n")
+        (self.dir / "enabled_plugins").write_text("[].\n")
+        (self.dir / "rabbitmq-env.conf").write_text("")
 
     @property
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
 
     def environment(self) -> dict[str, str]:
-        (self.dir / "rabbitmq.conf").write_text(f"listeners.tcp.local = 127.0.0.1:{self.port}\n"
-                                                "loopback_users = none\n")
-        (self.dir / "enabled_plugins").write_text("[].\n")
-        (self.dir / "rabbitmq-env.conf").write_text("")
         return {
-            "RABBITMQ_NODENAME": f"srl{self.port}@localhost",
+            "RABBITMQ_NODENAME": self.node,
             "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
             "RABBITMQ_NODE_PORT": str(self.port),
             "RABBITMQ_DIST_PORT": str(self.dist_port),
@@ -206,15 +208,13 @@ class PrivateRabbitMQ(PrivateServer):
     def command(self) -> list[str]:
         return ["rabbitmq-server"]
 
-    own_session = True  # rabbitmq-server runs the node under su and sh: SIGTERM to it stops nothing
-
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """SIGTERM: the node stops as ``rabbitmqctl stop`` stops it (it writes what it holds); any other
         signal: every process of it is killed at once. Either way, returns once its port is closed."""
         if self.proc is None:
             return
         if sig == signal.SIGTERM and self.proc.poll() is None:
-            subprocess.run(["rabbitmqctl", "-n", self.environment()["RABBITMQ_NODENAME"], "stop"],
+            subprocess.run(["rabbitmqctl", "-n", self.node, "stop"],
                            env={**os.environ, **self.environment()}, capture_output=True, timeout=120)
         with contextlib.suppress(OSError, ValueError):  # the Erlang VM (su runs it in a session of its own)
             os.kill(int((self.dir / "rabbitmq.pid").read_text().split()[0]), signal.SIGKILL)

@@ -74,11 +74,11 @@ class Pacing:
 
     def saw_actors(self, holders: tuple[str | None, ...]) -> None:
         """Elastic actors (and an asynchronous path's lead, whatever the task): who holds the task's slots now.
-        Their count is the actors supposed to step. When they
-        changed, this actor's rate limit starts over from where it stands, with its share of a warmup among
-        those there: the shares of the replay ratio were cut for as many actors as there were, so a newcomer's
-        share taken from what the others had been allowed, or what one that left was allowed and did not send,
-        would leave the trainer short of rows, and every actor waiting, for ever."""
+        Their count is the actors supposed to step. When they changed, this actor's rate limit starts over
+        from where it stands, with its share of a warmup among those there: the shares of the replay ratio
+        were cut for as many actors as there were, so a newcomer's share taken from what the others had been
+        allowed, or what one that left was allowed and did not send, would leave the trainer short of rows,
+        and every actor waiting, for ever."""
         there = max(1, sum(holder is not None for holder in holders))
         with self._lock:
             changed = self._holders is not None and holders != self._holders
