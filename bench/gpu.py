@@ -35,6 +35,15 @@ Inference (central inference's server, SEED RL): IMPALA's Nature CNN on Pong fra
 server runs for 4 actors x 8 envs joined (``policy_inputs`` of each actor's worker, one ``policy``, each
 worker's ``act_with``), as inference steps/s (envs acted for per second) on the CPU and on CUDA, and their ratio.
 
+Learner options (``compute``): each of ``RLConfig``'s learner options alone and then together, on the CPU and on
+CUDA: ``draw_ahead`` (a replay learner's next batch drawn on a side thread while the current step runs),
+``torch_compile`` and ``autocast_bf16``. DQN's train steps/s (the learner above: an MLP, a proportional memory;
+``draw_ahead`` off in its "plain" row, as the CPU's default) and IMPALA's updates/s on Pong (the Nature CNN, 8
+segments of 16 steps; a segment learner draws in line, so its "all three" row is compile and bf16). The
+compile rows leave the compiler's time in the ``--warmup`` steps (DQN) and the 5 untimed updates (IMPALA).
+
+    python bench/gpu.py --algorithms compute
+
 Without CUDA the CUDA rows say so and the CPU rows still run. Quote ratios from one run.
 """
 
@@ -56,19 +65,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import srl
 from srl.algorithms import dqn, impala, ppo, r2d2, sac
 from srl.base.rollout import Rollout
+from srl.rl import ahead
 
 ENV = "Pendulum-v1"
+SECTIONS = ("dqn", "ppo", "impala", "r2d2", "sac", "inference", "compute")
 
 
 def make_learner(device: str, hidden: tuple[int, ...], batch: int, memory_rows: int,
-                 threads: int = 1) -> dqn.DQNLearner:
-    """A DQN learner on ``device`` (``threads`` torch CPU threads) whose proportional memory holds
-    ``memory_rows`` valid random rows."""
-    warmup_size = max(batch, 1000)
-    if memory_rows < warmup_size:  # the learner would not train at all and every row would read 0 steps/s
-        raise SystemExit(f"--memory {memory_rows} is below the learner's warm-up of {warmup_size} rows")
+                 threads: int = 1, **options: bool) -> dqn.DQNLearner:
+    """A DQN learner on ``device`` (``threads`` torch CPU threads; ``options``: ``RLConfig``'s compute fields,
+    ``draw_ahead`` off unless given) whose proportional memory holds ``memory_rows`` valid random rows."""
+    warmup_size = min(max(batch, 1000), memory_rows)
+    if memory_rows < batch:  # the learner would not train at all and every row would read 0 steps/s
+        raise SystemExit(f"--memory {memory_rows} is below the batch of {batch} rows")
     config = dqn.Config(batch_size=batch, warmup_size=warmup_size, device=device, seed=0,
-                        torch_threads=threads)
+                        torch_threads=threads, **{"draw_ahead": False, **options})
     config.hidden_block.set_mlp(hidden)
     config.memory.set_proportional_memory(memory_rows)
     runner = srl.Runner(ENV, config)
@@ -94,16 +105,16 @@ def make_learner(device: str, hidden: tuple[int, ...], batch: int, memory_rows: 
 @contextmanager
 def pageable_copies() -> Iterator[None]:
     """The learner's copies as a plain ``.to(device)`` instead of srl's pinned, non-blocking ones."""
-    pinned = dqn.to_device
+    pinned = ahead.to_device
 
     def plain(array: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
-    dqn.to_device = plain
+    ahead.to_device = plain
     try:
         yield
     finally:
-        dqn.to_device = pinned
+        ahead.to_device = pinned
 
 
 def steps_per_second(trainer: dqn.DQNLearner, seconds: float, warmup: int) -> float:
@@ -189,6 +200,65 @@ def calls_per_second(step: Callable[[], object], device: str, seconds: float) ->
     return count / (time.perf_counter() - t0)
 
 
+COMPUTE_OPTIONS: tuple[tuple[str, dict[str, bool]], ...] = (
+    ("plain", {}),
+    ("draw ahead", {"draw_ahead": True}),
+    ("torch.compile", {"torch_compile": True}),
+    ("bf16 autocast", {"autocast_bf16": True}),
+    ("all three", {"draw_ahead": True, "torch_compile": True, "autocast_bf16": True}),
+)
+"""the rows of the compute section: each of ``RLConfig``'s learner options alone, then together"""
+
+
+def pong_learner_rate(device: str, seconds: float, threads: int = 1, **options: bool) -> float:
+    """IMPALA's learner updates/s on Pong (the Nature CNN, ``batch_segments`` 8 of 16 steps of 4 stacked
+    84x84 frames): one update on the same segments again and again."""
+    config = impala.Config(seed=0, device=device, torch_threads=threads, envs_per_actor=8, **options)
+    runner = srl.Runner("ALE/Pong-v5", config)
+    spec, parameter = runner.spec, runner.parameter
+    worker = config.make_worker(spec, parameter, 0, 1, 0)
+    buffer = config.make_buffer(spec)
+    trainer = config.make_learner(spec, parameter, buffer)
+    segments = []
+    with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
+        while sum(len(s["version"]) for s in segments) < config.batch_segments:
+            rollout.step()
+            if (rows := worker.take()) is not None:
+                segments.append(rows)
+
+    def update() -> object:
+        while (stats := trainer.train()) is None:
+            for rows in segments:
+                buffer.add(rows)
+        return stats
+
+    return calls_per_second(update, device, seconds)
+
+
+def compute_rows(devices: list[str], hidden: tuple[int, ...], batch: int, memory_rows: int, seconds: float,
+                 warmup: int, repeat: int, threads: int) -> None:
+    """The learner options (``draw_ahead``, ``torch_compile``, ``autocast_bf16``) on and off, on each device:
+    DQN's train steps/s (replay, an MLP) and IMPALA's updates/s on Pong (segments, the Nature CNN)."""
+    print(f"\nLearner options: DQN ({ENV} shapes, hidden {hidden}, batch {batch}, proportional memory of "
+          f"{memory_rows:,} rows) and IMPALA on Pong (Nature CNN, 8 segments x 16 steps); torch {torch.__version__}")
+    print(f"{'device, options':<30} {'DQN steps/s':>12} {'÷ plain':>8} {'IMPALA upd/s':>13} {'÷ plain':>8}")
+    for device in devices:
+        dqn_plain = pong_plain = 0.0
+        for label, options in COMPUTE_OPTIONS:
+            trainer = make_learner(device, hidden, batch, memory_rows, threads=threads, **options)
+            dqn_rate = statistics.median(steps_per_second(trainer, seconds, warmup) for _ in range(repeat))
+            trainer.batches.close()
+            dqn_plain = dqn_plain or dqn_rate
+            pong = "-"
+            ratio = "-"
+            segment_options = {k: v for k, v in options.items() if k != "draw_ahead"}  # a segment learner draws in line
+            if segment_options or not options:
+                pong_rate = pong_learner_rate(device, seconds, threads, **segment_options)
+                pong_plain = pong_plain or pong_rate
+                pong, ratio = f"{pong_rate:,.2f}", f"{pong_rate / pong_plain:.2f}"
+            print(f"{device + ', ' + label:<30} {dqn_rate:>12,.0f} {dqn_rate / dqn_plain:>8.2f} {pong:>13} {ratio:>8}")
+
+
 def inference_rate(device: str, seconds: float, threads: int = 1, actors: int = 4, envs: int = 8) -> float:
     """Envs acted for per second by a central inference server's batch on ``device``: ``actors`` workers of
     ``envs`` envs each, their inputs joined into one forward pass of IMPALA's Nature CNN on Pong frames."""
@@ -219,17 +289,22 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first (default 200)")
     parser.add_argument("--repeat", type=int, default=3, help="windows per row; the median is printed (default 3)")
     parser.add_argument("--cpu-threads", default="1", help="torch CPU thread counts, comma-separated (default 1)")
-    parser.add_argument("--algorithms", default="dqn,ppo,impala,r2d2,sac,inference",
-                        help="comma-separated (default dqn,ppo,impala,r2d2,sac,inference)")
+    parser.add_argument("--algorithms", default=",".join(SECTIONS),
+                        help=f"comma-separated sections (default {','.join(SECTIONS)})")
     args = parser.parse_args()
     algorithms = args.algorithms.split(",")
-    unknown = sorted(set(algorithms) - {"dqn", "ppo", "impala", "r2d2", "sac", "inference"})
+    unknown = sorted(set(algorithms) - set(SECTIONS))
     if unknown:
-        parser.error(f"unknown algorithm(s) {unknown}; known: dqn, ppo, impala, r2d2, sac, inference")
+        parser.error(f"unknown algorithm(s) {unknown}; known: {', '.join(SECTIONS)}")
     hidden = tuple(int(x) for x in args.hidden.split(","))
     threads = [int(x) for x in args.cpu_threads.split(",")]
 
     cuda = torch.cuda.is_available()
+    if "compute" in algorithms:
+        compute_rows(["cpu", "cuda"] if cuda else ["cpu"], hidden, args.batch, args.memory, args.seconds,
+                     args.warmup, args.repeat, threads[0])
+        if not cuda:
+            print("cuda: torch sees no CUDA device here")
     if "inference" in algorithms:
         print(f"\nCentral inference: IMPALA's Nature CNN on Pong frames, 4 actors x 8 envs per forward pass; "
               f"torch {torch.__version__}")
@@ -256,7 +331,7 @@ def main() -> int:
                   f"{torch.cuda.get_device_name(0)}")
         else:
             print(f"{'cuda':<22} {'-':>12} {'-':>14}  torch sees no CUDA device here")
-    for algorithm in (a for a in algorithms if a not in ("dqn", "inference", "sac")):
+    for algorithm in (a for a in algorithms if a not in ("dqn", "inference", "sac", "compute")):
         print(f"\n{algorithm.upper()} on CartPole-v1, hidden {hidden}; torch {torch.__version__}")
         print(f"{'device':<22} {'act calls/s':>12} {'updates/s':>10}  note")
         per_update = r2d2.Config().batch_size if algorithm == "r2d2" else 0

@@ -58,6 +58,7 @@ from srl.base.rl import (
     torch_to_arrays,
 )
 from srl.base.schema import Column, Schema
+from srl.rl.ahead import DeviceSample, LearnerCompute, sample_to_device
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
 from srl.rl.memories.frames import (
@@ -753,6 +754,9 @@ class DQNStats(TrainStats):
     """steps skipped so far because the loss was NaN or infinite"""
 
 
+_BATCH_COLUMNS = ("obs", "next_obs", "action", "reward", "discount")
+
+
 class DQNLearner(Learner):
     """One gradient step per ``train()``: sample, the ``loss`` setting's TD loss weighted by importance,
     priority update."""
@@ -775,6 +779,12 @@ class DQNLearner(Learner):
         self.train_count = 0
         self.nonfinite_losses = 0
         self._average_floor = 0.0
+        self.compute = LearnerCompute.of(config, self.device)
+        self.compute.prepare([parameter.q, self.target])
+        self.batches = self.compute.ahead(self._draw)
+
+    def _draw(self) -> DeviceSample:
+        return sample_to_device(self.memory.sample(self.config.batch_size), self.device, _BATCH_COLUMNS)
 
     def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         """The greedy average spans at most the last quarter of the planned train steps (``max_train_count``,
@@ -799,31 +809,28 @@ class DQNLearner(Learner):
     def train(self) -> DQNStats | None:
         if len(self.memory) < self.config.warmup_size:
             return None
-        sample = self.memory.sample(self.config.batch_size)
-        b, dev = sample.batch, self.device
-        obs = to_device(b["obs"], dev)
-        next_obs = to_device(b["next_obs"], dev)
-        action = to_device(b["action"], dev)
-        reward = to_device(b["reward"], dev)
-        discount = to_device(b["discount"], dev)
-        weights = to_device(sample.weights, dev)
+        sample = self.batches.take()
+        b, weights = sample.columns, sample.weights
+        obs, next_obs, action = b["obs"], b["next_obs"], b["action"]
 
         q_net = self.parameter.q
-        q_all = q_net(torch.cat([obs, next_obs]))
-        q, q_online_next = q_all[: len(obs)], q_all[len(obs) :].detach()
-        q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
         config = self.config
-        with torch.no_grad():
-            if config.advantage_learning > 0.0:
-                q_target_all = self.target(torch.cat([obs, next_obs]))
-                q_target_next = q_target_all[len(obs) :]
-                gap = action_gap(q_target_all[: len(obs)], action, config.advantage_learning, config.value_rescale)
-            else:
-                q_target_next, gap = self.target(next_obs), None
-            target = td_targets(q_online_next, q_target_next, reward, discount, config.double_q,
-                                config.value_rescale, gap)
-        td = target - q_sa
-        loss = (weights * LOSSES[self.config.loss](q_sa, target, reduction="none")).mean()
+        with self.compute.autocast():
+            q_all = q_net(torch.cat([obs, next_obs])).float()
+            q, q_online_next = q_all[: len(obs)], q_all[len(obs) :].detach()
+            q_sa = q.gather(1, action.unsqueeze(1)).squeeze(1)
+            with torch.no_grad():
+                if config.advantage_learning > 0.0:
+                    q_target_all = self.target(torch.cat([obs, next_obs])).float()
+                    q_target_next = q_target_all[len(obs) :]
+                    gap = action_gap(q_target_all[: len(obs)], action, config.advantage_learning,
+                                     config.value_rescale)
+                else:
+                    q_target_next, gap = self.target(next_obs).float(), None
+                target = td_targets(q_online_next, q_target_next, b["reward"], b["discount"], config.double_q,
+                                    config.value_rescale, gap)
+            td = target - q_sa
+            loss = (weights * LOSSES[self.config.loss](q_sa, target, reduction="none")).mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The loss and |TD| reach the host in one copy, after the backward pass is queued: on CUDA each

@@ -45,6 +45,7 @@ from srl.rl.actor_critic import (
     segment_rewards,
     segment_states,
 )
+from srl.rl.ahead import LearnerCompute
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
@@ -243,6 +244,8 @@ class IMPALALearner(Learner):
         self.optimizer = make_adam(parameter.net.parameters(), config.lr, eps=config.adam_eps)
         self.train_count = 0
         self.anneal = LinearAnneal()
+        self.compute = LearnerCompute.of(config, self.device)
+        self.compute.prepare(parameter.net.encoders())
 
     def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         self.anneal.plan(max_steps, max_train_count, env_steps)
@@ -257,19 +260,21 @@ class IMPALALearner(Learner):
         lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         observations, last_obs = segment_observations(segments, self.parameter.frames)
-        if net.recurrent is not None:  # each segment unrolled from the state its actor started it with
-            obs = to_device(observations, dev)
-            h, c, resets = segment_states(segments, dev)
-            logprob, entropy, value, bootstrap = net.evaluate_bootstrapped(
-                obs, to_device(last_obs, dev), to_device(segments["action"], dev), h, c, resets)
-            bootstrap = bootstrap.detach()
-        else:
-            obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
-            action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
-            logprob, entropy, value = net.evaluate(obs, action)
-            logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
-            with torch.no_grad():
-                bootstrap = net.value(to_device(last_obs, dev))
+        with self.compute.autocast():  # the outputs back to float32 before V-trace and the losses use them
+            if net.recurrent is not None:  # each segment unrolled from the state its actor started it with
+                obs = to_device(observations, dev)
+                h, c, resets = segment_states(segments, dev)
+                logprob, entropy, value, bootstrap = net.evaluate_bootstrapped(
+                    obs, to_device(last_obs, dev), to_device(segments["action"], dev), h, c, resets)
+                bootstrap = bootstrap.detach()
+            else:
+                obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
+                action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
+                logprob, entropy, value = net.evaluate(obs, action)
+                logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
+                with torch.no_grad():
+                    bootstrap = net.value(to_device(last_obs, dev))
+        logprob, entropy, value, bootstrap = logprob.float(), entropy.float(), value.float(), bootstrap.float()
         behaviour = to_device(segments["logprob"], dev)
         rewards = to_device(segment_rewards(segments), dev)  # the env's and a time limit's bootstrap
         discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())

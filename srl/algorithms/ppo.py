@@ -61,6 +61,7 @@ from srl.rl.actor_critic import (
     segment_rewards,
     segment_states,
 )
+from srl.rl.ahead import LearnerCompute
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
@@ -283,6 +284,8 @@ class PPOLearner(Learner):
         self.return_rms = RunningMeanStd(())
         self.train_count = 0
         self.anneal = LinearAnneal()
+        self.compute = LearnerCompute.of(config, self.device)
+        self.compute.prepare(parameter.net.encoders())
 
     def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         """The run's budget: the learning rate and the clip range anneal to 0 over ``max_steps`` env steps
@@ -376,14 +379,16 @@ class PPOLearner(Learner):
             order = torch.randperm(batch, device=dev)
             for start in range(0, batch, minibatch):
                 idx = order[start : start + minibatch]
-                if recurrent:
-                    logprob, entropy, value = net.evaluate_sequence(
-                        obs[idx], action.view(n, horizon, *action.shape[1:])[idx], h[idx],
-                        None if c is None else c[idx], resets[idx])
-                    logprob, entropy, value = logprob.reshape(-1), entropy.reshape(-1), value.reshape(-1)
-                    idx = (idx.unsqueeze(1) * horizon + torch.arange(horizon, device=dev)).reshape(-1)
-                else:
-                    logprob, entropy, value = net.evaluate(obs[idx], action[idx])
+                with self.compute.autocast():  # the outputs back to float32 before the losses use them
+                    if recurrent:
+                        logprob, entropy, value = net.evaluate_sequence(
+                            obs[idx], action.view(n, horizon, *action.shape[1:])[idx], h[idx],
+                            None if c is None else c[idx], resets[idx])
+                        logprob, entropy, value = logprob.reshape(-1), entropy.reshape(-1), value.reshape(-1)
+                        idx = (idx.unsqueeze(1) * horizon + torch.arange(horizon, device=dev)).reshape(-1)
+                    else:
+                        logprob, entropy, value = net.evaluate(obs[idx], action[idx])
+                logprob, entropy, value = logprob.float(), entropy.float(), value.float()
                 log_ratio = logprob - old_logprob[idx]
                 ratio = log_ratio.exp()
                 with torch.no_grad():

@@ -61,6 +61,7 @@ from srl.base.rl import (
 )
 from srl.base.schema import Column, Schema
 from srl.rl.actor_critic import segment_observation_columns, segment_observations, segment_states
+from srl.rl.ahead import DeviceSample, LearnerCompute
 from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
 from srl.rl.memories import Memory, MemoryConfig
 from srl.rl.memories.frames import check_stacks
@@ -455,6 +456,23 @@ class R2D2Learner(Learner):
         self.optimizer = make_adam(parameter.q.parameters(), config.lr, eps=1e-3)
         self.train_count = 0
         self.nonfinite_losses = 0
+        self.compute = LearnerCompute.of(config, self.device)
+        self.compute.prepare([parameter.q.body, self.target.body])  # the encoders: ``unroll`` is not a forward
+        self.batches = self.compute.ahead(self._draw)
+
+    def _draw(self) -> DeviceSample:
+        """A sample of sequences on the device: the L + 1 observations (stacks rebuilt from frames), the
+        recurrent state at each start and where the actor reset it, the action, reward and done after burn-in."""
+        sample, dev, burn = self.memory.sample(self.config.batch_size), self.device, self.config.burn_in
+        b = sample.batch
+        observations, last_obs = segment_observations(b, self.parameter.frames)
+        obs = torch.cat([to_device(observations, dev), to_device(last_obs, dev).unsqueeze(1)], dim=1)
+        h, c, resets = segment_states(b, dev)
+        columns = {"obs": obs, "state_h": h, "state_reset": torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1),
+                   **({} if c is None else {"state_c": c})}
+        for name in ("action", "reward", "done"):
+            columns[name] = to_device(np.ascontiguousarray(b[name][:, burn:]), dev)
+        return DeviceSample(columns, to_device(sample.weights, dev), sample.indices, sample.generations)
 
     def sync_target(self) -> None:
         self.target.load_state_dict(self.parameter.q.state_dict())
@@ -469,39 +487,34 @@ class R2D2Learner(Learner):
         torch_from_arrays({"target": self.target}, dict(arrays))
 
     def train(self) -> R2D2Stats | None:
-        config, dev = self.config, self.device
+        config = self.config
         if len(self.memory) < config.warmup_size:
             return None
-        sample = self.memory.sample(config.batch_size)
-        b = sample.batch
-        observations, last_obs = segment_observations(b, self.parameter.frames)
-        obs = torch.cat([to_device(observations, dev), to_device(last_obs, dev).unsqueeze(1)], dim=1)
-        h, c, resets = segment_states(b, dev)
-        resets = torch.cat([resets, torch.zeros_like(resets[:, :1])], dim=1)  # L + 1 observations
+        sample = self.batches.take()
+        b = sample.columns
+        obs, h, c, resets = b["obs"], b["state_h"], b.get("state_c"), b["state_reset"]
         burn = config.burn_in
         q_net = self.parameter.q
-        with torch.no_grad():
-            if burn:
-                _, h_online, c_online = q_net.unroll(obs[:, :burn], h, c, resets[:, :burn])
-            else:
-                h_online, c_online = h, c
-            q_target = self.target.unroll(obs, h, c, resets)[0][:, burn:]
-        q_all = q_net.unroll(obs[:, burn:], h_online, c_online, resets[:, burn:])[0]  # (B, M + 1, A)
-        steps = q_all.shape[1] - 1
-        action = to_device(b["action"][:, burn:], dev)
-        q_sa = q_all[:, :steps].gather(2, action.unsqueeze(2)).squeeze(2)
-        with torch.no_grad():
-            returns, discount, index = n_step_targets(to_device(b["reward"][:, burn:], dev),
-                                                      to_device(b["done"][:, burn:], dev), config.gamma, config.n_step)
-            best = q_all.detach()[:, index].argmax(dim=2, keepdim=True)
-            next_q = q_target[:, index].gather(2, best).squeeze(2)
-            if config.value_rescale:
-                target = rescale(returns + discount * unrescale(next_q))
-            else:
-                target = returns + discount * next_q
-        td = target - q_sa
-        weights = to_device(sample.weights, dev)
-        loss = (weights * 0.5 * (td**2).mean(dim=1)).mean()
+        with self.compute.autocast():  # the Q-values back to float32 before the targets and the loss
+            with torch.no_grad():
+                if burn:
+                    _, h_online, c_online = q_net.unroll(obs[:, :burn], h, c, resets[:, :burn])
+                else:
+                    h_online, c_online = h, c
+                q_target = self.target.unroll(obs, h, c, resets)[0][:, burn:].float()
+            q_all = q_net.unroll(obs[:, burn:], h_online, c_online, resets[:, burn:])[0].float()  # (B, M + 1, A)
+            steps = q_all.shape[1] - 1
+            q_sa = q_all[:, :steps].gather(2, b["action"].unsqueeze(2)).squeeze(2)
+            with torch.no_grad():
+                returns, discount, index = n_step_targets(b["reward"], b["done"], config.gamma, config.n_step)
+                best = q_all.detach()[:, index].argmax(dim=2, keepdim=True)
+                next_q = q_target[:, index].gather(2, best).squeeze(2)
+                if config.value_rescale:
+                    target = rescale(returns + discount * unrescale(next_q))
+                else:
+                    target = returns + discount * next_q
+            td = target - q_sa
+            loss = (sample.weights * 0.5 * (td**2).mean(dim=1)).mean()
         if not torch.isfinite(loss):  # one diverged batch must not poison the weights
             self.nonfinite_losses += 1
             return R2D2Stats(loss=float("nan"), gradient_steps=0, nonfinite_losses=self.nonfinite_losses)

@@ -67,7 +67,8 @@ from srl.base.rl import (
     worker_generator,
 )
 from srl.base.schema import Column, Schema
-from srl.rl.blocks import MLPBlockConfig, make_adam, to_device
+from srl.rl.ahead import DeviceSample, LearnerCompute, sample_to_device
+from srl.rl.blocks import MLPBlockConfig, make_adam
 from srl.rl.memories import Memory, MemoryConfig
 from srl.rl.networks import EncoderConfig
 
@@ -424,6 +425,9 @@ class SACStats(TrainStats):
     """steps skipped so far because a loss was NaN or infinite"""
 
 
+_BATCH_COLUMNS = ("obs", "next_obs", "action", "reward", "discount")
+
+
 class SACLearner(Learner):
     """One step of the critics, the actor and the temperature per ``train()``; targets Polyak-averaged."""
 
@@ -448,6 +452,12 @@ class SACLearner(Learner):
         self.target_entropy = -float(dim) if config.target_entropy is None else config.target_entropy
         self.train_count = 0
         self.nonfinite_losses = 0
+        self.compute = LearnerCompute.of(config, self.device)
+        self.compute.prepare([nets.actor, nets.q1, nets.q2, self.target_q1, self.target_q2])
+        self.batches = self.compute.ahead(self._draw)
+
+    def _draw(self) -> DeviceSample:
+        return sample_to_device(self.memory.sample(self.config.batch_size), self.device, _BATCH_COLUMNS)
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"optimizer": self.optimizer, "actor_optimizer": self.actor_optimizer,
@@ -467,24 +477,24 @@ class SACLearner(Learner):
         config = self.config
         if len(self.memory) < config.warmup_size:
             return None
-        sample = self.memory.sample(config.batch_size)
-        b, dev = sample.batch, self.device
-        obs, next_obs = to_device(b["obs"], dev), to_device(b["next_obs"], dev)
-        action, reward = to_device(b["action"], dev), to_device(b["reward"], dev)
-        discount, weights = to_device(b["discount"], dev), to_device(sample.weights, dev)
+        sample = self.batches.take()
+        b, weights, dev = sample.columns, sample.weights, self.device
+        obs, next_obs, action = b["obs"], b["next_obs"], b["action"]
         nets = self.parameter.nets
         alpha = nets.log_alpha.detach().exp() if config.alpha is None else torch.tensor([config.alpha], device=dev)
 
-        with torch.no_grad():
-            next_action, next_logp = nets.actor.sample(next_obs)
-            next_q = torch.min(self.target_q1(next_obs, next_action), self.target_q2(next_obs, next_action))
-            target = reward + discount * (next_q - alpha * next_logp)
-        td1, td2 = target - nets.q1(obs, action), target - nets.q2(obs, action)
-        critic_loss = (weights * (td1.pow(2) + td2.pow(2))).mean()
-        new_action, logp = nets.actor.sample(obs)
-        q_new = torch.min(nets.q1(obs, new_action), nets.q2(obs, new_action))
-        actor_loss = (alpha * logp - q_new).mean()
-        alpha_loss = -(nets.log_alpha * (logp.detach() + self.target_entropy)).mean()
+        with self.compute.autocast():  # every network output back to float32 before the losses use it
+            with torch.no_grad():
+                next_action, next_logp = nets.actor.sample(next_obs)
+                next_q = torch.min(self.target_q1(next_obs, next_action), self.target_q2(next_obs, next_action))
+                target = b["reward"] + b["discount"] * (next_q.float() - alpha * next_logp.float())
+            td1, td2 = target - nets.q1(obs, action).float(), target - nets.q2(obs, action).float()
+            critic_loss = (weights * (td1.pow(2) + td2.pow(2))).mean()
+            new_action, logp = nets.actor.sample(obs)
+            logp = logp.float()
+            q_new = torch.min(nets.q1(obs, new_action), nets.q2(obs, new_action)).float()
+            actor_loss = (alpha * logp - q_new).mean()
+            alpha_loss = -(nets.log_alpha * (logp.detach() + self.target_entropy)).mean()
         # Every gradient from the same weights, before any step (the original implementation's order), so that
         # the losses, |TD| and the temperature reach the host in one copy: on CUDA each copy waits for the device
         for optimizer in self.optimizers().values():

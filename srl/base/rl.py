@@ -186,6 +186,16 @@ class RLConfig(Settings, ABC):
     """torch CPU threads per process (small nets run fastest on one)"""
     seed: int | None = None
     """seed for torch, numpy and the envs; None draws one"""
+    draw_ahead: bool | None = None
+    """a replay learner (DQN, R2D2, SAC) draws its next batch (the sample, the rows' copy to the device) on a
+    side thread while the current step runs, so the device does not wait for the host; its priorities are then
+    a step old. None: on where the learner runs on CUDA, off on the CPU"""
+    torch_compile: bool = False
+    """``torch.compile`` the learner's networks (their forward passes); the first steps wait for the compiler.
+    See ``bench/gpu.py`` for what it gains where"""
+    autocast_bf16: bool = False
+    """the learner's forward passes and losses under bf16 autocast (weights, gradients and the optimizer stay
+    float32). See ``bench/gpu.py`` for what it gains where"""
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -325,6 +325,11 @@ class ActorCritic(nn.Module):
             self.logstd = nn.Parameter(torch.zeros(1, self.splits[0]))
         self.actor_head = layer_init(nn.Linear(size, sum(self.splits)), std=0.01)
 
+    def encoders(self) -> list[nn.Module]:
+        """The modules that turn observations into features (what ``torch_compile`` compiles): the shared CNN,
+        or the actor's and the critic's MLP."""
+        return [self.shared] if self.shared is not None else [self.actor_body, self.critic_body]
+
     def prepare(self, obs: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             features: torch.Tensor = self.shared(obs)

@@ -352,8 +352,8 @@ class TrainerRun:
         self.ingest.start()
         for thread in board_threads:
             thread.start()
-        logger.info("trainer %s holds the lease at epoch %d on %s; train_count %d", opts.uid, self.epoch,
-                    self.device, self.learner.train_count)
+        logger.info("trainer %s holds the lease at epoch %d on %s (learner: %s); train_count %d", opts.uid,
+                    self.epoch, self.device, getattr(self.learner, "compute", "plain"), self.learner.train_count)
         self.learner.plan(self.task.max_steps, self.task.max_train_count, self.env_steps_total)
         self.publisher.request(self.learner.train_count)  # actors act with this trainer's weights from the start
         end_reason: str | None = None
