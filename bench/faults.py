@@ -62,6 +62,7 @@ from srl.rl.memories import MemoryConfig  # noqa: E402
 from srl.runner.distribution import RedisParameters  # noqa: E402
 from srl.runner.distribution.board.board import Board, TaskState  # noqa: E402
 from srl.runner.distribution.queues import open_queue  # noqa: E402
+from srl.runner.distribution.sending.in_flight import batches_given_back  # noqa: E402
 from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, tiny_config, wait_for  # noqa: E402
 from tests.partitions import LogLines  # noqa: E402
 from tests.queue_fixtures import PrivateMosquitto, PrivateRabbitMQ, PrivateRedis, redis_refusing  # noqa: E402
@@ -537,7 +538,7 @@ def balance(run: Run) -> tuple[bool, str]:
     """``sent + injected = received + refused + still queued``, from the board's counters."""
     counters = run.board().get_counters()
     sent = int(counters.get("sent_batches", 0)) + run.injected
-    received = int(counters.get("received_batches", 0))
+    received = int(counters.get("received_batches", 0)) - int(batches_given_back(counters))  # those are queued
     refused = int(counters.get("bad_messages", 0))
     duplicates = int(counters.get("duplicates", 0))
     depth = _queue_depth(run) if run.cell.queue in EXACT_DEPTH else None

@@ -893,6 +893,26 @@ def test_the_batch_accounts_count_refused_batches_not_every_bad_message(board: B
     assert summary_lines(board, status, elapsed=10.0, queued=3)[1] == accounts
 
 
+def test_batches_counted_and_given_back_to_the_queue_are_still_queued_in_the_accounts(board: Board) -> None:
+    """A trainer whose lease lapsed gave a read back whose count then landed: its batches are received and
+    still queued, and the board says so (``given_back_batches``), so the accounts balance; read again, they
+    are no longer given back."""
+    board.create_task(CONFIG, actor_num=1)
+    board.set_active()
+    board.incr_counters("actor:0", sent_batches=8)
+    board.incr_counters("trainer", received_batches=6, given_back_batches=1)
+    board.end_task("END", "done")
+    status = board.get_status()
+    assert status is not None
+    accounts = summary_lines(board, status, elapsed=10.0, queued=3)[1]
+    assert accounts.startswith("  batches: sent 8 = received 5 (and 1 more counted as received whose reads went back "
+                               "to the queue when a trainer's lease lapsed: still queued) + refused 0 + still queued 3"
+                               ) and accounts.endswith(": all accounted for"), accounts
+    assert history_row(board, None)["queue_in_flight"] == 3
+    board.incr_counters("trainer", given_back_batches=-1)  # read again, as a duplicate: no longer queued
+    accounts = summary_lines(board, status, elapsed=10.0, queued=2)[1]
+    assert accounts == "  batches: sent 8 = received 6 + refused 0 + still queued 2: all accounted for", accounts
+
 def test_a_progress_line_shows_every_slot_its_config_counts(board: Board) -> None:
     """A task whose config counts more actor slots than its record (created with another ``actor_num``) is
     shown with the config's slots, as before the view: their leases are read too."""

@@ -654,6 +654,51 @@ def test_the_read_window_grows_the_buffer_to_what_the_round_trip_needs_and_not_o
     assert buffer.capacity == 64  # a limit of its own size: never
 
 
+def test_reads_given_back_after_their_count_landed_are_counted_as_given_back_until_read_again(
+    namespace: str
+) -> None:
+    """Redis refuses writes (READONLY) while the trainer's read waits to be counted: its lease lapses by its
+    own clock and it gives the read back to the queue, unacked, while the count keeps trying. Redis writable
+    again, the trainer takes its lease back and the count lands: those batches are received *and* queued, so
+    the board counts them as given back (the accounts balance: sent = received + refused + still queued - given
+    back) until the trainer reads them again, as duplicates."""
+    from tests.conftest import require_tool
+    from tests.queue_fixtures import PrivateRedis, redis_refusing
+
+    require_tool("redis-server", "a private Redis to refuse writes")
+    if not port_open("127.0.0.1", 5672):
+        broker_unavailable("RabbitMQ", "127.0.0.1", 5672)
+    url = "amqp://guest:guest@127.0.0.1:5672/"
+    server = PrivateRedis()
+    server.start()
+    options = TrainerOptions(uid="t", secret="", lease_ttl=2.0, heartbeat_interval=0.5)
+    board, params, run, batch = trainer_run(server.url, namespace, url, "amqp", options)
+    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    try:
+        producer.put_many([batch("a", 0, 0), batch("b", 0, 8)])
+        with redis_refusing(redis.Redis(port=server.port), "READONLY"):
+            run.lease_guard.start()
+            run.ingest.start()  # reads both; the count waits for Redis; the lease lapses by the trainer's clock
+            wait_for(lambda: run.ingest.received_batches == 2, 60, "the trainer to read both batches")
+            wait_for(lambda: producer.depth() == 2, 60, "the trainer to give its read back to the queue")
+            assert board.get_counters().get("received_batches", 0) == 0
+        assert run.take_lease_back()
+        run.lease_guard.renewed(time.monotonic())  # what the board thread's next heartbeat does
+        wait_for(lambda: board.get_counters().get("duplicates", 0) == 2, 60,
+                 "the trainer to read its given-back batches again")
+        counters = board.get_counters()
+        assert run.ingest.given_back_batches == 2, "the count that landed after the read went back was not noticed"
+        assert counters["received_batches"] == 2 and counters.get("given_back_batches", 0) == 0, counters
+        assert producer.depth() == 0 and len(run.buffer) == 16  # their rows are in the buffer once
+    finally:
+        run.stop.set("test over")
+        run.ingest.join(10)
+        run.lease_guard.stop()
+        producer.destroy()
+        producer.close()
+        server.stop()
+
+
 def test_a_trainer_whose_lease_lapsed_gives_its_unacked_reads_back_to_the_queue(
     redis_url: str, namespace: str
 ) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from srl.runner.distribution.board.board import Board, InferenceAddress, Refusal, TaskStatus, TaskView
 from srl.runner.distribution.node.stats import ActorStats, InferenceStats, NodeStats, Reports, TrainerStats
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.sending.in_flight import batches_in_flight, batches_refused
+from srl.runner.distribution.sending.in_flight import batches_given_back, batches_in_flight, batches_refused
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.progress import eta, format_seconds
 
@@ -302,26 +302,28 @@ def batch_accounts(counters: dict[str, float], queued: int | None) -> str:
 
 def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     sent = int(counters.get("sent_batches", 0))
-    received = int(counters.get("received_batches", 0))
+    given_back = int(batches_given_back(counters))
+    received = int(counters.get("received_batches", 0)) - given_back  # those are counted as still queued
     refused = int(batches_refused(counters))
+    got = f"received {received}" + (
+        f" (and {given_back} more counted as received whose reads went back to the queue when a trainer's lease "
+        "lapsed: still queued)" if given_back else "")
     if queued is None:
         rest = sent - received - refused
         if rest >= 0:
-            return (f"batches: sent {sent} = received {received} + refused {refused} + {rest} still queued or in "
-                    "flight (this broker does not tell its queue's depth)")
-        return (f"batches: sent {sent}, received {received} + refused {refused}: {-rest} more arrived than the "
-                "actors counted as sent (an actor stopped before reporting its last sends)")
+            return (f"batches: sent {sent} = {got} + refused {refused} + {rest} still queued or in flight (this "
+                    "broker does not tell its queue's depth)")
+        return (f"batches: sent {sent}, {got} + refused {refused}: {-rest} more arrived than the actors counted as "
+                "sent (an actor stopped before reporting its last sends)")
     missing = sent - received - refused - queued
-    text = f"batches: sent {sent} = received {received} + refused {refused} + still queued {queued}"
     if missing == 0:
-        return text + ": all accounted for"
+        return f"batches: sent {sent} = {got} + refused {refused} + still queued {queued}: all accounted for"
     if missing > 0:
-        return (f"batches: sent {sent}, received {received} + refused {refused} + still queued {queued}: "
-                f"{missing} NOT ACCOUNTED FOR")
-    return (f"batches: sent {sent}, received {received} + refused {refused} + still queued {queued}: {-missing} "
-            "more than the actors counted as sent (an actor stopped before reporting its last sends, or a trainer "
-            "died between counting a read and acking it: those batches count as received and as still queued "
-            "until the next trainer takes them again)")
+        return f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {missing} NOT ACCOUNTED FOR"
+    return (f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {-missing} more than the "
+            "actors counted as sent (an actor stopped before reporting its last sends, or a trainer died between "
+            "counting a read and acking it: those batches count as received and as still queued until the next "
+            "trainer takes them again)")
 
 
 def queue_depth(queue_params: Any, redis_params: RedisParameters) -> int | None:

@@ -33,8 +33,14 @@ def batches_in_flight(counters: Mapping[str, float]) -> float:
     ``counters``: the one rule for the depth of a queue that cannot tell it, the progress line's "in flight"
     and the history's ``queue_in_flight``. Below 0 while the actors have not reported their last sends
     (they count them with their heartbeats where the queue tells its depth)."""
-    taken = counters.get("received_batches", 0) + batches_refused(counters)
+    taken = counters.get("received_batches", 0) + batches_refused(counters) - batches_given_back(counters)
     return counters.get("sent_batches", 0) - taken
+
+
+def batches_given_back(counters: Mapping[str, float]) -> float:
+    """Batches counted as received whose reads went back to the queue (a trainer's lease lapsed, or its queue
+    went away, while their counts were on their way), not read again yet: received and still queued too."""
+    return max(0.0, counters.get("given_back_batches", 0))
 
 
 class InFlight:

@@ -54,7 +54,9 @@ class ReadCounter:
         again is taken (counted as redelivered), once (the ingest discards it from here then)"""
         # a read's count is written in this thread while the ingest reads the next one; acked once written
         self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srl-trainer-count")
-        self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue]] = deque()
+        self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue, list[Key]]] = deque()
+        self._given_back: list[tuple[Future[None], list[Key]]] = []
+        """reads given back to the queue unacked whose counts were still on their way (``forget``)"""
 
     def recall(self, board: Board) -> None:
         """Batches that trainers before this one counted, and may not have acked before they died, come
@@ -77,10 +79,11 @@ class ReadCounter:
         """Whether a read waits for its count or its ack."""
         return bool(self._counting)
 
-    def submit(self, count: Callable[[], None], messages: list[Message], queue: ExperienceQueue) -> None:
-        """Run ``count`` (which counts the read of ``messages`` on the board) in the count thread; the read is
-        acked once it returns (``settle``)."""
-        self._counting.append((self._counter.submit(count), messages, queue))
+    def submit(self, count: Callable[[], None], messages: list[Message], queue: ExperienceQueue,
+               taken: list[Key]) -> None:
+        """Run ``count`` (which counts the read of ``messages``, ``taken`` its batches received, on the board) in
+        the count thread; the read is acked once it returns (``settle``)."""
+        self._counting.append((self._counter.submit(count), messages, queue, taken))
 
     def settle(self, keep: int = 0) -> None:
         """Wait for the counts of the reads in flight (all but the newest ``keep``) to be on the board, and
@@ -88,7 +91,7 @@ class ReadCounter:
         Raises StoppedWhileWaiting, and acks nothing more, when the run stopped before a count was
         written: that read is delivered again; LeaseLapsed when the lease lapsed while a count waited."""
         while len(self._counting) > keep:
-            future, messages, queue = self._counting[0]
+            future, messages, queue, _ = self._counting[0]
             while True:
                 try:
                     future.result(timeout=0.25)
@@ -103,25 +106,40 @@ class ReadCounter:
     def forget(self, wait: bool = False) -> None:
         """Let the reads in flight go unacked (their queue was closed: their messages come again). ``wait``:
         once their counts are done, written or not; else those go on alone (they land only if the lease is
-        still this trainer's)."""
+        still this trainer's). Those whose counts land are given back counted (``given_back``)."""
         if wait:
-            for future, _, _ in self._counting:
+            for future, _, _, _ in self._counting:
                 with contextlib.suppress(Exception):
                     future.result()
+        self._given_back.extend((future, taken) for future, _, _, taken in self._counting)
         self._counting.clear()
+
+    def given_back(self) -> list[Key]:
+        """The batches of reads given back to the queue whose counts landed: they count as received and are
+        queued again, where the trainer that reads them takes them as duplicates (its own) or as redelivered
+        (its ledger's). Waits for the counts still on their way, which land now that the lease is this
+        trainer's again, or end with the run."""
+        landed: list[Key] = []
+        for future, taken in self._given_back:
+            with contextlib.suppress(Exception):  # stopped first: not counted, delivered again
+                future.result()
+                landed.extend(taken)
+        self._given_back.clear()
+        return landed
 
     def close(self) -> None:
         """Forget the reads in flight and wait for the count thread's last write."""
         self._counting.clear()
         self._counter.shutdown(wait=True)
 
-    def count(self, board: Board, counts: dict[str, float], taken: list[Key]) -> None:
+    def count(self, board: Board, counts: dict[str, float], taken: list[Key] | None) -> None:
         """Count a read on ``board`` before it is acked (one round trip), with the ledger of the last reads.
         Killed between the two, this trainer leaves the read counted and named: the next trainer takes its
         redelivery without counting it again. Counted after the ack, a killed trainer would lose the read from the
         counts, which then would not add up. Actors on a queue without a depth (MQTT, Pub/Sub) read it
         from these counts, so they see room as soon as it is made."""
-        self._ledger.append(taken)
+        if taken is not None:  # None: a count that is not a read's (the ledger keeps the last reads)
+            self._ledger.append(taken)
         ledger = [key for read in self._ledger for key in read]
         uid = self.uid
         token = count_token()  # the same on every try: a try whose reply was lost counted the read already
@@ -134,7 +152,8 @@ class ReadCounter:
             if answer == "noted":
                 return
             if self.stop.is_set():  # the read stays unacked: delivered again, to whoever holds the lease
-                raise StoppedWhileWaiting(f"the run stopped before its read of {len(taken)} batches was counted")
+                raise StoppedWhileWaiting(f"the run stopped before its read of {len(taken or ())} batches was "
+                                          "counted")
             # the lease lapsed (an outage) or the task is another one: the board thread takes the lease back
             # or stops the run
             self.stop.wait(0.05)

@@ -203,6 +203,10 @@ class Ingest:
         self.received_transitions = 0
         self.duplicates = 0
         self.redelivered_batches = 0
+        self.given_back_batches = 0
+        """batches counted as received whose reads went back to the queue (``_count_given_back``)"""
+        self.given_back_keys: set[Key] = set()
+        """those not read again yet"""
         self.other_task_batches = 0
         self.stale_rows = 0
         self._queue_log = Throttle()
@@ -262,7 +266,7 @@ class Ingest:
             self.ack_counted()
             return 0
         counts, taken = self._ingest(messages)
-        self.counter.submit(lambda: self._count(counts, taken), messages, queue)
+        self.counter.submit(lambda: self._count(counts, taken), messages, queue, taken)
         self.data_arrived.set()
         self.ack_counted(keep=1)  # the read before: counted while this one was read, acked now
         return len(messages)
@@ -301,6 +305,7 @@ class Ingest:
                     self.counter.forget()  # their counts still go on: they land only if the lease is still ours
                     while self.lease_lapsed() and not self.stop.is_set():
                         self.stop.wait(0.1)
+                    self._count_given_back()
                 except CredentialsError as e:  # the queue (or the board) refused it: this node stops, the task stays
                     logger.error("%s", e)
                     self.refused_by = e
@@ -313,6 +318,7 @@ class Ingest:
                         _close_quietly(queue)  # unacked messages come again (counted: as this run's duplicates)
                         queue = None
                     self.counter.forget(wait=True)  # counted or not, their messages come again
+                    self._count_given_back()
                     self.stop.wait(delay)
                     delay = min(delay * 2, 2.0)
         except Exception as e:  # a bug, not a message: stop the trainer instead of training on nothing
@@ -326,6 +332,21 @@ class Ingest:
                 _close_quietly(queue)
             self.counter.close()
 
+    def _count_given_back(self) -> None:
+        """Batches counted as received whose reads went back to the queue unacked (the lease lapsed, or the queue
+        went away, while their counts were on their way) are also queued: counted on the board as
+        ``given_back_batches`` until this trainer reads them again (as duplicates), so the accounts balance
+        (``sent = received + refused + still queued - given back``)."""
+        landed = self.counter.given_back()
+        if not landed:
+            return
+        self.given_back_keys.update(landed)
+        self.given_back_batches += len(landed)
+        logger.warning("%d batch(es) counted as received went back to the queue with their reads: they count as "
+                       "given back until they are read again (as duplicates)", len(landed))
+        with contextlib.suppress(StoppedWhileWaiting):  # stopping: the summary then names them as a surplus
+            self.counter.count(self.board, {"given_back_batches": len(landed)}, None)
+
     def _ingest(self, messages: list[Message]) -> tuple[dict[str, float], list[Key]]:
         """Decode, dedupe, validate, apply the version policy and add to the buffer; the counts for the
         board and the ``(actor, seq)`` of the batches received. Never raises for a message.
@@ -336,7 +357,7 @@ class Ingest:
         per-call costs dominate small batches). Should a block fail its check, each message is
         checked alone, so only the bad one is refused.
         """
-        bad = dups = other_task = 0
+        bad = dups = other_task = back = 0
         opened: list[Opened] = []
         taking: set[Key] = set()  # (sender, seq) in this read: a copy of one is a duplicate
         for message in messages:
@@ -354,6 +375,9 @@ class Ingest:
                 key = (header.actor_id, header.seq)
                 if key in taking or not self.seen.is_new(*key):
                     dups += 1
+                    if key in self.given_back_keys:  # a read given back after its count: no longer queued
+                        self.given_back_keys.discard(key)
+                        back += 1
                     continue
                 taking.add(key)
                 opened.append((message, frame))
@@ -399,7 +423,7 @@ class Ingest:
         # out of its depth); bad_messages also counts what other nodes refuse (params, inference requests)
         return {"received_batches": received, "received_transitions": rows, "bad_messages": bad,
                 "refused_batches": bad, "duplicates": dups, "stale_rows": stale, "redelivered_batches": redelivered,
-                "other_task_batches": other_task}, taken
+                "other_task_batches": other_task, "given_back_batches": -back}, taken
 
     def _counted_again(self, frame: BatchFrame) -> bool:
         """Whether a trainer before this run counted this batch (its redelivery is not counted again)."""
