@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srl
 from srl.algorithms import dqn, impala, ppo, r2d2, sac
+from srl.base.rl import RLConfig, Worker
 from srl.base.rollout import Rollout
 from srl.rl import ahead
 
@@ -139,19 +140,26 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
         "r2d2": lambda: r2d2.Config(seed=0, device=device, torch_threads=threads, warmup_size=64),
     }[algorithm]()
     config.hidden_block.set_mlp(hidden)
-    runner = srl.Runner("CartPole-v1", config)
-    runner.rl_config = config = runner.rl_config.settled(runner.env_config)  # type: ignore[assignment]
+    worker, update = segment_learner("CartPole-v1", config, max(8, config.envs_per_actor))
+    obs = np.random.default_rng(0).normal(size=(config.envs_per_actor, 4)).astype(np.float32)  # CartPole's
+    return calls_per_second(lambda: worker.act(obs), device, seconds), calls_per_second(update, device, seconds)
+
+
+def segment_learner(env: str, config: RLConfig, segments_wanted: int) -> tuple[Worker, Callable[[], object]]:
+    """A worker of ``config`` in ``env`` and one update of its learner on the ``segments_wanted`` segments (or
+    more) the worker made, refilled whenever the learner took them."""
+    runner = srl.Runner(env, config)
+    runner.rl_config = config = runner.rl_config.settled(runner.env_config)
     spec, parameter = runner.spec, runner.parameter
     worker = config.make_worker(spec, parameter, 0, 1, 0)
     buffer = config.make_buffer(spec)
     trainer = config.make_learner(spec, parameter, buffer)
     segments = []
     with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
-        while sum(len(s["version"]) for s in segments) < max(8, config.envs_per_actor):
+        while sum(len(s["version"]) for s in segments) < segments_wanted:
             rollout.step()
             if (rows := worker.take()) is not None:
                 segments.append(rows)
-    obs = np.random.default_rng(0).normal(size=(config.envs_per_actor, *spec.obs_shape)).astype(np.float32)
 
     def update() -> object:
         while (stats := trainer.train()) is None:
@@ -159,7 +167,7 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
                 buffer.add(rows)
         return stats
 
-    return calls_per_second(lambda: worker.act(obs), device, seconds), calls_per_second(update, device, seconds)
+    return worker, update
 
 
 def sac_rates(device: str, hidden: tuple[int, ...], batch: int, seconds: float, threads: int = 1
@@ -214,24 +222,7 @@ def pong_learner_rate(device: str, seconds: float, threads: int = 1, **options: 
     """IMPALA's learner updates/s on Pong (the Nature CNN, ``batch_segments`` 8 of 16 steps of 4 stacked
     84x84 frames): one update on the same segments again and again."""
     config = impala.Config(seed=0, device=device, torch_threads=threads, envs_per_actor=8, **options)
-    runner = srl.Runner("ALE/Pong-v5", config)
-    spec, parameter = runner.spec, runner.parameter
-    worker = config.make_worker(spec, parameter, 0, 1, 0)
-    buffer = config.make_buffer(spec)
-    trainer = config.make_learner(spec, parameter, buffer)
-    segments = []
-    with Rollout(runner.env_config, worker, config.envs_per_actor, seed=0) as rollout:
-        while sum(len(s["version"]) for s in segments) < config.batch_segments:
-            rollout.step()
-            if (rows := worker.take()) is not None:
-                segments.append(rows)
-
-    def update() -> object:
-        while (stats := trainer.train()) is None:
-            for rows in segments:
-                buffer.add(rows)
-        return stats
-
+    _, update = segment_learner("ALE/Pong-v5", config, config.batch_segments)
     return calls_per_second(update, device, seconds)
 
 
