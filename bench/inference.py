@@ -14,7 +14,8 @@ Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA'
               every ``--publish-interval`` seconds (IMPALA publishes every 4 train steps: several a second)
               and drains the queue, acking every batch. Beside each: the params bytes actors
               fetched per second, Redis's bytes out per second, the server's envs per forward pass and how
-              long a request waited for its batch. On MinAtar Breakout (MinAtar's CNN) and on Pong frames
+              long a request waited for its batch, and the server process's CPU time (user + system, every
+              thread, from /proc) per agent step. On MinAtar Breakout (MinAtar's CNN) and on Pong frames
               (the Nature CNN).
   rtt         one actor's round trip (request out, actions back) to a server in another process, p50 and
               p99 over ``--round-trips``: CartPole with one env (the smallest request) and MinAtar with 8.
@@ -139,6 +140,12 @@ def actor_totals(board: Board, actors: int) -> tuple[int, int] | None:
     return (sum(int(r["env_steps"]) for r in rows if r), sum(int(r.get("params_fetched_bytes", 0)) for r in rows if r))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process ``pid`` has used (Linux ``/proc``; its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
 def net_out(client: redis.Redis) -> int:
     return int(client.info("stats")["total_net_output_bytes"])
 
@@ -159,9 +166,12 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
             time.sleep(0.2)
         time.sleep(warmup)
         client = task.board.client
+        server_pid = procs[0].pid if mode == "central" else None
+        cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
         first, out0, t0 = actor_totals(task.board, actors), net_out(client), time.monotonic()
         time.sleep(seconds)
         last, out1, t1 = actor_totals(task.board, actors), net_out(client), time.monotonic()
+        cpu1 = cpu_seconds(server_pid) if server_pid else 0.0
         assert first is not None and last is not None
         server = task.board.get_all_stats().get("inference", {})
         elapsed = t1 - t0
@@ -171,6 +181,8 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
             "redis_out_per_s": (out1 - out0) / elapsed,
             "batch_envs": server.get("batch_envs_mean"),
             "batch_wait_ms": server.get("batch_wait_ms_mean"),
+            # the actors' step counts come with their heartbeats: a long window keeps their lag small beside it
+            "server_us_per_step": (cpu1 - cpu0) * 1e6 / max(1, last[0] - first[0]) if server_pid else None,
         }
     finally:
         task.end()
@@ -184,7 +196,7 @@ def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
           f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)}; a params version every "
           f"{args.publish_interval:g} s)")
     print(f"{'env':<22}{'mode':<24}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
-          f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}")
+          f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}{'server CPU us/step':>20}")
     for env in envs:
         results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup,
                                        args.publish_interval)}
@@ -198,8 +210,9 @@ def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
             ratio = r["steps_per_s"] / results["local"]["steps_per_s"]
             batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
             wait = "" if r["batch_wait_ms"] is None else f"{r['batch_wait_ms']:.2f}"
+            cpu = "" if r["server_us_per_step"] is None else f"{r['server_us_per_step']:.1f}"
             print(f"{env:<22}{mode:<24}{r['steps_per_s']:>9.0f}{ratio:>15.2f}{r['params_bytes_per_s']:>22,.0f}"
-                  f"{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}", flush=True)
+                  f"{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}{cpu:>20}", flush=True)
 
 
 def round_trips(env: str, envs: int, count: int) -> tuple[float, float]:
