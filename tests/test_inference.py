@@ -682,3 +682,30 @@ def test_a_failing_forward_pass_fails_its_batch_not_the_server(serve_task: Any) 
     assert len(_step(client, _obs(served), 2)) == 2  # reconnected, acting again
     assert served.run.refused == 0 and served.thread.is_alive()
     client.close()
+
+
+def test_a_learner_bound_asynchronous_central_run_refuses_no_row_as_stale(
+    redis_url: str, namespace: str, nodes: list[Any], tmp_path: Any
+) -> None:
+    """The server makes a central actor's segments, so the actor counts them from its envs' steps (one per
+    ``segment_length`` steps of each env) and paces itself on the lag budget as a local actor does: a learner
+    much slower than its actor (100 epochs an update) trains every row within ``max_policy_lag`` instead of
+    refusing those that aged in the queue."""
+    from srl.runner.distribution.node.stats import Reports
+
+    config = ppo.Config(seed=0, envs_per_actor=4, segment_length=32, epochs=100, sync=False, max_policy_lag=6)
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    start(nodes, "inference", redis_url, namespace, tmp_path, *INFERENCE_ARGS)
+    actor = start(nodes, "actor", redis_url, namespace, tmp_path)
+    client = ClientThread(srl.Runner("CartPole-v1", config), RedisParameters(url=redis_url, task_name=namespace),
+                          actor_num=1, max_steps=12_000, local_processes=False, inference="central")
+    client.start()
+    board = board_for(redis_url, namespace)
+    client.join(300)
+    assert not client.is_alive(), f"the run did not end: {board.get_status()}, {board.get_all_stats()}"
+    assert client.error is None, client.error
+    counters, reports = board.get_counters(), Reports.read(board)
+    assert reports.trainer is not None and reports.trainer.lag_max is not None
+    assert counters.get("stale_rows", 0) == 0, (counters, reports.trainer, actor.output()[-3000:])
+    assert reports.trainer.lag_max <= 6
+    assert reports.actors[0].rate_limited_s > 0, reports.actors[0]  # it waited for the learner

@@ -150,7 +150,7 @@ class Config(RLConfig):
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag,
                         lead_versions=DataPath.lead_of(self.max_policy_lag),
-                        version_segments=self.batch_segments * self.publish_every)
+                        version_segments=self.batch_segments * self.publish_every, segment_length=self.segment_length)
 
     def schema(self, spec: EnvSpec) -> Schema:
         return config_segment_schema(self, spec, self.segment_length)

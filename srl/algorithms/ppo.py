@@ -200,7 +200,7 @@ class Config(RLConfig):
         return DataPath(rows="segments", publish_every=0, sync=self.sync,
                         max_policy_lag=0 if self.sync else self.max_policy_lag, sync_wait_s=self.sync_wait_s,
                         lead_versions=None if self.sync else DataPath.lead_of(self.max_policy_lag),
-                        min_segments=self.min_segments)
+                        min_segments=self.min_segments, segment_length=int(self.segment_length or 0))
 
     def schema(self, spec: EnvSpec) -> Schema:
         """One row per segment of T steps of one env (``srl.rl.actor_critic.segment_schema``)."""

@@ -101,6 +101,9 @@ class DataPath:
     version_segments: int = 0
     """segments one params version consumes, all actors together; 0: one per env of every actor (an update
     of asynchronous PPO, ``update_segments``)"""
+    segment_length: int = 0
+    """segments: env steps of one env per row; an actor whose segments a central inference server makes counts
+    them from its envs' steps with it (its lead, ``lead_versions``). 0: not known"""
 
     # ---------------------------------------------------------------- the rules it implies, in one place:
     # Runner.train, the actor, the trainer and bench/learning.py all ask these, so a version and a replay

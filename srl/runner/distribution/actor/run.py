@@ -292,9 +292,20 @@ class ActorRun:
         ).to_record()
 
     def _ahead(self) -> bool:
-        """Ahead of the trainer (``Pacing.ahead``); with central inference the server makes the segments."""
-        return self.pacing.ahead(self.env_steps, None if self.params is None else self.segments_made
-                                 + self.worker.pending())
+        """Ahead of the trainer (``Pacing.ahead``)."""
+        return self.pacing.ahead(self.env_steps, self._segments())
+
+    def _segments(self) -> int | None:
+        """Segments this actor's envs made: its worker's (sent or pending); with central inference the server's
+        for this slot, one per ``segment_length`` steps of each env (a restarted session's partial segments are
+        counted as made: the pace errs towards waiting). None: not a segment path."""
+        if self.params is not None:
+            return self.segments_made + self.worker.pending()
+        length = self.data_path.segment_length
+        if not length:
+            return None
+        envs = self.rollout.num_envs
+        return self.env_steps // envs // length * envs
 
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
