@@ -6,6 +6,7 @@
     python bench/learning.py --cases sac-pendulum --modes one,dist --seeds 5
     python bench/learning.py --cases ppo-cartpole --modes dist --actors 2 --queue amqp --csv runs.csv
     python bench/learning.py --list               # the cases, their budgets and references
+    python bench/learning.py --suite first-run    # each algorithm as it comes, on the envs its docs name
 
 Each run trains from scratch with the user-facing defaults of its case (the config the README shows,
 or the algorithm's ``Config()`` as it comes) and ends with ``runner.evaluate()`` (20 episodes,
@@ -35,6 +36,14 @@ run is below the floor), and the published references for the same env, each wit
 it was reached at (RLlib's are pass bars of its tuned examples, not results). ``--quick`` runs below
 those budgets, so its table leaves the reference and the verdict out.
 ``--csv`` writes one row per run. Run nothing else on the machine meanwhile: rates are wall-clock.
+
+The first-run suite (``--suite first-run``) is what a new user tries first: every algorithm's ``Config()`` as it
+comes (the recurrent ones with ``recurrent="lstm"``) on the envs its docs name (DQN and SAC: CartPole, Acrobot,
+Pendulum; PPO and IMPALA: those and MinAtar Breakout; recurrent PPO and IMPALA, R2D2: CartPoleNoVel, and
+PendulumNoVel for Box actions; R2D2 and DQN: MinAtar Breakout), at the budgets the docs give, 10 seeds a row, in
+one process and with hand-started nodes. A row passes when its median reaches the target and no run ends below
+its floor (CartPole-family: 400, DQN's 300; MinAtar Breakout: 5x random; elsewhere a level a learning run passes
+and a random policy does not). The whole suite takes days on 2 cores; ``--cases`` and ``--seeds`` take a part.
 """
 
 from __future__ import annotations
@@ -119,6 +128,11 @@ def r2d2_small() -> r2d2.Config:
     return r2d2.Config(lr=5e-4, target_update_interval=500)
 
 
+def r2d2_default() -> r2d2.Config:
+    """``r2d2.Config()`` as it comes."""
+    return r2d2.Config()
+
+
 def ppo_lunarlander() -> ppo.Config:
     """PPO as RL Zoo runs LunarLander (its 242 @ 1M is with these): 16 envs (2 actors x 8) x 1,024 steps,
     minibatches of 64 (256 a pass), 4 passes, lr 3e-4 held constant, gamma 0.999, GAE lambda 0.98, entropy
@@ -184,18 +198,19 @@ CASES = {case.name: case for case in [
          475.0, "train:3000", floor=300.0),
     Case("dqn-acrobot", "Acrobot-v1", dqn.Config, "train:30000",
          (Reference("SB3 zoo DQN -72", "100k"), Reference("CleanRL DQN ~-91", "500k")),
-         -100.0, "train:3000"),
+         -100.0, "train:3000", floor=-150.0),
     Case("ppo-cartpole", "CartPole-v1", ppo.Config, "steps:100000",
          (Reference("SB3 zoo PPO 500", "100k"), Reference("CleanRL PPO ~490", "500k")),
          475.0, "steps:20000", floor=400.0),
     Case("ppo-pendulum", "Pendulum-v1", ppo.Config, "steps:200000",
-         (Reference("SB3 zoo PPO -172", "100k", note="with gSDE (ours: 200k, no gSDE)"),), -250.0, "steps:20000"),
+         (Reference("SB3 zoo PPO -172", "100k", note="with gSDE (ours: 200k, no gSDE)"),), -250.0, "steps:20000",
+         floor=-400.0),
     Case("appo-cartpole", "CartPole-v1", appo, "steps:200000",
          (Reference("RLlib tuned APPO 450", "2M", pass_bar=True),), 475.0, "steps:20000", floor=400.0),
     Case("impala-cartpole", "CartPole-v1", impala.Config, "steps:300000",
          (Reference("RLlib tuned IMPALA 150 (older) / 450 (newer)", "50M", pass_bar=True),), 475.0,
          "steps:20000", floor=400.0),
-    Case("impala-acrobot", "Acrobot-v1", impala.Config, "steps:300000", (), -100.0, "steps:20000"),
+    Case("impala-acrobot", "Acrobot-v1", impala.Config, "steps:300000", (), -100.0, "steps:20000", floor=-150.0),
     Case("sac-pendulum", "Pendulum-v1", sac.Config, "train:20000",
          (Reference("RL Zoo SAC -157.0 ± 88.7", "20k"),), -160.0, "train:2000", floor=-250.0),
     Case("sac-lunarlander-box", "LunarLanderContinuous-v3", sac.Config, "train:200000",
@@ -214,7 +229,7 @@ CASES = {case.name: case for case in [
     Case("ppo-minatar", MINATAR_BREAKOUT, ppo.Config, "steps:5000000",
          (Reference("MinAtar paper AC(λ) and DQN learning curves (Young & Tian 2019, fig. 2)", "5M"),
           Reference("gymnax-blines PPO 28 on gymnax's Breakout-MinAtar", "10M")), 20.0,
-         "steps:50000", needs="minatar"),
+         "steps:50000", needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),
     *(Case(f"ppo-minatar-{game.lower()}", f"MinAtar/{game}-v1", ppo.Config, "steps:2000000",
            (Reference(f"5x the random policy's {random} (measured: 300 episodes)", "-"),), 5 * random,
            "steps:50000", needs="minatar") for game, random in RANDOM_MINATAR.items()),
@@ -223,22 +238,55 @@ CASES = {case.name: case for case in [
          "steps:20000", needs="minatar"),
     Case("impala-minatar", MINATAR_BREAKOUT, impala.Config, "steps:3000000",
          (Reference(f"5x the random policy's {RANDOM_MINATAR_BREAKOUT} (measured: 300 episodes)", "-"),),
-         5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar"),
+         5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),
     Case("ppo-lstm-cartpolenovel", CARTPOLE_NOVEL, ppo_lstm, "steps:100000",
          (Reference("RL Zoo ppo_lstm 500 ± 0", "100k"),), 475.0, "steps:20000"),
     Case("ppo-lstm-default-cartpolenovel", CARTPOLE_NOVEL, ppo_lstm_default, "steps:100000",
-         (Reference("RL Zoo ppo_lstm 500 ± 0", "100k"),), 475.0, "steps:20000"),
+         (Reference("RL Zoo ppo_lstm 500 ± 0", "100k"),), 475.0, "steps:20000", floor=400.0),
     Case("ppo-cartpolenovel", CARTPOLE_NOVEL, ppo.Config, "steps:100000",
          (Reference("feed-forward: expected to fail", "-"),), 475.0, "steps:20000"),
     Case("r2d2-cartpolenovel", CARTPOLE_NOVEL, r2d2_small, "steps:300000", (), 475.0, "steps:20000"),
     Case("ppo-lstm-pendulumnovel", PENDULUM_NOVEL, ppo_lstm_default, "steps:500000",
-         (Reference("RL Zoo ppo_lstm -217.9 ± 140.1", "100k", note="with gSDE"),), -300.0, "steps:20000"),
+         (Reference("RL Zoo ppo_lstm -217.9 ± 140.1", "100k", note="with gSDE"),), -300.0, "steps:20000", floor=-400.0),
     Case("ppo-pendulumnovel", PENDULUM_NOVEL, ppo.Config, "steps:500000",
          (Reference("feed-forward: expected to fail", "-"),), -300.0, "steps:20000"),
     Case("impala-lstm-minatar", MINATAR_BREAKOUT, impala_lstm, "steps:1000000",
          (Reference(f"5x the random policy's {RANDOM_MINATAR_BREAKOUT} (measured: 300 episodes)", "-"),),
          5 * RANDOM_MINATAR_BREAKOUT, "steps:50000", needs="minatar"),
+    # the first-run suite's own cases: each algorithm's Config() as it comes, where the cases above set fields
+    Case("dqn-pendulum-default", "Pendulum-v1", dqn.Config, "train:20000", (), -160.0, "train:3000", floor=-250.0),
+    Case("ppo-acrobot", "Acrobot-v1", ppo.Config, "steps:300000",
+         (Reference("RL Zoo PPO -74.6 ± 11.5 (sb3/ppo-Acrobot-v1)", "1M"),), -100.0, "steps:20000", floor=-150.0),
+    Case("impala-pendulum", "Pendulum-v1", impala.Config, "steps:500000", (), -250.0, "steps:20000",
+         floor=-400.0),
+    Case("impala-lstm-cartpolenovel", CARTPOLE_NOVEL, impala_lstm, "steps:300000", (), 475.0, "steps:20000",
+         floor=400.0),
+    Case("impala-lstm-pendulumnovel", PENDULUM_NOVEL, impala_lstm, "steps:500000", (), -300.0, "steps:20000",
+         floor=-400.0),
+    Case("r2d2-default-cartpolenovel", CARTPOLE_NOVEL, r2d2_default, "steps:300000", (), 475.0, "steps:20000",
+         floor=400.0),
+    Case("dqn-minatar-default", MINATAR_BREAKOUT, dqn.Config, "steps:2000000",
+         (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0, "steps:20000",
+         needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),
+    Case("r2d2-minatar", MINATAR_BREAKOUT, r2d2_default, "steps:2000000",
+         (Reference(f"5x the random policy's {RANDOM_MINATAR_BREAKOUT} (measured: 300 episodes)", "-"),),
+         5 * RANDOM_MINATAR_BREAKOUT, "steps:20000", needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),
 ]}
+FIRST_RUN_CASES = (
+    # DQN and SAC: CartPole, Acrobot, Pendulum (SAC: Box actions only)
+    "dqn-cartpole", "dqn-acrobot", "dqn-pendulum-default", "sac-pendulum",
+    # PPO and IMPALA: CartPole, Acrobot, Pendulum, MinAtar Breakout
+    "ppo-cartpole", "ppo-acrobot", "ppo-pendulum", "ppo-minatar",
+    "impala-cartpole", "impala-acrobot", "impala-pendulum", "impala-minatar",
+    # recurrent PPO and IMPALA, R2D2: CartPoleNoVel, PendulumNoVel for Box actions
+    "ppo-lstm-default-cartpolenovel", "impala-lstm-cartpolenovel", "r2d2-default-cartpolenovel",
+    "ppo-lstm-pendulumnovel", "impala-lstm-pendulumnovel",
+    # R2D2 and DQN: MinAtar Breakout
+    "r2d2-minatar", "dqn-minatar-default",
+)
+"""the first-run suite: each algorithm as it comes (``Config()``, or ``Config(recurrent="lstm")``) on the envs its
+docs name, at the budgets the docs give, in one process and with hand-started nodes (what a new user tries first)"""
+SUITES = ("standard", "first-run")
 STANDARD = [("dqn-pendulum", "one"), ("dqn-pendulum", "dist"), ("dqn-cartpole", "one"), ("dqn-acrobot", "one"),
             ("ppo-cartpole", "one"), ("ppo-cartpole", "dist"), ("ppo-cartpole", "hand"), ("ppo-pendulum", "one"),
             ("appo-cartpole", "dist"),
@@ -507,6 +555,9 @@ def main() -> None:
                                                     "standard suite)")
     parser.add_argument("--modes", default="", help="comma-separated: one, dist, hand, central, lagged (default: the "
                                                     "suite's)")
+    parser.add_argument("--suite", default="standard", choices=SUITES,
+                        help="without --cases: the standard suite, or first-run (each algorithm as it comes on the "
+                        "envs its docs name, one process and hand-started nodes)")
     parser.add_argument("--seeds", type=int, default=10, help="runs with seeds 0..N-1")
     parser.add_argument("--first-seed", type=int, default=0, help="start the seeds here instead of 0")
     parser.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES, help="episodes of the final evaluation")
@@ -550,7 +601,7 @@ def main() -> None:
         plan = [(n, m) for n in names for m in modes]
     else:
         modes = [m.strip() for m in args.modes.split(",")] if args.modes else list(MODES)
-        plan = [(n, m) for n, m in STANDARD if m in modes]
+        plan = suite_plan(args.suite, modes)
     if unknown_modes := [m for m in modes if m not in MODES]:
         parser.error(f"unknown mode(s) {unknown_modes}; known: {', '.join(MODES)}")
     if synced := sorted({n for n, m in plan if m == "lagged" and not laggable(CASES[n].make_config())}):
@@ -599,6 +650,12 @@ def main() -> None:
                 writer.writerow([r.case, r.mode, r.seed, f"{r.evaluation:.2f}", f"{r.wall_s:.2f}", r.env_steps,
                                  r.train_count])
     print_table(runs, args)
+
+
+def suite_plan(suite: str, modes: list[str]) -> list[tuple[str, str]]:
+    """The (case, mode) runs of ``suite`` ("standard" or "first-run") in ``modes``."""
+    runs = STANDARD if suite == "standard" else [(n, m) for n in FIRST_RUN_CASES for m in ("one", "hand")]
+    return [(n, m) for n, m in runs if m in modes]
 
 
 def seconds_per_step(group: list[Run]) -> float:
