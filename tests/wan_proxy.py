@@ -63,6 +63,9 @@ class WanProxy:
         self._server: asyncio.Server | None = None
         self._flowing: asyncio.Event | None = None
         self._links: set[_Link] = set()
+        self._accepting: set[asyncio.Task[None]] = set()
+        """each accepted connection's task (waiting for a partition to heal, or pumping): cancelled at the stop,
+        not left pending in a closed loop"""
         self.port = 0
 
     # ------------------------------------------------------------ control (any thread)
@@ -128,6 +131,10 @@ class WanProxy:
         self._server.close()
         for link in list(self._links):
             link.close(abort=True)
+        tasks = list(self._accepting)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._server.wait_closed()
 
     def _set_flowing(self, flowing: bool) -> None:
@@ -145,20 +152,27 @@ class WanProxy:
         return len(links)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        assert self._flowing is not None
-        await self._flowing.wait()  # a partitioned link: the connect hangs until it heals
+        task = asyncio.current_task()
+        assert task is not None and self._flowing is not None
+        self._accepting.add(task)
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            _abort(writer)
-            return
-        self.stats.connections += 1
-        link = _Link(self, (reader, writer), (up_reader, up_writer))
-        self._links.add(link)
-        try:
-            await link.run()
+            try:
+                await self._flowing.wait()  # a partitioned link: the connect hangs until it heals
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
+            except (OSError, asyncio.CancelledError) as e:
+                _abort(writer)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return
+            self.stats.connections += 1
+            link = _Link(self, (reader, writer), (up_reader, up_writer))
+            self._links.add(link)
+            try:
+                await link.run()
+            finally:
+                self._links.discard(link)
         finally:
-            self._links.discard(link)
+            self._accepting.discard(task)
 
 
 class _Link:
