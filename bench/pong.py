@@ -4,7 +4,8 @@
     python bench/pong.py --budget 100000      # a CPU box: sync and async PPO, 2 actors x 8 envs, side by side
     python bench/pong.py --budget 100000 --peer   # and Sample Factory's PPO and APPO, same settings, one run
 
-One command for each. ``ALE/Pong-v5`` with srl's Atari preprocessing (docs/pixels.md: 30 no-op starts,
+One command for each (``--compile``, ``--bf16``: the learner options ``bench/gpu.py`` measures, off unless
+given). ``ALE/Pong-v5`` with srl's Atari preprocessing (docs/pixels.md: 30 no-op starts,
 frame skip 4 with max-pool, 84x84 grey, 4 frames stacked, rewards clipped while training), the Nature CNN,
 ``ppo.Config()``'s images preset: CleanRL's ``ppo_atari.py`` (rollout 128, 4 epochs x 4 minibatches per
 actor's segments, lr 2.5e-4 annealed, gamma 0.99, GAE 0.95, entropy 0.01, clip 0.2). Each mode is
@@ -141,9 +142,10 @@ def has_cuda() -> bool:
 
 
 def srl_run(sync: bool, actors: int, envs: int, budget: int, eval_episodes: int, seed: int,
-            timeout: float | None) -> Result:
-    """One srl run: ``train_distribution`` of PPO (``sync``) on an embedded Redis, local processes."""
-    config = ppo.Config(sync=sync, envs_per_actor=envs, seed=seed)
+            timeout: float | None, **learner: bool) -> Result:
+    """One srl run: ``train_distribution`` of PPO (``sync``) on an embedded Redis, local processes; ``learner``:
+    ``RLConfig``'s learner options (``torch_compile``, ``autocast_bf16``)."""
+    config = ppo.Config(sync=sync, envs_per_actor=envs, seed=seed, **learner)
     runner = srl.Runner(ENV, config)
     name = f"srl {'sync PPO' if sync else 'async PPO'}"
     print(f"{name}: {actors} actors x {envs} envs, {budget:,} agent steps ...", flush=True)
@@ -265,6 +267,8 @@ def main() -> None:
                         "whatever its budget (the task's timeout)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer", action="store_true", help="also run Sample Factory's PPO and APPO")
+    parser.add_argument("--compile", action="store_true", help="the learner's networks torch.compiled (torch_compile)")
+    parser.add_argument("--bf16", action="store_true", help="the learner's passes under bf16 autocast (autocast_bf16)")
     parser.add_argument("--sf-python", default=None, help="a Python with sample-factory (default: "
                         "$SRL_SF_PYTHON, else .venv-sf/bin/python)")
     args = parser.parse_args()
@@ -285,7 +289,8 @@ def main() -> None:
                          ".venv-sf/bin/python); install it as this script's docstring says, or leave --peer out")
     results: list[Result] = []
     for mode in modes:
-        results.append(srl_run(mode == "sync", actors, args.envs, budget, episodes, args.seed, timeout))
+        results.append(srl_run(mode == "sync", actors, args.envs, budget, episodes, args.seed, timeout,
+                               torch_compile=args.compile, autocast_bf16=args.bf16))
         if python is not None:
             results.append(sf_run(python, mode == "sync", actors, args.envs, budget, "gpu" if cuda else "cpu",
                                   args.seed))
