@@ -923,6 +923,24 @@ def test_a_progress_line_shows_every_slot_its_config_counts(board: Board) -> Non
     assert [line.split(":")[0] for line in lines[2:]] == ["  actor 0", "  actor 1", "  actor 2 a2"], lines
 
 
+def test_a_progress_line_says_when_an_actor_lets_batches_past_the_queue_s_capacity(board: Board) -> None:
+    """An actor on a slow link lets two round trips' worth of batches be on their way beyond the queue's capacity
+    (``Sender.in_transit``): its heartbeat says how many and the progress line shows it, so a queue holding more
+    than its capacity is explained; an actor on a LAN shows nothing of it."""
+    from srl.runner.distribution.node.stats import ActorStats
+
+    status = board.create_task({"algorithm": "dqn", "actor_num": 2}, actor_num=2)
+    task = board.bound(status.task_id)
+    for slot, uid, transit in ((0, "far", 13), (1, "near", 0)):
+        assert task.claim_actor_slot(uid, 2, 10_000, prefer=slot) == slot
+        task.put_stats(f"actor:{slot}", ActorStats(uid=uid, slot=slot, in_transit=transit).to_record())
+    lines = progress_lines(task, status, 1.0)
+    far = next(line for line in lines if line.startswith("  actor 0"))
+    near = next(line for line in lines if line.startswith("  actor 1"))
+    assert "13 batch(es) in transit beyond the queue's capacity" in far, far
+    assert "in transit" not in near, near
+
+
 def test_end_of_run_summary_of_a_run_no_node_reported_to(board: Board) -> None:
     board.create_task(CONFIG, actor_num=1)
     board.end_task("FAILED", "no trainer")

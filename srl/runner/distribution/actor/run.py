@@ -283,6 +283,7 @@ class ActorRun:
             backpressure_wait_s=round((0.0 if rows is None else rows.backpressure_wait_s) + stalled_now, 3),
             stalled_now_s=round(stalled_now, 3),
             rate_limited_s=round(self.throttled_s, 3),
+            in_transit=0 if rows is None else rows.in_transit,
             sync_wait_s=round(0.0 if params is None else params.sync_wait_s, 3),
             busy_s=round(self.waits.busy_s(), 3),
             reward=round(float(np.mean(recent)), 3) if recent else None,

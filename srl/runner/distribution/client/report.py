@@ -206,11 +206,12 @@ def progress_text(
         waiting = f" — WAITING on a full queue for {format_seconds(s.stalled_now_s)}" \
             if s.stalled_now_s >= 1 and not ended else ""
         sync = f", sync-waited {s.sync_wait_s}s" if s.sync_wait_s else ""
+        transit = f", {s.in_transit} batch(es) in transit beyond the queue's capacity" if s.in_transit else ""
         lines.append(
             f"  actor {i} {actor_holder or s.uid or '?'}: {s.env_steps_per_s} steps/s ({s.envs} env(s)), "
             f"{s.episodes} episodes, reward {_g(s.reward) if s.reward is not None else '-'}, params "
             f"v{s.params_version} ({versions_behind} behind), stalled {s.backpressure_wait_s}s, rate-limited "
-            f"{s.rate_limited_s}s{sync}{waiting}"
+            f"{s.rate_limited_s}s{sync}{transit}{waiting}"
         )
     if free and not ended:
         there = actor_num - len(free)

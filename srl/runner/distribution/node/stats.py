@@ -105,6 +105,9 @@ class ActorStats(NodeStats):
     """seconds the wait on a full queue going on now has lasted (0: not waiting)"""
     rate_limited_s: float = 0.0
     """seconds waited for the trainer to train (the replay ratio)"""
+    in_transit: int = 0
+    """batches its sender lets be on their way beyond the queue's capacity (a slow link's two round trips at its
+    rate, measured; 0 on a LAN): why the queue may hold more than its capacity"""
     sync_wait_s: float = 0.0
     """seconds waited for the next params version (sync PPO's lockstep)"""
     busy_s: float = 0.0
