@@ -18,9 +18,15 @@ the seed, the cell's injector strikes. The checks, from the board and the logs:
   only where the trainer named duplicates;
 * no node's log (nor the client's) holds a Traceback;
 * the train count and the params (epoch, version) only move forward (sampled every 0.1 s);
-* the fault's cost: seconds from the injection until the train count moved past where it stood.
+* the fault's cost: seconds from the injection until the train count moved past where it stood;
+* the final params' evaluation (mean of ``EVAL_EPISODES`` greedy episodes, by the client that loaded them:
+  with ``client-attach``, the call made again; "-" for a cell that failed first); with ``--spread N`` each
+  algorithm x queue runs the no-fault cell N times first, and a cell whose evaluation falls below their
+  lowest fails. The cells' budgets are small, so the spread says the run's result is not worse than a run
+  without the fault, not that either learned.
 
-Each cell prints one row: cell, seed, verdict (``pass`` or ``FAIL: reason``), fault cost, wall seconds.
+Each cell prints one row: cell, seed, verdict (``pass`` or ``FAIL: reason``), fault cost, wall seconds,
+evaluation.
 Cells that cannot apply are ``n/a`` with the reason; faults whose injector is not written yet are
 ``not built yet``; cells failing on a known srl defect are listed in :data:`KNOWN_FAILING` with it and
 are kept out of the test suite's sample (tests/test_faults.py) until the defect is fixed.
@@ -32,6 +38,7 @@ task's own namespace (a broker is stopped or starved only when it is the cell's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
@@ -53,6 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
 import srl  # noqa: E402
@@ -74,6 +82,9 @@ LEASE_TTL_S = 2.0
 """the lease TTL tests/nodes.py gives every node"""
 PARTITION_S = 20.0
 REFUSAL_S = 10.0
+EVAL_EPISODES = 5
+"""greedy episodes of a cell's final evaluation (its budget is small: the spread of its no-fault runs is what
+it is judged against, not a learning target)"""
 RUN_TIMEOUT_S = 300.0
 """the longest a cell waits for a stage of its run (a budget a slow machine meets, not a measurement)"""
 
@@ -483,10 +494,23 @@ class Result:
     accounts: str = ""
     logs: str = ""
     """where a failing cell's logs were kept"""
+    evaluation: float | None = None
+    """the final params' mean return over ``EVAL_EPISODES`` (None: not evaluated)"""
 
     def row(self) -> str:
         cost = "-" if self.cost_s is None else f"{self.cost_s:.1f}"
-        return f"{self.cell:36} {self.seed:>10} {self.verdict:60} {cost:>7} {self.wall_s:>7.1f}"
+        evaluation = "-" if self.evaluation is None else f"{self.evaluation:.1f}"
+        return f"{self.cell:36} {self.seed:>10} {self.verdict:60} {cost:>7} {self.wall_s:>7.1f} {evaluation:>8}"
+
+    def below(self, spread: tuple[float, float, int] | None) -> Result:
+        """This result failed where its evaluation fell below ``spread`` (lowest, highest, runs) of the no-fault
+        runs of its algorithm and queue."""
+        if spread is None or self.evaluation is None or self.evaluation >= spread[0] \
+                or not self.verdict.startswith("pass"):
+            return self
+        low, high, runs = spread
+        why = f"FAIL: evaluation {self.evaluation:.1f} below the no-fault spread {low:.1f}..{high:.1f} ({runs} runs)"
+        return dataclasses.replace(self, verdict=why)
 
 
 def _thread_client(run: Run) -> ClientThread:
@@ -570,8 +594,9 @@ def run_cell(cell: Cell, seed: int, work: Path | None = None) -> Result:
         return Result(cell.name, seed, f"not built yet: {why}", None, 0.0)
     with tempfile.TemporaryDirectory(prefix="srl-faults-") as tmp:
         run = Run(cell, work or Path(tmp), seed)
+        evaluation: float | None = None
         try:
-            verdict, cost, accounts = _run(run)
+            verdict, cost, accounts, evaluation = _run(run)
         except Exception as e:
             verdict, cost, accounts = f"FAIL: {type(e).__name__}: {e}", None, ""
             (run.work / "bench-error.txt").write_text(traceback.format_exc())  # kept with the logs below
@@ -592,10 +617,10 @@ def run_cell(cell: Cell, seed: int, work: Path | None = None) -> Result:
         if verdict.startswith("FAIL"):  # the logs outlive the cell, to read why
             kept = str(Path(tempfile.gettempdir()) / "srl-faults" / f"{cell.name.replace('/', '-')}-{seed}")
             shutil.copytree(run.work, kept, dirs_exist_ok=True)
-        return Result(cell.name, seed, verdict, cost, time.monotonic() - started, accounts, kept)
+        return Result(cell.name, seed, verdict, cost, time.monotonic() - started, accounts, kept, evaluation)
 
 
-def _run(run: Run) -> tuple[str, float | None, str]:
+def _run(run: Run) -> tuple[str, float | None, str, float | None]:
     cell, algorithm, fault = run.cell, ALGORITHMS[run.cell.algorithm], FAULTS[run.cell.fault]
     run.redis.start()
     if cell.fault == "broker-restart" and cell.queue in ("mqtt", "amqp"):
@@ -671,7 +696,10 @@ def _run(run: Run) -> tuple[str, float | None, str]:
         problems.append(f"went backwards: {'; '.join(samples.backwards[:3])}")
     notes = f" ({'; '.join(run.notes)})" if run.notes else ""
     verdict = ("pass" if not problems else "FAIL: " + "; ".join(problems)) + notes
-    return verdict, cost, accounts_line or accounts
+    evaluation = None  # by the client that loaded the final params (the attach fault's: the call made again)
+    if run.runner is not None and not problems:
+        evaluation = float(np.mean(run.runner.evaluate(EVAL_EPISODES, seed=run.rng.randrange(2**31))))
+    return verdict, cost, accounts_line or accounts, evaluation
 
 
 def replay_command(cell: Cell, seed: int) -> str:
@@ -688,6 +716,27 @@ def fault_cost(samples: Samples, injected_at: float, over_at: float) -> float | 
 
 
 # --------------------------------------------------------------------------------------------- the command
+def no_fault_spreads(cells: list[Cell], runs: int, seed: int | None) -> dict[tuple[str, str], tuple[float, float, int]]:
+    """For each algorithm x queue of ``cells`` (a fault among them), ``runs`` runs of its no-fault cell, each row
+    printed: the lowest and highest final evaluation and how many were evaluated."""
+    spreads: dict[tuple[str, str], tuple[float, float, int]] = {}
+    if runs < 1:
+        return spreads
+    for algorithm, queue in dict.fromkeys((c.algorithm, c.queue) for c in cells if c.fault != "none"):
+        cell = Cell(algorithm, queue, "none")
+        if cell.not_applicable() or cell.not_built():
+            continue
+        evaluations = []
+        for k in range(runs):
+            result = run_cell(cell, (seed if seed is not None else random.randrange(10**9)) + k)
+            print(result.row() + "  (spread)", flush=True)
+            if result.evaluation is not None:
+                evaluations.append(result.evaluation)
+        if evaluations:
+            spreads[(algorithm, queue)] = (min(evaluations), max(evaluations), len(evaluations))
+    return spreads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", action="append", default=[], help="algorithm/queue/fault (repeatable)")
@@ -699,6 +748,9 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=None, help="run ci_sample(SEED) instead (tests/test_faults.py)")
     parser.add_argument("--list", action="store_true", help="list the cells and what stands in their way; run none")
     parser.add_argument("--verbose", action="store_true", help="show the client's progress as it runs")
+    parser.add_argument("--spread", type=int, default=0, metavar="N",
+                        help="run each algorithm x queue's no-fault cell N times first; a cell whose final evaluation "
+                        "falls below their lowest fails")
     args = parser.parse_args()
     if not args.verbose:  # the client's lines are kept with each cell's logs, not printed among the rows
         logging.getLogger("srl").addHandler(logging.NullHandler())
@@ -717,11 +769,12 @@ def main() -> None:
                      else "known failing" if c.known_failing() else "runnable")
             print(f"{c.name:36} {state:14} {why}")
         return
-    print(f"{'cell':36} {'seed':>10} {'verdict':60} {'cost s':>7} {'wall s':>7}", flush=True)
+    print(f"{'cell':36} {'seed':>10} {'verdict':60} {'cost s':>7} {'wall s':>7} {'eval':>8}", flush=True)
+    spreads = no_fault_spreads(cells, args.spread, args.seed)
     failed = 0
     for c in cells:
         seed = args.seed if args.seed is not None else random.randrange(10**9)
-        result = run_cell(c, seed)
+        result = run_cell(c, seed).below(spreads.get((c.algorithm, c.queue)) if c.fault != "none" else None)
         failed += result.verdict.startswith("FAIL")
         print(result.row(), flush=True)
         if result.verdict.startswith("FAIL"):

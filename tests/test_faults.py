@@ -61,3 +61,13 @@ def test_a_cell_of_the_fault_matrix_ends_with_nothing_lost(cell: faults.Cell) ->
     # "pass (the run ended before ...)": the run reached its budget with the fault in it, on its own
     assert result.verdict.startswith("pass"), (f"{result.row()}\n  accounts: {result.accounts}\n  logs: {result.logs}\n"
                                       f"  replay: {faults.replay_command(cell, SEED)}")
+    assert result.evaluation is not None, result.row()  # the final params, by the client that loaded them
+
+
+def test_a_cell_evaluated_below_its_no_fault_spread_fails_saying_so() -> None:
+    passed = faults.Result("dqn/redis/actor-kill", 5, "pass", 2.0, 30.0, evaluation=12.0)
+    failed = passed.below((20.0, 60.0, 3))
+    assert failed.verdict == "FAIL: evaluation 12.0 below the no-fault spread 20.0..60.0 (3 runs)"
+    assert passed.below((10.0, 60.0, 3)) is passed  # within (or above) the spread
+    assert passed.below(None) is passed  # no spread asked for
+    assert faults.Result("c", 1, "pass", None, 1.0).below((20.0, 60.0, 3)).verdict == "pass"  # not evaluated
