@@ -699,6 +699,42 @@ def test_reads_given_back_after_their_count_landed_are_counted_as_given_back_unt
         server.stop()
 
 
+def test_a_counted_read_whose_connection_was_lost_before_its_ack_is_counted_as_given_back(
+    redis_url: str, namespace: str
+) -> None:
+    """RabbitMQ's consumer connection is lost (a broker restart, a reset) after a read was counted and before
+    its ack: the broker delivers those batches again and the ack on the new connection cannot be made. They are
+    received and queued at once, so the trainer counts them as given back, until it reads them again (as
+    duplicates): the accounts balance whenever the run ends."""
+    if not port_open("127.0.0.1", 5672):
+        broker_unavailable("RabbitMQ", "127.0.0.1", 5672)
+    url = "amqp://guest:guest@127.0.0.1:5672/"
+    board, params, run, batch = trainer_run(redis_url, namespace, url, "amqp", TrainerOptions(uid="t", secret=""))
+    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    consumer = run.open_consumer()
+    ingest = run.ingest
+    try:
+        producer.put_many([batch("a", 0, 0), batch("b", 0, 8)])
+        wait_for(lambda: ingest.ingest_once(consumer) == 2, 30, "the trainer to read both batches", interval=0.0)
+        wait_for(lambda: board.get_counters().get("received_batches", 0) == 2, 30, "the read to be counted")
+        consumer._drop_connection()  # type: ignore[attr-defined]  # the broker takes the unacked read back
+        ingest.ack_counted()  # on the connection it comes back with: the ack cannot be made
+        counters = board.get_counters()
+        assert counters.get("given_back_batches") == 2 and ingest.given_back_batches == 2, counters
+        wait_for(lambda: ingest.ingest_once(consumer) >= 0 and board.get_counters().get("duplicates", 0) == 2, 30,
+                 "the trainer to read the given-back batches again", interval=0.0)
+        ingest.ack_counted()
+        counters = board.get_counters()
+        assert counters["received_batches"] == 2 and counters.get("given_back_batches", 0) == 0, counters
+        assert len(run.buffer) == 16  # their rows, once
+    finally:
+        run.stop.set("test over")
+        consumer.destroy()
+        consumer.close()
+        producer.close()
+        board.delete_task()
+
+
 def test_a_trainer_whose_lease_lapsed_gives_its_unacked_reads_back_to_the_queue(
     redis_url: str, namespace: str
 ) -> None:

@@ -78,6 +78,9 @@ class Message(Protocol):
     """human-readable origin for log lines, e.g. ``redis stream srl:{ns}:queue:exp id 1700-0``"""
     refused: str
     """why the backend did not read the payload (e.g. over ``max_read_bytes``), or '': ack it away"""
+    returned: bool
+    """set by an ack that could not be made: the connection it came over was lost, and the broker delivers
+    it again (to whoever consumes next)"""
 
     def ack(self) -> None:
         """Tell the broker this message is handled; it will not be delivered again."""
@@ -268,6 +271,7 @@ class QueueMessage:
     _ack_many: Callable[[Sequence[QueueMessage]], None] = field(repr=False)
     acked: bool = False
     refused: str = ""
+    returned: bool = False
 
     def ack(self) -> None:
         if not self.acked:

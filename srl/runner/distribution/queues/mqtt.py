@@ -489,6 +489,7 @@ class MQTTQueue(ExperienceQueue):
                 self._conn.client.ack(m.receipt, _QOS)
             else:
                 stale += 1  # the broker resends it on the resumed session; its packet id is void here
+                m.returned = True
         if stale:
             logger.info("%s: %d message(s) came over a connection that was lost; the broker redelivers them",
                         self.source_name, stale)

@@ -377,6 +377,7 @@ class RabbitMQQueue(ExperienceQueue):
         current = [m for m in todo if m.generation == self._generation and m.receipt in self._held]
         for m in todo:
             m.acked = True  # a stale one is back in the queue already: nothing to ack
+            m.returned = m not in current
         if len(current) < len(todo):
             logger.info("%s: %d message(s) came over a connection that was lost; the broker redelivers them",
                         self.source_name, len(todo) - len(current))
@@ -392,6 +393,8 @@ class RabbitMQQueue(ExperienceQueue):
         except TRANSIENT as e:
             logger.info("%s: connection lost while acking (%s); the broker redelivers those messages",
                         self.source_name, e)
+            for m in current:
+                m.returned = True
             self._drop_connection()
             return
         for tag in tags:

@@ -57,6 +57,8 @@ class ReadCounter:
         self._counting: deque[tuple[Future[None], list[Message], ExperienceQueue, list[Key]]] = deque()
         self._given_back: list[tuple[Future[None], list[Key]]] = []
         """reads given back to the queue unacked whose counts were still on their way (``forget``)"""
+        self._returned: list[Key] = []
+        """batches of counted reads whose ack could not be made (their connection was lost): delivered again"""
 
     def recall(self, board: Board) -> None:
         """Batches that trainers before this one counted, and may not have acked before they died, come
@@ -100,8 +102,10 @@ class ReadCounter:
                     if self.lease_lapsed():
                         raise LeaseLapsed(f"the lease lapsed with {len(self._counting)} read(s) not yet "
                                           "counted") from None
-            self._counting.popleft()
+            _, _, _, taken = self._counting.popleft()
             queue.ack_many(messages)
+            if any(m.returned for m in messages):  # counted, and the broker delivers them again
+                self._returned.extend(taken)
 
     def forget(self, wait: bool = False) -> None:
         """Let the reads in flight go unacked (their queue was closed: their messages come again). ``wait``:
@@ -114,12 +118,18 @@ class ReadCounter:
         self._given_back.extend((future, taken) for future, _, _, taken in self._counting)
         self._counting.clear()
 
+    @property
+    def returned(self) -> bool:
+        """Whether a counted read's ack came back undone since the last ``given_back``."""
+        return bool(self._returned)
+
     def given_back(self) -> list[Key]:
-        """The batches of reads given back to the queue whose counts landed: they count as received and are
-        queued again, where the trainer that reads them takes them as duplicates (its own) or as redelivered
-        (its ledger's). Waits for the counts still on their way, which land now that the lease is this
-        trainer's again, or end with the run."""
-        landed: list[Key] = []
+        """The batches of reads given back to the queue whose counts landed, and of counted reads whose acks came
+        back undone (the queue reconnected under them): they count as received and are queued again, where the
+        trainer that reads them takes them as duplicates (its own) or as redelivered (its ledger's). Waits for
+        the counts still on their way, which land now that the lease is this trainer's again, or end with the
+        run."""
+        landed, self._returned = self._returned, []
         for future, taken in self._given_back:
             with contextlib.suppress(Exception):  # stopped first: not counted, delivered again
                 future.result()

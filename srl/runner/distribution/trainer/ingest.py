@@ -273,8 +273,11 @@ class Ingest:
 
     def ack_counted(self, keep: int = 0) -> None:
         """Ack the reads in flight (all but the newest ``keep``) once their counts are on the board
-        (:meth:`ReadCounter.settle <srl.runner.distribution.trainer.counter.ReadCounter.settle>`)."""
+        (:meth:`ReadCounter.settle <srl.runner.distribution.trainer.counter.ReadCounter.settle>`); a counted read
+        whose ack came back undone (its connection was lost under it) is given back (``_count_given_back``)."""
         self.counter.settle(keep)
+        if self.counter.returned:
+            self._count_given_back()
 
     def _count(self, counts: dict[str, float], taken: list[Key]) -> None:
         """Count a read on the board (in the count thread), the notes of the messages it refused first."""
@@ -334,7 +337,8 @@ class Ingest:
 
     def _count_given_back(self) -> None:
         """Batches counted as received whose reads went back to the queue unacked (the lease lapsed, or the queue
-        went away, while their counts were on their way) are also queued: counted on the board as
+        went away, while their counts were on their way; or their ack found the connection they came over gone)
+        are also queued: counted on the board as
         ``given_back_batches`` until this trainer reads them again (as duplicates), so the accounts balance
         (``sent = received + refused + still queued - given back``)."""
         landed = self.counter.given_back()
