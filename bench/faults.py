@@ -178,6 +178,11 @@ class Run:
         return self.redis.url
 
     @property
+    def budget(self) -> int:
+        """The cell's train steps: its algorithm's, times its fault's ``budget_scale``."""
+        return ALGORITHMS[self.cell.algorithm].budget * FAULTS[self.cell.fault].budget_scale
+
+    @property
     def queue_url(self) -> str | None:
         if self.broker is not None:
             return self.broker.url
@@ -204,7 +209,7 @@ class Run:
     def client_kwargs(self) -> dict[str, Any]:
         algorithm = ALGORITHMS[self.cell.algorithm]
         kwargs: dict[str, Any] = {"queue_params": self.queue_url, "actor_num": 2,
-                                  "max_train_count": algorithm.budget, "progress_interval": 5.0}
+                                  "max_train_count": self.budget, "progress_interval": 5.0}
         if algorithm.central:
             kwargs["inference"] = "central"
         if self.cell.fault == "elastic":
@@ -382,24 +387,28 @@ class Fault:
     kills_sender: bool = False
     """SIGKILLs a node that sends batches: what it sent after its last report is received but was never
     counted as sent (the client's summary names this surplus), so more received than sent is no loss"""
+    budget_scale: int = 1
+    """times the algorithm's budget a cell of this fault runs: a recovery that waits for a lease to lapse and a
+    standby to start (or a broker to come back) lands inside the run, and the fault's cost is measured"""
 
 
 FAULTS: dict[str, Fault] = {
     "none": Fault(inject_none),
     "trainer-kill": Fault(inject_trainer_kill, standby="trainer"),
-    "actor-kill": Fault(inject_actor_kill, standby="actor", kills_sender=True),
-    "zombie": Fault(inject_zombie, standby="actor"),
+    "actor-kill": Fault(inject_actor_kill, standby="actor", kills_sender=True, budget_scale=3),
+    "zombie": Fault(inject_zombie, standby="actor", budget_scale=3),
     "malformed": Fault(inject_malformed),
-    "elastic": Fault(inject_elastic),
+    "elastic": Fault(inject_elastic, budget_scale=3),
     "client-attach": Fault(inject_client_attach),
     "redis-oom": Fault(redis_refusing_for("OOM")),
     "redis-readonly": Fault(redis_refusing_for("READONLY")),
     "redis-busy": Fault(redis_refusing_for("BUSY")),
-    "broker-restart": Fault(inject_broker_restart, queues=("redis", "mqtt", "amqp"), not_for={
+    "broker-restart": Fault(inject_broker_restart, queues=("redis", "mqtt", "amqp"), budget_scale=3, not_for={
         "pubsub": "the Pub/Sub emulator keeps nothing across a restart (topics, subscriptions and messages go), "
                   "and Google's service has no restart a client sees: its outage is the partition's fault"}),
     "partition": Fault(inject_partition, standby="trainer"),
-    "inference-kill": Fault(inject_inference_kill, standby="inference", central_only=True, kills_sender=True),
+    "inference-kill": Fault(inject_inference_kill, standby="inference", central_only=True, kills_sender=True,
+                            budget_scale=3),
 }
 
 KNOWN_FAILING: dict[str, str] = {}
@@ -636,7 +645,7 @@ def _run(run: Run) -> tuple[str, float | None, str, float | None]:
         run.node("actor")
     if algorithm.central:
         run.node("inference")
-    at = int(algorithm.budget * run.rng.uniform(0.3, 0.6))
+    at = int(run.budget * run.rng.uniform(0.3, 0.6))
     lines = LogLines()
     run.client_lines = lines.lines
     client_log = logging.getLogger("srl.client")
