@@ -154,6 +154,21 @@ def trainer_run(redis_url: str, namespace: str, queue_url: str | None, scheme: s
     return board, params, run, batch
 
 
+BROKERS = {"mqtt": ("Mosquitto", 1883, "mqtt://127.0.0.1:1883"),
+           "amqp": ("RabbitMQ", 5672, "amqp://guest:guest@127.0.0.1:5672/")}
+
+
+def trainer_on(scheme: str, redis_url: str, namespace: str
+               ) -> tuple[Board, RedisParameters, TrainerRun, BatchMaker, ExperienceQueue]:
+    """``trainer_run`` over the shared broker of ``scheme`` (skipped here, failed in CI, when it is not up), and a
+    producer of its queue."""
+    what, port, url = BROKERS[scheme]
+    if not port_open("127.0.0.1", port):
+        broker_unavailable(what, "127.0.0.1", port)
+    board, params, run, batch = trainer_run(redis_url, namespace, url, scheme, TrainerOptions(uid="t", secret=""))
+    return board, params, run, batch, open_queue(url, namespace=namespace, role="producer", redis_params=params)
+
+
 def test_one_read_of_many_batches_refuses_only_the_bad_one(redis_url: str, namespace: str) -> None:
     """The trainer validates and adds a read's good batches as one block; a bad, a duplicate and a
     batch without priorities in the same read are each handled alone, and nothing good is lost."""
@@ -208,11 +223,7 @@ def test_a_read_is_counted_on_the_board_before_it_is_acked(redis_url: str, names
     """The trainer writes what a read brought to the board before it acks the read, with the batches of its
     last reads in its ledger: killed between the two, the read is counted and its redelivery recognised by
     the next trainer, so the counts add up. Actors on MQTT and Pub/Sub read the queue's depth from them."""
-    if not port_open("127.0.0.1", 1883):
-        broker_unavailable("Mosquitto", "127.0.0.1", 1883)
-    url = "mqtt://127.0.0.1:1883"
-    board, params, run, batch = trainer_run(redis_url, namespace, url, "mqtt", TrainerOptions(uid="t", secret=""))
-    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    board, _, run, batch, producer = trainer_on("mqtt", redis_url, namespace)
     queue = run.open_consumer()
     inbox = queue._inbox  # type: ignore[attr-defined]
     acked = 0
@@ -706,11 +717,7 @@ def test_a_counted_read_whose_connection_was_lost_before_its_ack_is_counted_as_g
     its ack: the broker delivers those batches again and the ack on the new connection cannot be made. They are
     received and queued at once, so the trainer counts them as given back, until it reads them again (as
     duplicates): the accounts balance whenever the run ends."""
-    if not port_open("127.0.0.1", 5672):
-        broker_unavailable("RabbitMQ", "127.0.0.1", 5672)
-    url = "amqp://guest:guest@127.0.0.1:5672/"
-    board, params, run, batch = trainer_run(redis_url, namespace, url, "amqp", TrainerOptions(uid="t", secret=""))
-    producer = open_queue(url, namespace=namespace, role="producer", redis_params=params)
+    board, _, run, batch, producer = trainer_on("amqp", redis_url, namespace)
     consumer = run.open_consumer()
     ingest = run.ingest
     try:
