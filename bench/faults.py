@@ -152,8 +152,10 @@ class Samples:
 class Run:
     """What an injector gets: the cell's Redis, board, nodes, client and queue."""
 
-    def __init__(self, cell: Cell, work: Path, seed: int) -> None:
+    def __init__(self, cell: Cell, work: Path, seed: int, scaled: bool = True) -> None:
         self.cell = cell
+        self.scaled = scaled
+        """the fault's ``budget_scale`` applies (False: the algorithm's budget, as the test suite's sample runs)"""
         self.work = work
         self.rng = random.Random(seed)
         self.task = f"faults-{uuid.uuid4().hex[:10]}"
@@ -179,8 +181,8 @@ class Run:
 
     @property
     def budget(self) -> int:
-        """The cell's train steps: its algorithm's, times its fault's ``budget_scale``."""
-        return ALGORITHMS[self.cell.algorithm].budget * FAULTS[self.cell.fault].budget_scale
+        """The cell's train steps: its algorithm's, times its fault's ``budget_scale`` where ``scaled``."""
+        return ALGORITHMS[self.cell.algorithm].budget * (FAULTS[self.cell.fault].budget_scale if self.scaled else 1)
 
     @property
     def queue_url(self) -> str | None:
@@ -594,15 +596,16 @@ def _cleanup_queue(run: Run) -> None:
         logging.getLogger(__name__).debug("could not remove the queue of %s: %s", run.task, e)
 
 
-def run_cell(cell: Cell, seed: int, work: Path | None = None) -> Result:
-    """Run one cell with ``seed``; never raises for what the cell finds (the verdict says)."""
+def run_cell(cell: Cell, seed: int, work: Path | None = None, scaled: bool = True) -> Result:
+    """Run one cell with ``seed``; never raises for what the cell finds (the verdict says). ``scaled`` False: at
+    its algorithm's budget whatever the fault (the test suite's sample keeps to minutes)."""
     started = time.monotonic()
     if why := cell.not_applicable():
         return Result(cell.name, seed, f"n/a: {why}", None, 0.0)
     if why := cell.not_built():
         return Result(cell.name, seed, f"not built yet: {why}", None, 0.0)
     with tempfile.TemporaryDirectory(prefix="srl-faults-") as tmp:
-        run = Run(cell, work or Path(tmp), seed)
+        run = Run(cell, work or Path(tmp), seed, scaled)
         evaluation: float | None = None
         try:
             verdict, cost, accounts, evaluation = _run(run)
@@ -711,8 +714,8 @@ def _run(run: Run) -> tuple[str, float | None, str, float | None]:
     return verdict, cost, accounts_line or accounts, evaluation
 
 
-def replay_command(cell: Cell, seed: int) -> str:
-    return f"python bench/faults.py --cell {cell.name} --seed {seed}"
+def replay_command(cell: Cell, seed: int, scaled: bool = True) -> str:
+    return f"python bench/faults.py --cell {cell.name} --seed {seed}" + ("" if scaled else " --unscaled")
 
 
 def fault_cost(samples: Samples, injected_at: float, over_at: float) -> float | None:
@@ -757,6 +760,8 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=None, help="run ci_sample(SEED) instead (tests/test_faults.py)")
     parser.add_argument("--list", action="store_true", help="list the cells and what stands in their way; run none")
     parser.add_argument("--verbose", action="store_true", help="show the client's progress as it runs")
+    parser.add_argument("--unscaled", action="store_true",
+                        help="every cell at its algorithm's budget, as the test suite's sample runs them")
     parser.add_argument("--spread", type=int, default=0, metavar="N",
                         help="run each algorithm x queue's no-fault cell N times first; a cell whose final evaluation "
                         "falls below their lowest fails")
@@ -783,12 +788,13 @@ def main() -> None:
     failed = 0
     for c in cells:
         seed = args.seed if args.seed is not None else random.randrange(10**9)
-        result = run_cell(c, seed).below(spreads.get((c.algorithm, c.queue)) if c.fault != "none" else None)
+        result = run_cell(c, seed, scaled=not args.unscaled).below(
+            spreads.get((c.algorithm, c.queue)) if c.fault != "none" else None)
         failed += result.verdict.startswith("FAIL")
         print(result.row(), flush=True)
         if result.verdict.startswith("FAIL"):
-            print(f"    accounts: {result.accounts}\n    logs: {result.logs}\n    replay: {replay_command(c, seed)}",
-                  flush=True)
+            print(f"    accounts: {result.accounts}\n    logs: {result.logs}\n"
+                  f"    replay: {replay_command(c, seed, not args.unscaled)}", flush=True)
     sys.exit(1 if failed else 0)
 
 
