@@ -258,6 +258,12 @@ def test_an_asynchronous_actor_makes_no_more_than_its_lead_of_versions_ahead_of_
     pacing.saw_actors(("a", "b"))
     assert pacing.allowed_segments(70) == 70 + 5 * 16 / 2
 
+    # a central actor's segments are the server's: one per segment_length steps of each of its envs
+    central = Pacing(ppo.Config(sync=False, segment_length=32, envs_per_actor=8).data_path(), 2, None, 8, 0, 8)
+    assert central.served_segments(8 * (3 * 32 + 5), 8) == 3 * 8
+    assert Pacing(impala_path := impala.Config().data_path(), 2, None, 8, 0, 8).served_segments(800, 8) == 8 * 6
+    assert impala_path.segment_length == 16
+
     assert not Pacing(ppo.Config().data_path(), 2, None, 8, 0, 8).paced
     assert impala.Config().data_path().lead_versions is None
     bounded = impala.Config(max_policy_lag=4, batch_segments=8, publish_every=4).data_path()

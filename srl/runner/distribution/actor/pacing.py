@@ -110,6 +110,13 @@ class Pacing:
             return segments >= self.allowed_segments(segments)
         return False
 
+    def served_segments(self, env_steps: int, envs: int) -> int | None:
+        """With central inference the server makes an actor's segments: those of its ``envs`` envs after
+        ``env_steps`` steps in all, one per ``segment_length`` steps of each env (a restarted session's partial
+        segments are counted as made: the pace errs towards waiting). None: not a segment path."""
+        length = self.data_path.segment_length
+        return env_steps // envs // length * envs if length else None
+
     def allowed_segments(self, segments: int) -> float:
         """Asynchronous segments (``lead_versions``): the segments this actor may have made by now (``segments``
         made so far): its share among the actors stepping of what the learner consumed since this actor started

@@ -293,20 +293,10 @@ class ActorRun:
         ).to_record()
 
     def _ahead(self) -> bool:
-        """Ahead of the trainer (``Pacing.ahead``)."""
-        return self.pacing.ahead(self.env_steps, self._segments())
-
-    def _segments(self) -> int | None:
-        """Segments this actor's envs made: its worker's (sent or pending); with central inference the server's
-        for this slot, one per ``segment_length`` steps of each env (a restarted session's partial segments are
-        counted as made: the pace errs towards waiting). None: not a segment path."""
-        if self.params is not None:
-            return self.segments_made + self.worker.pending()
-        length = self.data_path.segment_length
-        if not length:
-            return None
-        envs = self.rollout.num_envs
-        return self.env_steps // envs // length * envs
+        """Ahead of the trainer (``Pacing.ahead``): the segments its worker made, or its server (central)."""
+        made = (self.segments_made + self.worker.pending() if self.params is not None
+                else self.pacing.served_segments(self.env_steps, self.rollout.num_envs))
+        return self.pacing.ahead(self.env_steps, made)
 
     def _throttle(self) -> None:
         """Ahead of the trainer: send what is pending, then wait for it to train (fresh data, not a backlog)."""
@@ -315,9 +305,6 @@ class ActorRun:
         while not self.stop.is_set() and self._ahead():
             self.stop.wait(0.01)
         self.throttled_s += self.waits.end()
-
-    def _batch_rows(self) -> int:
-        return batch_rows(self.task, self.options.batch_size)
 
     # ------------------------------------------------------------ sending
     def _flush(self) -> int | None:
@@ -385,7 +372,7 @@ class ActorRun:
                 self.env_steps += self.rollout.num_envs
                 pending = self.worker.pending()
                 aged = pending and time.monotonic() - batch_started >= opts.batch_max_age
-                if pending >= self._batch_rows() or aged:
+                if pending >= batch_rows(self.task, opts.batch_size) or aged:
                     sent_version = self._flush()
                     batch_started = time.monotonic()
                     if path.sync and sent_version is not None and params is not None:  # lockstep: new params next
