@@ -392,8 +392,6 @@ class Fault:
     budget_scale: int = 1
     """times the algorithm's budget a cell of this fault runs: a recovery that waits for a lease to lapse and a
     standby to start (or a broker to come back) lands inside the run, and the fault's cost is measured"""
-    moment: tuple[float, float] = (0.3, 0.6)
-    """the part of the run's train steps the fault strikes in, drawn from the seed"""
 
 
 FAULTS: dict[str, Fault] = {
@@ -402,7 +400,7 @@ FAULTS: dict[str, Fault] = {
     "actor-kill": Fault(inject_actor_kill, standby="actor", kills_sender=True, budget_scale=3),
     "zombie": Fault(inject_zombie, standby="actor", budget_scale=3),
     "malformed": Fault(inject_malformed),
-    "elastic": Fault(inject_elastic, budget_scale=3, moment=(0.1, 0.3)),  # the joining process imports first
+    "elastic": Fault(inject_elastic, budget_scale=3),
     "client-attach": Fault(inject_client_attach),
     "redis-oom": Fault(redis_refusing_for("OOM")),
     "redis-readonly": Fault(redis_refusing_for("READONLY")),
@@ -650,7 +648,7 @@ def _run(run: Run) -> tuple[str, float | None, str, float | None]:
         run.node("actor")
     if algorithm.central:
         run.node("inference")
-    at = int(run.budget * run.rng.uniform(*fault.moment))
+    at = int(run.budget * run.rng.uniform(0.3, 0.6))
     lines = LogLines()
     run.client_lines = lines.lines
     client_log = logging.getLogger("srl.client")
