@@ -754,9 +754,6 @@ class DQNStats(TrainStats):
     """steps skipped so far because the loss was NaN or infinite"""
 
 
-_BATCH_COLUMNS = ("obs", "next_obs", "action", "reward", "discount")
-
-
 class DQNLearner(Learner):
     """One gradient step per ``train()``: sample, the ``loss`` setting's TD loss weighted by importance,
     priority update."""
@@ -784,7 +781,7 @@ class DQNLearner(Learner):
         self.batches = self.compute.ahead(self._draw)
 
     def _draw(self) -> DeviceSample:
-        return sample_to_device(self.memory.sample(self.config.batch_size), self.device, _BATCH_COLUMNS)
+        return sample_to_device(self.memory.sample(self.config.batch_size), self.device)
 
     def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         """The greedy average spans at most the last quarter of the planned train steps (``max_train_count``,

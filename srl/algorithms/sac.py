@@ -425,9 +425,6 @@ class SACStats(TrainStats):
     """steps skipped so far because a loss was NaN or infinite"""
 
 
-_BATCH_COLUMNS = ("obs", "next_obs", "action", "reward", "discount")
-
-
 class SACLearner(Learner):
     """One step of the critics, the actor and the temperature per ``train()``; targets Polyak-averaged."""
 
@@ -457,7 +454,7 @@ class SACLearner(Learner):
         self.batches = self.compute.ahead(self._draw)
 
     def _draw(self) -> DeviceSample:
-        return sample_to_device(self.memory.sample(self.config.batch_size), self.device, _BATCH_COLUMNS)
+        return sample_to_device(self.memory.sample(self.config.batch_size), self.device)
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"optimizer": self.optimizer, "actor_optimizer": self.actor_optimizer,

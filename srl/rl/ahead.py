@@ -165,7 +165,12 @@ class DeviceSample:
     generations: np.ndarray
 
 
-def sample_to_device(sample: Sample, device: torch.device, names: tuple[str, ...]) -> DeviceSample:
+TRANSITION_COLUMNS = ("obs", "next_obs", "action", "reward", "discount")
+"""what a learner of n-step transitions (DQN, SAC) trains on"""
+
+
+def sample_to_device(sample: Sample, device: torch.device, names: tuple[str, ...] = TRANSITION_COLUMNS
+                     ) -> DeviceSample:
     """``sample``'s columns ``names`` and weights copied to ``device`` (``to_device``: pinned, non-blocking)."""
     return DeviceSample({name: to_device(sample.batch[name], device) for name in names},
                         to_device(sample.weights, device), sample.indices, sample.generations)

@@ -103,7 +103,8 @@ class ActorRun:
         allow = allowed_env_modules(options.allow_env_modules)
         self.spec = env_spec(task.env_config, allow)
         config.check_spec(self.spec)
-        self.pacing = Pacing(self.data_path, task.actor_num, task.max_steps, batch_rows(task, options.batch_size),
+        self.batch_rows = batch_rows(task, options.batch_size)  # the rows a batch is sent at (once, not every step)
+        self.pacing = Pacing(self.data_path, task.actor_num, task.max_steps, self.batch_rows,
                              self.data_path.first_rows_steps(config.envs_per_actor), config.envs_per_actor)
         self.segments_made = 0  # the segments (rows) its worker finished and this actor sent
         self.waits = WaitClock()
@@ -372,7 +373,7 @@ class ActorRun:
                 self.env_steps += self.rollout.num_envs
                 pending = self.worker.pending()
                 aged = pending and time.monotonic() - batch_started >= opts.batch_max_age
-                if pending >= batch_rows(self.task, opts.batch_size) or aged:
+                if pending >= self.batch_rows or aged:
                     sent_version = self._flush()
                     batch_started = time.monotonic()
                     if path.sync and sent_version is not None and params is not None:  # lockstep: new params next
