@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -164,6 +165,10 @@ class Run:
         self.broker: PrivateMosquitto | PrivateRabbitMQ | None = None
         """the cell's private broker for the queue (one the fault restarts); None: the shared one"""
         self.proxy: WanProxy | None = None
+        self.joining: Node | None = None
+        self.killed: list[str] = []
+        """the uids of the lease holders the injector SIGKILLed"""
+        """the elastic fault's third actor, imported and waiting at its gate"""
         self.injected = 0
         """messages the injector put into the queue itself (not sent by an actor)"""
         self.client: ClientThread | None = None
@@ -197,11 +202,11 @@ class Run:
     def board(self) -> Board:
         return board_for(self.url, self.task)
 
-    def node(self, role: str, url: str | None = None) -> Node:
+    def node(self, role: str, url: str | None = None, gated: bool = False) -> Node:
         extra: tuple[str, ...] = () if self.queue_url is None else ("--queue-url", self.queue_url)
         if role == "inference":
             extra = (*extra, *INFERENCE_ARGS)
-        started = Node(role, url or self.url, self.task, self.work, *extra)
+        started = Node(role, url or self.url, self.task, self.work, *extra, gated=gated)
         self.nodes.append(started)
         return started
 
@@ -255,6 +260,7 @@ def inject_none(run: Run) -> None:
 def _kill_holder(run: Run, lease: str) -> None:
     board = run.board()
     pid = wait_for(lambda: lease_holder_pid(board, lease), 60, f"a holder of the {lease} lease")
+    run.killed.append(board.lease_holder(lease)[0] or "")
     sigkill(pid)
     until(run, lambda: (lease_holder_pid(board, lease) or pid) != pid, 60 + 3 * LEASE_TTL_S,
           f"a standby took the {lease} lease")
@@ -308,9 +314,13 @@ def inject_malformed(run: Run) -> None:
 
 
 def inject_elastic(run: Run) -> None:
-    """An elastic task of up to 3 actors with 2 there: a third joins, works, and leaves."""
+    """An elastic task of up to 3 actors with 2 there: a third joins, works, and leaves. The third was started
+    with the others and waits, imported, at its gate: it arrives at the fault's moment, not the seconds its
+    imports take later (a short run had ended before)."""
     board = run.board()
-    joined = run.node("actor")
+    joined = run.joining
+    assert joined is not None, "the elastic cell starts its joining actor (gated) with the others"
+    joined.open_gate()
     if until(run, lambda: lease_holder_pid(board, "actor:2") == joined.proc.pid, 90, "the joining actor took slot 2") \
             and until(run, lambda: (board.get_all_stats().get("actor:2") or {}).get("env_steps", 0) > 0, 90,
                       "the joining actor stepped its envs"):
@@ -386,6 +396,10 @@ class Fault:
     central_only: bool = False
     not_for: dict[str, str] = field(default_factory=dict)
     """queue -> why the fault cannot apply there"""
+    kills_receiver: bool = False
+    """SIGKILLs the trainer: the reads it counted but had not acked yet are received and queued again until its
+    successor reads them (named by the killed trainer's ledger on the board), so a surplus up to its ledger is
+    no loss"""
     kills_sender: bool = False
     """SIGKILLs a node that sends batches: what it sent after its last report is received but was never
     counted as sent (the client's summary names this surplus), so more received than sent is no loss"""
@@ -396,7 +410,7 @@ class Fault:
 
 FAULTS: dict[str, Fault] = {
     "none": Fault(inject_none),
-    "trainer-kill": Fault(inject_trainer_kill, standby="trainer"),
+    "trainer-kill": Fault(inject_trainer_kill, standby="trainer", kills_receiver=True),
     "actor-kill": Fault(inject_actor_kill, standby="actor", kills_sender=True, budget_scale=3),
     "zombie": Fault(inject_zombie, standby="actor", budget_scale=3),
     "malformed": Fault(inject_malformed),
@@ -580,9 +594,15 @@ def balance(run: Run) -> tuple[bool, str]:
     text = (f"sent {sent} (injected {run.injected}) = received {received} + refused {refused} + queued "
             f"{'?' if depth is None else depth}, duplicates {duplicates}")
     rest = sent - received - refused - (depth or 0)
+    fault = FAULTS[run.cell.fault]
+    if fault.kills_receiver and rest < 0:
+        counted = sum(len(keys) for uid, keys in run.board().get_ledgers().items() if uid in run.killed)
+        text += f", the killed trainer's ledger names {counted}"
+        if -rest <= counted:
+            return True, text
     if depth is None:
-        return rest >= 0 or FAULTS[run.cell.fault].kills_sender, text
-    surplus_named = duplicates > 0 or FAULTS[run.cell.fault].kills_sender
+        return rest >= 0 or fault.kills_sender, text
+    surplus_named = duplicates > 0 or fault.kills_sender
     return rest == 0 or (rest < 0 and surplus_named), text
 
 
@@ -648,6 +668,8 @@ def _run(run: Run) -> tuple[str, float | None, str, float | None]:
         run.node("actor")
     if algorithm.central:
         run.node("inference")
+    if cell.fault == "elastic":
+        run.joining = run.node("actor", gated=True)
     at = int(run.budget * run.rng.uniform(0.3, 0.6))
     lines = LogLines()
     run.client_lines = lines.lines
@@ -749,6 +771,84 @@ def no_fault_spreads(cells: list[Cell], runs: int, seed: int | None) -> dict[tup
     return spreads
 
 
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "-"
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+
+
+def write_record(path: Path, result: Result, scaled: bool) -> None:
+    """One line of ``path`` per cell run: what the table and ``--passes`` read."""
+    line = {"cell": result.cell, "seed": result.seed, "verdict": result.verdict, "cost_s": result.cost_s,
+            "wall_s": round(result.wall_s, 1), "evaluation": result.evaluation, "scaled": scaled,
+            "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def read_record(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"{path}:{number}: not a result line, skipped", file=sys.stderr)
+    return rows
+
+
+def passed_seeds(rows: list[dict[str, Any]]) -> dict[str, set[int]]:
+    done: dict[str, set[int]] = {}
+    for row in rows:
+        if str(row.get("verdict", "")).startswith("pass"):
+            done.setdefault(str(row["cell"]), set()).add(int(row["seed"]))
+    return done
+
+
+def record_table(rows: list[dict[str, Any]], cells: list[Cell]) -> str:
+    """Algorithm x fault: runnable cells passed (by at least one and by two seeds) and failed, over the queues;
+    then every failing run with its replay command."""
+    passes = passed_seeds(rows)
+    failed: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if not str(row.get("verdict", "")).startswith("pass"):
+            failed.setdefault(str(row["cell"]), []).append(row)
+    runnable_cells = [c for c in cells if not (c.not_applicable() or c.not_built())]
+    algorithms = list(dict.fromkeys(c.algorithm for c in runnable_cells))
+    faults = list(dict.fromkeys(c.fault for c in runnable_cells))
+    lines = ["cells passed once / twice (different seeds) / failing, of the runnable cells, over the queues", "",
+             "| algorithm | " + " | ".join(f"`{f}`" for f in faults) + " |",
+             "|---|" + "---|" * len(faults)]
+    for algorithm in algorithms:
+        row = []
+        for fault in faults:
+            mine = [c for c in runnable_cells if c.algorithm == algorithm and c.fault == fault]
+            if not mine:
+                row.append("n/a")
+                continue
+            once = sum(1 for c in mine if passes.get(c.name))
+            twice = sum(1 for c in mine if len(passes.get(c.name, ())) >= 2)
+            bad = sum(1 for c in mine if c.name in failed and not passes.get(c.name))
+            row.append(f"{once}/{twice}/{bad} of {len(mine)}")
+        lines.append(f"| {algorithm} | " + " | ".join(row) + " |")
+    total = len(runnable_cells)
+    once = sum(1 for c in runnable_cells if passes.get(c.name))
+    twice = sum(1 for c in runnable_cells if len(passes.get(c.name, ())) >= 2)
+    lines += ["", f"{once} of {total} runnable cells passed at least once, {twice} with two seeds; "
+              f"{len(rows)} runs recorded, {sum(r['wall_s'] for r in rows) / 3600:.1f} h of wall time."]
+    names = {c.name for c in runnable_cells}
+    for name, runs in sorted(failed.items()):
+        if name not in names:
+            continue
+        for r in runs:
+            lines.append(f"- `{name}` seed {r['seed']} ({r['commit']}, {r['date']}): {r['verdict']}; replay: "
+                         f"`{replay_command(Cell.parse(name), int(r['seed']), bool(r.get('scaled', True)))}`")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", action="append", default=[], help="algorithm/queue/fault (repeatable)")
@@ -762,6 +862,15 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="show the client's progress as it runs")
     parser.add_argument("--unscaled", action="store_true",
                         help="every cell at its algorithm's budget, as the test suite's sample runs them")
+    parser.add_argument("--record", type=Path, default=None, metavar="FILE",
+                        help="append each cell's result to FILE (JSON lines) with the commit and the date, so the "
+                        "matrix can be run in parts")
+    parser.add_argument("--passes", type=int, default=0, metavar="N",
+                        help="with --record: skip the cells FILE already holds N passes of with different seeds")
+    parser.add_argument("--table", action="store_true",
+                        help="with --record: print FILE's results as a table (algorithm x fault); run none")
+    parser.add_argument("--shuffle", action="store_true",
+                        help="run the cells in a random order (a matrix stopped part way then covers all of it)")
     parser.add_argument("--spread", type=int, default=0, metavar="N",
                         help="run each algorithm x queue's no-fault cell N times first; a cell whose final evaluation "
                         "falls below their lowest fails")
@@ -776,6 +885,16 @@ def main() -> None:
     else:
         chosen = [set(getattr(args, what).split(",")) for what in ("algorithms", "queues", "faults")]
         cells = [c for c in all_cells() if c.algorithm in chosen[0] and c.queue in chosen[1] and c.fault in chosen[2]]
+    if args.table:
+        if args.record is None:
+            parser.error("--table reads the results of --record FILE")
+        print(record_table(read_record(args.record), cells))
+        return
+    if args.record is not None and args.passes:
+        done = passed_seeds(read_record(args.record))
+        cells = [c for c in cells if len(done.get(c.name, ())) < args.passes]
+    if args.shuffle:
+        random.shuffle(cells)
     if args.list:
         for c in cells:
             why = c.not_applicable() or c.not_built() or c.known_failing()
@@ -792,6 +911,8 @@ def main() -> None:
             spreads.get((c.algorithm, c.queue)) if c.fault != "none" else None)
         failed += result.verdict.startswith("FAIL")
         print(result.row(), flush=True)
+        if args.record is not None:
+            write_record(args.record, result, scaled=not args.unscaled)
         if result.verdict.startswith("FAIL"):
             print(f"    accounts: {result.accounts}\n    logs: {result.logs}\n"
                   f"    replay: {replay_command(c, seed, not args.unscaled)}", flush=True)

@@ -7,6 +7,7 @@ board, a process's exit) with a deadline, never by a blind sleep.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,18 +57,38 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+GATED_NODE = ("import sys, srl.cli\n"
+              "if sys.stdin.readline().strip() != 'go':\n"
+              "    sys.exit(0)\n"
+              "sys.exit(srl.cli.main(sys.argv[1:]))")
+"""a node that has imported srl and waits for ``go`` on its stdin before it runs (``Node(gated=True)``); its
+stdin closed without it, it exits"""
+
+
 class Node:
     """One ``srl actor`` / ``srl trainer`` process with its output in a log file."""
 
     def __init__(self, role: str, redis_url: str, task_name: str, log_dir: Path, *extra: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, gated: bool = False) -> None:
+        """``gated``: the process imports srl (and torch) and waits for :meth:`open_gate` before it runs the
+        node: a node that arrives mid-run, at a moment of the caller's choosing, without the seconds its
+        imports take."""
         self.role = role
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         args = FAST_ACTOR if role == "actor" else FAST_TRAINER
-        cmd = [sys.executable, "-m", "srl.cli", role, "--url", redis_url, "--task-name", task_name, *args, *extra]
+        node_args = [role, "--url", redis_url, "--task-name", task_name, *args, *extra]
+        cmd = ([sys.executable, "-c", GATED_NODE, *node_args] if gated
+               else [sys.executable, "-m", "srl.cli", *node_args])
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.PIPE if gated else None,
                                      env={**os.environ, **(env or {})})  # SIGINT: conftest.py
+
+    def open_gate(self) -> None:
+        """Let a ``gated`` node run (it waits for a line on its stdin)."""
+        assert self.proc.stdin is not None, "open_gate is for a node started with gated=True"
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.close()
 
     @property
     def uid_prefix(self) -> str:
@@ -83,6 +104,10 @@ class Node:
         return self.proc.poll() is None
 
     def stop(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:  # a gate never opened: it exits
+            self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGINT)
