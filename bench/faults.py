@@ -762,7 +762,7 @@ def no_fault_spreads(cells: list[Cell], runs: int, seed: int | None) -> dict[tup
             continue
         evaluations = []
         for k in range(runs):
-            result = run_cell(cell, (seed if seed is not None else random.randrange(10**9)) + k)
+            result = run_cell(cell, (seed if seed is not None else random.Random().randrange(10**9)) + k)
             print(result.row() + "  (spread)", flush=True)
             if result.evaluation is not None:
                 evaluations.append(result.evaluation)
@@ -893,8 +893,9 @@ def main() -> None:
     if args.record is not None and args.passes:
         done = passed_seeds(read_record(args.record))
         cells = [c for c in cells if len(done.get(c.name, ())) < args.passes]
+    picker = random.Random()  # its own: a run seeds the global one (seed_everything), which would repeat seeds
     if args.shuffle:
-        random.shuffle(cells)
+        picker.shuffle(cells)
     if args.list:
         for c in cells:
             why = c.not_applicable() or c.not_built() or c.known_failing()
@@ -906,7 +907,7 @@ def main() -> None:
     spreads = no_fault_spreads(cells, args.spread, args.seed)
     failed = 0
     for c in cells:
-        seed = args.seed if args.seed is not None else random.randrange(10**9)
+        seed = args.seed if args.seed is not None else picker.randrange(10**9)
         result = run_cell(c, seed, scaled=not args.unscaled).below(
             spreads.get((c.algorithm, c.queue)) if c.fault != "none" else None)
         failed += result.verdict.startswith("FAIL")
