@@ -906,7 +906,8 @@ def test_batches_counted_and_given_back_to_the_queue_are_still_queued_in_the_acc
     assert status is not None
     accounts = summary_lines(board, status, elapsed=10.0, queued=3)[1]
     assert accounts.startswith("  batches: sent 8 = received 5 (and 1 more counted as received whose reads went back "
-                               "to the queue when a trainer's lease lapsed: still queued) + refused 0 + still queued 3"
+                               "to the queue, unacked, when a trainer's lease lapsed or its queue connection was "
+                               "lost: still queued) + refused 0 + still queued 3"
                                ) and accounts.endswith(": all accounted for"), accounts
     assert history_row(board, None)["queue_in_flight"] == 3
     board.incr_counters("trainer", given_back_batches=-1)  # read again, as a duplicate: no longer queued

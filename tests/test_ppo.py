@@ -241,3 +241,15 @@ def test_ppo_learns_cartpole_in_a_small_budget() -> None:
     assert runner.env_steps == 25_000  # 3,125 steps of 8 envs
     assert runner.train_count == 20 * (25_000 // 256)  # an update per 8 x 32 steps: K=20 epochs, one minibatch
     assert np.mean(runner.evaluate(max_episodes=10)) >= 195
+
+
+def test_a_run_says_which_preset_its_unset_fields_take(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="srl.ppo"):
+        config = ppo.Config(lr=3e-4)
+        assert config.settled(EnvConfig("Pendulum-v1")) is config  # None stays None: resolved where used
+    assert "the box preset for 'Pendulum-v1'" in caplog.text
+    assert "segment_length 256" in caplog.text and " lr " not in caplog.text  # a field set is not the preset's
+    caplog.clear()
+    with caplog.at_level("INFO", logger="srl.ppo"):
+        ppo.Config(**{name: ppo.PRESETS[name][0] for name in ppo.PRESETS}).settled(EnvConfig("CartPole-v1"))
+    assert "preset" not in caplog.text  # nothing left to a preset: nothing said

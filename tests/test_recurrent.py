@@ -326,3 +326,45 @@ def dqn_path_unchanged() -> bool:
 
     path = dqn.Config().data_path()
     return path.first_rows_steps(8) == 0 and path.env_steps_allowed(10) == path.warmup_rows + 10.0
+
+
+# ------------------------------------------------------------------ R2D2's presets and budget
+def test_r2d2_as_it_comes_takes_its_family_preset_and_a_field_set_wins(caplog: pytest.LogCaptureFixture) -> None:
+    import minatar.gym
+
+    minatar.gym.register_envs()
+    with caplog.at_level("INFO", logger="srl.r2d2"):
+        vectors = r2d2.Config().settled(EnvConfig("CartPole-v1"))
+    assert vectors.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("vectors")]
+    assert "vectors preset" in caplog.text and "lr 0.0005" in caplog.text
+    grids = r2d2.Config().settled(EnvConfig("MinAtar/Breakout-v1"))
+    assert grids.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("grids")]
+    assert r2d2.Config(lr=3e-3).settled(EnvConfig("CartPole-v1")).lr == 3e-3
+    config = r2d2.Config()
+    config.settled(EnvConfig("CartPole-v1"))
+    assert config.lr is None  # settled is a copy: one config serves several envs
+
+
+@pytest.mark.parametrize(("max_steps", "max_train_count", "period"), [
+    (300_000, None, 375),        # 7,500 planned train steps (40 env steps each) / 20 copies
+    (None, 100_000, 2500),       # the paper's period at most
+    (2_000, None, 100),          # at least 100
+    (None, None, 2500),          # no planned end: the paper's
+])
+def test_r2d2_derives_its_target_period_from_the_budget(max_steps: int | None, max_train_count: int | None,
+                                                        period: int) -> None:
+    config = small_r2d2(env_steps_per_train=40.0)
+    assert config.budget_settings(max_steps, max_train_count) == {"target_update_interval": period}
+    spec = env_spec(EnvConfig(CARTPOLE))
+    parameter = config.make_parameter(spec, CPU)
+    learner = config.make_learner(spec, parameter, config.make_buffer(spec))
+    learner.plan(max_steps, max_train_count)
+    assert learner.target_period == period  # type: ignore[attr-defined]
+    assert small_r2d2(target_update_interval=7).budget_settings(max_steps, max_train_count) == {}
+
+
+def test_a_run_says_the_settings_it_derived_from_its_budget(caplog: pytest.LogCaptureFixture) -> None:
+    runner = srl.Runner(CARTPOLE, small_r2d2(env_steps_per_train=40.0))
+    with caplog.at_level("INFO", logger="srl.runner"):
+        runner.train(max_steps=400, progress_interval=None)
+    assert "derived from the run's budget: target_update_interval 100" in caplog.text

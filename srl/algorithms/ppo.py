@@ -27,6 +27,7 @@ Discrete or continuous-control vectors, Atari-sized images, or small grids
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from srl.base.config import check_int, check_number
-from srl.base.env import BoxActions, EnvSpec
+from srl.base.env import BoxActions, EnvConfig, EnvSpec, env_spec
 from srl.base.rl import (
     Buffer,
     DataPath,
@@ -85,6 +86,8 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
 }
 FAMILIES = ("discrete", "box", "images", "grids")
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
+
+logger = logging.getLogger("srl.ppo")
 
 
 @dataclass
@@ -167,6 +170,17 @@ class Config(RLConfig):
         column = FAMILIES.index(self.family(spec))
         changes = {name: preset[column] for name, preset in PRESETS.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **changes)
+
+    def settled(self, env_config: EnvConfig) -> Config:
+        """Itself: the fields left at None stay None (``resolved`` sets them where the config is used); it says
+        which preset they take."""
+        left = [name for name in PRESETS if getattr(self, name) is None]
+        if left:
+            spec = env_spec(env_config)
+            resolved = self.resolved(spec)
+            chosen = ", ".join(f"{name} {getattr(resolved, name)}" for name in left)
+            logger.info("ppo: the %s preset for %r: %s (set them to choose)", self.family(spec), env_config.id, chosen)
+        return self
 
     def validate(self) -> None:
         super().validate()

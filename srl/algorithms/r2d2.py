@@ -34,6 +34,8 @@ them.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -44,7 +46,7 @@ from torch import nn
 
 from srl.algorithms.dqn import action_count, action_table, env_epsilons, explore, rescale, unrescale
 from srl.base.config import check_int, check_number
-from srl.base.env import EnvSpec
+from srl.base.env import EnvConfig, EnvSpec, env_spec
 from srl.base.rl import (
     Buffer,
     Columns,
@@ -70,6 +72,22 @@ from srl.rl.recurrent import RecurrentCore, check_recurrent, split_states, stack
 
 VALUE_BOUND = 1e9
 """rewards beyond this are refused as rows"""
+
+logger = logging.getLogger("srl.r2d2")
+
+# Per-family presets for the fields a Config leaves at None: (vectors, grids, images). Images keep the paper's
+# (Atari, 10^10 frames); docs/memory.md, "R2D2's settings", says which envs chose the others and measures them.
+PRESETS: dict[str, tuple[Any, Any, Any]] = {
+    "lr": (5e-4, 1e-4, 1e-4),
+}
+FAMILIES = ("vectors", "grids", "images")
+"""the columns of ``PRESETS``, as ``Config.family`` names them"""
+TARGET_COPIES = 20
+"""a run planned for N train steps copies its target network every N / ``TARGET_COPIES`` train steps (within
+``TARGET_PERIOD``) when ``target_update_interval`` is None"""
+TARGET_PERIOD = (100, 2500)
+"""the fewest and the most train steps between two target copies a budget derives (2,500: the paper's, and
+the period of a run without a planned end)"""
 
 
 @dataclass
@@ -113,10 +131,13 @@ class Config(RLConfig):
     env_steps_per_train: float | None = 40.0
     """env steps per train step, one process and distributed alike (40: one new sequence's worth per step of
     64 sequences); None: actors run flat out"""
-    lr: float = 1e-4
-    """Adam learning rate (with the paper's ε of 1e-3)"""
-    target_update_interval: int = 2500
-    """train steps between copies of the online network into the target network"""
+    lr: float | None = None
+    """Adam learning rate (with the paper's ε of 1e-3); None: the preset of the env's family (``PRESETS``: 5e-4
+    vectors, 1e-4 grids and images, the paper's)"""
+    target_update_interval: int | None = None
+    """train steps between copies of the online network into the target network; None: derived from the run's
+    budget, its planned train steps / ``TARGET_COPIES`` (20) within 100..2,500 (the paper's 2,500 is three
+    copies in a run of 300k env steps; a run without a planned end takes 2,500)"""
     priority_eta: float = 0.9
     """η of a sequence's priority: η max |δ| + (1 - η) mean |δ| over its learned steps"""
     value_rescale: bool = True
@@ -156,8 +177,10 @@ class Config(RLConfig):
         check_int("warmup_size", self.warmup_size, 1, 1 << 30)
         if self.env_steps_per_train is not None:
             check_number("env_steps_per_train", self.env_steps_per_train, 0.0, 1e6, low_open=True)
-        check_number("lr", self.lr, 0.0, 1.0, low_open=True)
-        check_int("target_update_interval", self.target_update_interval, 1, 2**62)
+        if self.lr is not None:
+            check_number("lr", self.lr, 0.0, 1.0, low_open=True)
+        if self.target_update_interval is not None:
+            check_int("target_update_interval", self.target_update_interval, 1, 2**62)
         check_number("priority_eta", self.priority_eta, 0.0, 1.0)
         for name in ("epsilon", "apex_epsilon", "test_epsilon"):
             check_number(name, getattr(self, name), 0.0, 1.0)
@@ -173,6 +196,36 @@ class Config(RLConfig):
         if self.memory.capacity < self.warmup_size:
             raise ValueError(f"memory.capacity ({self.memory.capacity}) is smaller than warmup_size "
                              f"({self.warmup_size}); training would never start")
+
+    def family(self, spec: EnvSpec) -> str:
+        """The preset family of ``spec`` (``FAMILIES``): images (grids under the Nature CNN's smallest side, as
+        MinAtar's), else vectors."""
+        if spec.image:
+            return "grids" if self.encoder.small_image(spec) else "images"
+        return "vectors"
+
+    def resolved(self, spec: EnvSpec) -> Config:
+        """A copy with every ``None`` field of ``PRESETS`` set to the preset of ``spec``'s family."""
+        column = FAMILIES.index(self.family(spec))
+        changes = {name: preset[column] for name, preset in PRESETS.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def settled(self, env_config: EnvConfig) -> Config:
+        if all(getattr(self, name) is not None for name in PRESETS):
+            return self
+        spec = env_spec(env_config)
+        settled = self.resolved(spec)
+        chosen = ", ".join(f"{name} {getattr(settled, name):g}" for name in PRESETS if getattr(self, name) is None)
+        logger.info("r2d2: the %s preset for %r: %s (set them to choose)", self.family(spec), env_config.id, chosen)
+        return settled
+
+    def budget_settings(self, max_steps: int | None, max_train_count: int | None) -> dict[str, Any]:
+        if self.target_update_interval is not None:
+            return {}
+        planned = planned_train_steps(max_steps, max_train_count, self.env_steps_per_train)
+        low, high = TARGET_PERIOD
+        period = high if planned is None else int(min(high, max(low, planned // TARGET_COPIES)))
+        return {"target_update_interval": period}
 
     @property
     def period(self) -> int:
@@ -209,7 +262,7 @@ class Config(RLConfig):
         })  # no priorities from actors: new sequences enter at the replay's highest (see the module docstring)
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> R2D2Parameter:
-        return R2D2Parameter(self, spec, device)
+        return R2D2Parameter(self.resolved(spec), spec, device)
 
     def make_worker(
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
@@ -222,7 +275,7 @@ class Config(RLConfig):
 
     def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> R2D2Learner:
         assert isinstance(parameter, R2D2Parameter) and isinstance(buffer, Memory)
-        return R2D2Learner(self, parameter, buffer)
+        return R2D2Learner(self.resolved(spec), parameter, buffer)
 
 
 class RecurrentQNetwork(nn.Module):
@@ -453,7 +506,10 @@ class R2D2Learner(Learner):
         self.device = parameter.device
         self.target = copy.deepcopy(parameter.q)
         self.target.requires_grad_(False)
+        assert config.lr is not None, "the learner is made from a resolved config (Config.resolved)"
         self.optimizer = make_adam(parameter.q.parameters(), config.lr, eps=1e-3)
+        self.target_period = config.target_update_interval or TARGET_PERIOD[1]
+        """train steps between target copies: the config's, else derived from the run's budget (``plan``)"""
         self.train_count = 0
         self.nonfinite_losses = 0
         self.compute = LearnerCompute.of(config, self.device)
@@ -473,6 +529,13 @@ class R2D2Learner(Learner):
         for name in ("action", "reward", "done"):
             columns[name] = to_device(np.ascontiguousarray(b[name][:, burn:]), dev)
         return DeviceSample(columns, to_device(sample.weights, dev), sample.indices, sample.generations)
+
+    def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
+        """With ``target_update_interval`` None, the target's period follows the run's budget
+        (``Config.budget_settings``)."""
+        derived = self.config.budget_settings(max_steps, max_train_count)
+        if "target_update_interval" in derived:
+            self.target_period = derived["target_update_interval"]
 
     def sync_target(self) -> None:
         self.target.load_state_dict(self.parameter.q.state_dict())
@@ -526,7 +589,18 @@ class R2D2Learner(Learner):
         priorities = sequence_priorities(td_abs, config.priority_eta)
         self.memory.update_priorities(sample.indices, priorities.cpu().numpy(), sample.generations)
         self.train_count += 1
-        if self.train_count % config.target_update_interval == 0:
+        if self.train_count % self.target_period == 0:
             self.sync_target()
         return R2D2Stats(loss=float(loss.item()), td_abs=float(td_abs.mean().item()),
                          q_mean=float(q_sa.detach().mean().item()), nonfinite_losses=self.nonfinite_losses)
+
+
+def planned_train_steps(max_steps: int | None, max_train_count: int | None,
+                        env_steps_per_train: float | None) -> int | None:
+    """The train steps a run's limits plan: ``max_train_count``, else ``max_steps`` at ``env_steps_per_train``
+    (None: neither bounds them)."""
+    if max_train_count is not None:
+        return max_train_count
+    if max_steps is None or env_steps_per_train is None:
+        return None
+    return int(max_steps / env_steps_per_train)

@@ -217,6 +217,13 @@ class RLConfig(Settings, ABC):
         distributed run the client, so every node gets the same values."""
         return self
 
+    def budget_settings(self, max_steps: int | None, max_train_count: int | None) -> dict[str, Any]:
+        """The settings this config derives from a run's budget (env steps, train steps; None: not bounded),
+        by field name: those of its fields left at None that depend on how long the run is (R2D2's target
+        period). The learner applies them in ``Learner.plan``; the runner and the client say them at the
+        start. None by default."""
+        return {}
+
     def unsettled(self) -> list[str]:
         """The fields :meth:`settled` would still set (a node refuses a task that has any)."""
         return []
@@ -622,3 +629,12 @@ class Learner(ABC):
     def on_parameters_loaded(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """The parameter's weights were replaced (a checkpoint, or params restored from the board):
         bring any state derived from them (a target network) in line. Nothing by default."""
+
+
+def budget_note(config: RLConfig, max_steps: int | None, max_train_count: int | None) -> str | None:
+    """The line a run starts with when ``config`` derives settings from its budget (None: it derives none)."""
+    derived = config.budget_settings(max_steps, max_train_count)
+    if not derived:
+        return None
+    settings = ", ".join(f"{name} {value}" for name, value in derived.items())
+    return f"{config.algorithm}: derived from the run's budget: {settings} (set them to choose)"

@@ -23,7 +23,7 @@ from srl.base.arrays import load_arrays, save_arrays
 from srl.base.checkpoint import build_checkpoint, count_field, saved_rl_config, split_checkpoint, task_config
 from srl.base.config import config_from_dict
 from srl.base.env import EnvConfig, EnvSpec, env_spec
-from srl.base.rl import Buffer, DataPath, Learner, Parameter, RLConfig, TrainStats, seed_everything
+from srl.base.rl import Buffer, DataPath, Learner, Parameter, RLConfig, TrainStats, budget_note, seed_everything
 from srl.base.rollout import Rollout
 from srl.runner.progress import TrainProgress, ensure_logging, reward_summary
 from srl.runner.run_log import RunLog, write_checkpoint
@@ -183,6 +183,8 @@ class Runner:
         planned = (None if max_steps is None else self.env_steps + max_steps,
                    None if max_train_count is None else learner.train_count + max_train_count)
         learner.plan(*planned, self.env_steps)
+        if (note := budget_note(config, *planned)) is not None:
+            logger.info("%s", note)
         data_path = config.data_path()
         parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
         seed = continued_seed(config.seed, self.env_steps)

@@ -307,8 +307,8 @@ def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     received = int(counters.get("received_batches", 0)) - given_back  # those are counted as still queued
     refused = int(batches_refused(counters))
     got = f"received {received}" + (
-        f" (and {given_back} more counted as received whose reads went back to the queue when a trainer's lease "
-        "lapsed: still queued)" if given_back else "")
+        f" (and {given_back} more counted as received whose reads went back to the queue, unacked, when a "
+        "trainer's lease lapsed or its queue connection was lost: still queued)" if given_back else "")
     if queued is None:
         rest = sent - received - refused
         if rest >= 0:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from srl.base.rl import budget_note
 from srl.runner.distribution.board.board import BOARD_AWAY, Board, TaskStatus
 from srl.runner.distribution.client import local_nodes
 from srl.runner.distribution.client.check import TaskRequest, check_queue, check_request
@@ -224,6 +225,8 @@ def _check(runner: Runner, request: TaskRequest) -> tuple[TaskRequest, Checkpoin
         request = dataclasses.replace(
             request, max_train_count=None if max_train_count is None else runner.train_count + max_train_count,
             max_steps=None if max_steps is None else runner.env_steps + max_steps)
+    if (note := budget_note(runner.rl_config, request.max_steps, request.max_train_count)) is not None:
+        logger.info("%s", note)
     return request, resume
 
 
