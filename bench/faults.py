@@ -892,7 +892,7 @@ def main() -> None:
         return
     if args.record is not None and args.passes:
         done = passed_seeds(read_record(args.record))
-        cells = [c for c in cells if len(done.get(c.name, ())) < args.passes]
+        cells = [c for c in cells if len(done.get(c.name, ())) < args.passes and not c.not_applicable()]
     picker = random.Random()  # its own: a run seeds the global one (seed_everything), which would repeat seeds
     if args.shuffle:
         picker.shuffle(cells)
@@ -912,7 +912,7 @@ def main() -> None:
             spreads.get((c.algorithm, c.queue)) if c.fault != "none" else None)
         failed += result.verdict.startswith("FAIL")
         print(result.row(), flush=True)
-        if args.record is not None:
+        if args.record is not None and not result.verdict.startswith("n/a"):
             write_record(args.record, result, scaled=not args.unscaled)
         if result.verdict.startswith("FAIL"):
             print(f"    accounts: {result.accounts}\n    logs: {result.logs}\n"

@@ -13,4 +13,4 @@ mypy srl
 # No --quiet (nor -v): mkdocs 1.6 then drops warnings before strict mode counts them
 # (mkdocs/mkdocs#4126). NO_MKDOCS_2_WARNING hides mkdocs-material's end-of-life banner.
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"  # the slowest tests named: what keeps the suite from its 20-minute aim
