@@ -265,6 +265,9 @@ CASES = {case.name: case for case in [
          floor=-400.0),
     Case("r2d2-default-cartpolenovel", CARTPOLE_NOVEL, r2d2_default, "steps:300000", (), 475.0, "steps:20000",
          floor=400.0),
+    # where R2D2's vector preset was chosen (docs/benchmarks.md, "R2D2 as it comes"): not judged there
+    Case("r2d2-cartpole", "CartPole-v1", r2d2_default, "steps:100000", (), 475.0, "steps:20000"),
+    Case("r2d2-acrobot", "Acrobot-v1", r2d2_default, "steps:100000", (), -100.0, "steps:20000"),
     Case("dqn-minatar-default", MINATAR_BREAKOUT, dqn.Config, "steps:2000000",
          (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0, "steps:20000",
          needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),

@@ -336,7 +336,7 @@ def test_r2d2_as_it_comes_takes_its_family_preset_and_a_field_set_wins(caplog: p
     with caplog.at_level("INFO", logger="srl.r2d2"):
         vectors = r2d2.Config().settled(EnvConfig("CartPole-v1"))
     assert vectors.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("vectors")]
-    assert "vectors preset" in caplog.text and "lr 0.0005" in caplog.text
+    assert "vectors preset" in caplog.text and "lr 0.001" in caplog.text
     grids = r2d2.Config().settled(EnvConfig("MinAtar/Breakout-v1"))
     assert grids.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("grids")]
     assert r2d2.Config(lr=3e-3).settled(EnvConfig("CartPole-v1")).lr == 3e-3

@@ -78,7 +78,7 @@ logger = logging.getLogger("srl.r2d2")
 # Per-family presets for the fields a Config leaves at None: (vectors, grids, images). Images keep the paper's
 # (Atari, 10^10 frames); docs/memory.md, "R2D2's settings", says which envs chose the others and measures them.
 PRESETS: dict[str, tuple[Any, Any, Any]] = {
-    "lr": (5e-4, 1e-4, 1e-4),
+    "lr": (1e-3, 1e-4, 1e-4),
 }
 FAMILIES = ("vectors", "grids", "images")
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -132,7 +132,7 @@ class Config(RLConfig):
     """env steps per train step, one process and distributed alike (40: one new sequence's worth per step of
     64 sequences); None: actors run flat out"""
     lr: float | None = None
-    """Adam learning rate (with the paper's ε of 1e-3); None: the preset of the env's family (``PRESETS``: 5e-4
+    """Adam learning rate (with the paper's ε of 1e-3); None: the preset of the env's family (``PRESETS``: 1e-3
     vectors, 1e-4 grids and images, the paper's)"""
     target_update_interval: int | None = None
     """train steps between copies of the online network into the target network; None: derived from the run's
