@@ -427,7 +427,13 @@ FAULTS: dict[str, Fault] = {
                             budget_scale=3),
 }
 
-KNOWN_FAILING: dict[str, str] = {}
+KNOWN_FAILING: dict[str, str] = {
+    r"[^/]+/amqp/broker-restart": (
+        "a RabbitMQ restart still under way when the run reaches its budget leaves the accounts short of a "
+        "reason: dqn/amqp/broker-restart seed 809802359 ended 'sent 38 = received 36 + queued 3' while the "
+        "actors' own logs count 41 batches sent (their last counts, made after the reconnect, came after END), "
+        "and dqn-central/amqp seed 809802359 1 to 2 more than sent; open"),
+}
 """cell pattern (a regular expression over ``algorithm/queue/fault``) -> the srl defect it fails on; these
 cells run here but stay out of the test suite's sample until the defect is fixed"""
 

@@ -71,3 +71,19 @@ def test_a_cell_evaluated_below_its_no_fault_spread_fails_saying_so() -> None:
     assert passed.below((10.0, 60.0, 3)) is passed  # within (or above) the spread
     assert passed.below(None) is passed  # no spread asked for
     assert faults.Result("c", 1, "pass", None, 1.0).below((20.0, 60.0, 3)).verdict == "pass"  # not evaluated
+
+
+def test_a_recorded_matrix_counts_passes_by_seed_and_names_failures_with_their_replay(tmp_path: Path) -> None:
+    record = tmp_path / "faults.jsonl"
+    cell = faults.Cell("dqn", "redis", "trainer-kill")
+    for seed, verdict in ((1, "pass"), (1, "pass"), (2, "FAIL: accounts do not balance")):
+        faults.write_record(record, faults.Result(cell.name, seed, verdict, 1.0, 10.0), scaled=True)
+    record.open("a").write("not json\n")
+    rows = faults.read_record(record)
+    assert len(rows) == 3 and {r["commit"] for r in rows} != {""}
+    assert faults.passed_seeds(rows) == {cell.name: {1}}  # the same seed twice is one seed
+    table = faults.record_table(rows, [cell, faults.Cell("sac", "mqtt", "zombie")])
+    assert "1/0/0 of 1" in table  # passed once, not with two seeds
+    assert f"`{cell.name}` seed 2" in table and "--cell dqn/redis/trainer-kill --seed 2" in table
+    faults.write_record(record, faults.Result(cell.name, 3, "pass", 1.0, 10.0), scaled=True)
+    assert "1/1/0 of 1" in faults.record_table(faults.read_record(record), [cell])

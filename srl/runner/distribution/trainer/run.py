@@ -381,8 +381,10 @@ class TrainerRun:
             self.publisher.wake.set()
             for thread in board_threads:
                 thread.join(timeout=opts.heartbeat_interval + 5)
-            self.lease_guard.stop()
+            # the lease is renewed until the ingest's last counts are written (a read it took while the queue
+            # reconnected, reads given back): counts from a trainer whose lease lapsed are refused
             self.ingest.join(timeout=10)
+            self.lease_guard.stop()
             self._flush_final()  # a publication the publish thread had not written yet
             try:
                 # a fenced trainer's stats would overwrite its successor's: it only lets go
