@@ -72,7 +72,16 @@ from srl.runner.distribution import RedisParameters  # noqa: E402
 from srl.runner.distribution.board.board import Board, TaskState  # noqa: E402
 from srl.runner.distribution.queues import open_queue  # noqa: E402
 from srl.runner.distribution.sending.in_flight import batches_given_back  # noqa: E402
-from tests.nodes import ClientThread, Node, board_for, lease_holder_pid, sigkill, tiny_config, wait_for  # noqa: E402
+from tests.nodes import (  # noqa: E402
+    ClientThread,
+    Node,
+    board_for,
+    lease_holder_pid,
+    sigkill,
+    tiny_config,
+    uid_pid,
+    wait_for,
+)
 from tests.partitions import LogLines  # noqa: E402
 from tests.queue_fixtures import PrivateMosquitto, PrivateRabbitMQ, PrivateRedis, redis_refusing  # noqa: E402
 from tests.wan_proxy import WanProxy  # noqa: E402
@@ -166,9 +175,9 @@ class Run:
         """the cell's private broker for the queue (one the fault restarts); None: the shared one"""
         self.proxy: WanProxy | None = None
         self.joining: Node | None = None
+        """the elastic fault's third actor, imported and waiting at its gate"""
         self.killed: list[str] = []
         """the uids of the lease holders the injector SIGKILLed"""
-        """the elastic fault's third actor, imported and waiting at its gate"""
         self.injected = 0
         """messages the injector put into the queue itself (not sent by an actor)"""
         self.client: ClientThread | None = None
@@ -259,8 +268,9 @@ def inject_none(run: Run) -> None:
 
 def _kill_holder(run: Run, lease: str) -> None:
     board = run.board()
-    pid = wait_for(lambda: lease_holder_pid(board, lease), 60, f"a holder of the {lease} lease")
-    run.killed.append(board.lease_holder(lease)[0] or "")
+    uid: str = wait_for(lambda: board.lease_holder(lease)[0], 60, f"a holder of the {lease} lease")
+    pid = uid_pid(uid)
+    run.killed.append(uid)  # the uid read with its pid: the one whose ledger explains a surplus
     sigkill(pid)
     until(run, lambda: (lease_holder_pid(board, lease) or pid) != pid, 60 + 3 * LEASE_TTL_S,
           f"a standby took the {lease} lease")
@@ -825,6 +835,13 @@ def record_table(rows: list[dict[str, Any]], cells: list[Cell]) -> str:
     runnable_cells = [c for c in cells if not (c.not_applicable() or c.not_built())]
     algorithms = list(dict.fromkeys(c.algorithm for c in runnable_cells))
     faults = list(dict.fromkeys(c.fault for c in runnable_cells))
+
+    def counts(mine: list[Cell]) -> tuple[int, int, int]:
+        """Of ``mine``: passed once, passed with two seeds, failed and never passed."""
+        seeds = [len(passes.get(c.name, ())) for c in mine]
+        bad = sum(1 for c, n in zip(mine, seeds, strict=True) if c.name in failed and not n)
+        return sum(n >= 1 for n in seeds), sum(n >= 2 for n in seeds), bad
+
     lines = ["cells passed once / twice (different seeds) / failing, of the runnable cells, over the queues", "",
              "| algorithm | " + " | ".join(f"`{f}`" for f in faults) + " |",
              "|---|" + "---|" * len(faults)]
@@ -832,18 +849,10 @@ def record_table(rows: list[dict[str, Any]], cells: list[Cell]) -> str:
         row = []
         for fault in faults:
             mine = [c for c in runnable_cells if c.algorithm == algorithm and c.fault == fault]
-            if not mine:
-                row.append("n/a")
-                continue
-            once = sum(1 for c in mine if passes.get(c.name))
-            twice = sum(1 for c in mine if len(passes.get(c.name, ())) >= 2)
-            bad = sum(1 for c in mine if c.name in failed and not passes.get(c.name))
-            row.append(f"{once}/{twice}/{bad} of {len(mine)}")
+            row.append("/".join(map(str, counts(mine))) + f" of {len(mine)}" if mine else "n/a")
         lines.append(f"| {algorithm} | " + " | ".join(row) + " |")
-    total = len(runnable_cells)
-    once = sum(1 for c in runnable_cells if passes.get(c.name))
-    twice = sum(1 for c in runnable_cells if len(passes.get(c.name, ())) >= 2)
-    lines += ["", f"{once} of {total} runnable cells passed at least once, {twice} with two seeds; "
+    once, twice, _ = counts(runnable_cells)
+    lines += ["", f"{once} of {len(runnable_cells)} runnable cells passed at least once, {twice} with two seeds; "
               f"{len(rows)} runs recorded, {sum(r['wall_s'] for r in rows) / 3600:.1f} h of wall time."]
     names = {c.name for c in runnable_cells}
     for name, runs in sorted(failed.items()):

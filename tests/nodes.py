@@ -167,12 +167,15 @@ def short_distributed_run(runner: srl.Runner, redis_url: str, namespace: str, tr
     board.delete_task()
 
 
+def uid_pid(uid: str) -> int:
+    """The pid encoded in a node's uid (role-host-pid-suffix)."""
+    return int(uid.split("-")[-2])
+
+
 def lease_holder_pid(board: Board, name: str) -> int | None:
-    """The pid encoded in a lease holder's uid (role-host-pid-suffix)."""
+    """The pid encoded in a lease holder's uid."""
     holder, _ = board.lease_holder(name)
-    if holder is None:
-        return None
-    return int(holder.split("-")[-2])
+    return None if holder is None else uid_pid(holder)
 
 
 def kill_all(nodes: list[Node]) -> None:

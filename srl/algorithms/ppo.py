@@ -46,6 +46,7 @@ from srl.base.rl import (
     Parameter,
     RLConfig,
     TrainStats,
+    preset_note,
     torch_from_arrays,
     torch_to_arrays,
 )
@@ -178,8 +179,8 @@ class Config(RLConfig):
         if left:
             spec = env_spec(env_config)
             resolved = self.resolved(spec)
-            chosen = ", ".join(f"{name} {getattr(resolved, name)}" for name in left)
-            logger.info("ppo: the %s preset for %r: %s (set them to choose)", self.family(spec), env_config.id, chosen)
+            logger.info("%s", preset_note(self, self.family(spec), env_config.id,
+                                          {name: getattr(resolved, name) for name in left}))
         return self
 
     def validate(self) -> None:

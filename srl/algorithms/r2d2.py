@@ -58,6 +58,7 @@ from srl.base.rl import (
     TrainStats,
     Worker,
     concat_rows,
+    preset_note,
     torch_from_arrays,
     torch_to_arrays,
 )
@@ -215,8 +216,9 @@ class Config(RLConfig):
             return self
         spec = env_spec(env_config)
         settled = self.resolved(spec)
-        chosen = ", ".join(f"{name} {getattr(settled, name):g}" for name in PRESETS if getattr(self, name) is None)
-        logger.info("r2d2: the %s preset for %r: %s (set them to choose)", self.family(spec), env_config.id, chosen)
+        left = [name for name in PRESETS if getattr(self, name) is None]
+        logger.info("%s", preset_note(self, self.family(spec), env_config.id,
+                                      {name: getattr(settled, name) for name in left}))
         return settled
 
     def budget_settings(self, max_steps: int | None, max_train_count: int | None) -> dict[str, Any]:

@@ -638,3 +638,10 @@ def budget_note(config: RLConfig, max_steps: int | None, max_train_count: int | 
         return None
     settings = ", ".join(f"{name} {value}" for name, value in derived.items())
     return f"{config.algorithm}: derived from the run's budget: {settings} (set them to choose)"
+
+
+def preset_note(config: RLConfig, family: str, env_id: str, values: dict[str, Any]) -> str:
+    """The line a run starts with when fields of ``config`` left at None take ``family``'s preset ``values``."""
+    settings = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+                         for name, value in values.items())
+    return f"{config.algorithm}: the {family} preset for {env_id!r}: {settings} (set them to choose)"
