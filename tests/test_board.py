@@ -869,6 +869,27 @@ def test_end_of_run_summary_names_each_node_and_ignores_malformed_stats(board: B
     assert "2 more than the actors counted as sent" in over and "a trainer died between counting" in over, over
 
 
+def test_a_surplus_up_to_the_batches_republished_after_a_lost_connection_is_named_as_copies(board: Board) -> None:
+    """A sender whose broker connection went before the broker confirmed its batches publishes them again: the
+    broker may hold a copy of each. More queued than sent, up to those, is named as that (not as a loss, not as
+    a dead trainer); more than those is still the other reasons."""
+    board.create_task(CONFIG, actor_num=1)
+    board.set_active()
+    board.incr_counters("actor:0", sent_batches=30, republished_batches=2)
+    board.incr_counters("trainer", received_batches=28)
+    board.end_task("END", "done")
+    status = board.get_status()
+    assert status is not None
+    copies = summary_lines(board, status, elapsed=10.0, queued=4)[1]
+    assert copies == ("  batches: sent 30, received 28 + refused 0 + still queued 4: 2 more than the actors counted "
+                      "as sent: 2 batch(es) were published again after a broker connection was lost before the "
+                      "broker confirmed them, and the broker holds a copy of those it had taken (at-least-once: the "
+                      "trainer drops a copy it reads as a duplicate)"), copies
+    beyond = summary_lines(board, status, elapsed=10.0, queued=5)[1]
+    assert "3 more than the actors counted as sent (an actor stopped" in beyond, beyond
+    assert summary_lines(board, status, elapsed=10.0, queued=2)[1].endswith(": all accounted for")
+
+
 def test_the_batch_accounts_count_refused_batches_not_every_bad_message(board: Board) -> None:
     """sent = received + refused + still queued counts the batches the trainer refused, not the bad params an
     actor refused or the requests an inference server refused (bad messages too, but never batches sent);

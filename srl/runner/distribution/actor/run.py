@@ -384,9 +384,9 @@ class ActorRun:
                 params.poll_now.set()
             for thread in threads:
                 thread.join(timeout=opts.heartbeat_interval + opts.params_poll_interval + 5)
-            self.lease_guard.stop()
-            if self.rows is not None:
+            if self.rows is not None:  # the lease is kept while the broker confirms: the client awaits its release
                 self.rows.finish()  # the sending thread's last put counted before the final report takes the counts
+            self.lease_guard.stop()
             self._final_report()
             self.rollout.close()
             if self.rows is not None:

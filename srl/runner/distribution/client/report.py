@@ -321,6 +321,12 @@ def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
         return f"batches: sent {sent} = {got} + refused {refused} + still queued {queued}: all accounted for"
     if missing > 0:
         return f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {missing} NOT ACCOUNTED FOR"
+    republished = int(counters.get("republished_batches", 0))
+    if -missing <= republished:
+        return (f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {-missing} more than the "
+                f"actors counted as sent: {republished} batch(es) were published again after a broker connection "
+                "was lost before the broker confirmed them, and the broker holds a copy of those it had taken "
+                "(at-least-once: the trainer drops a copy it reads as a duplicate)")
     return (f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {-missing} more than the "
             "actors counted as sent (an actor stopped before reporting its last sends, or a trainer died between "
             "counting a read and acking it: those batches count as received and as still queued until the next "

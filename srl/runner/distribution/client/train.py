@@ -57,8 +57,11 @@ logger = logging.getLogger("srl.client")
 
 TIMEOUT_GRACE_S = 30.0
 """how long past ``timeout`` the client waits for the trainer to end the task before it does"""
-SETTLE_S = 5.0
-"""after END, how long the client waits for nodes elsewhere to flush their last counts and release their leases"""
+SETTLE_S = 30.0
+"""after END, how long the client waits for nodes elsewhere to flush their last counts and release their leases
+(a node keeps its lease while a broker confirms its last batches, which outlasts a short broker restart)"""
+SETTLE_NOTE_S = 2.0
+"""after END, when the client says which nodes it still waits for"""
 
 
 class TaskFailedError(RuntimeError):
@@ -364,9 +367,18 @@ def _note_totals(run: ClientRun) -> None:
     exit; nodes elsewhere up to ``SETTLE_S``, a dead one's lease lapses meanwhile or is left)."""
     board = _board(run)
     local_nodes.stop_all(run.procs)
-    deadline = time.monotonic() + SETTLE_S
-    while with_retry(lambda: board.held_leases(run.request.actor_num), "reading the leases", max_wait=10) \
-            and time.monotonic() < deadline:
+    started = time.monotonic()
+    noted = False
+    while held := with_retry(lambda: board.held_leases(run.request.actor_num), "reading the leases", max_wait=10):
+        waited = time.monotonic() - started
+        if waited >= SETTLE_S:
+            logger.warning("%s still held after %.0fs: the summary goes on without their last counts",
+                           ", ".join(held), waited)
+            break
+        if waited >= SETTLE_NOTE_S and not noted:
+            noted = True
+            logger.info("waiting up to %.0fs for %s to report their last counts and let go", SETTLE_S,
+                        ", ".join(held))
         time.sleep(0.05)
     counters = with_retry(board.get_counters, "reading the run's counters", max_wait=10)
     run.runner.env_steps += int(counters.get("env_steps", 0))

@@ -283,8 +283,8 @@ class InferenceRun:
                     continue
             sender_thread.join(timeout=10)
             board_thread.join(timeout=opts.heartbeat_interval + 5)
-            self.lease_guard.stop()
             self.rows.finish()  # the broker's word on every put, before the final report takes the counts
+            self.lease_guard.stop()  # kept until now: the client awaits the lease's release for the last counts
             self._final_report()
             self.rows.close()
         return self.stop.reason

@@ -122,6 +122,13 @@ class ExperienceQueue(ABC):
     role: Role
     """"producer" (actors) or "consumer" (the trainer)"""
 
+    @property
+    def republished(self) -> int:
+        """Producer: payloads published again because the connection was lost before the broker confirmed
+        them. The broker may have taken one before the loss, and then holds it twice (at-least-once: the
+        trainer drops the copy it reads as a duplicate). 0 where puts return only once the broker answered."""
+        return 0
+
     @abstractmethod
     def put(self, data: bytes) -> None:
         """Send one payload; returns once the broker has accepted it (as durably as it can say)."""

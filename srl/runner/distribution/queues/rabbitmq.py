@@ -181,6 +181,10 @@ class RabbitMQQueue(ExperienceQueue):
         """Messages put and not yet confirmed by the broker (published or waiting to be)."""
         return len(self._window)
 
+    @property
+    def republished(self) -> int:
+        return self._window.republished
+
     # ------------------------------------------------------------ connection
     def _connect(self) -> None:
         self._drop_connection()

@@ -33,6 +33,7 @@ class ConfirmWindow:
         self.refused: list[bytes] = []  # nacked since the last QueueFullError
         self.returned = 0  # unroutable since the last error about it
         self.confirmed = 0  # confirm frames' messages seen, to tell progress while waiting
+        self.republished = 0  # published again after a connection was lost with them unconfirmed
 
     def __len__(self) -> int:
         """Messages put and not yet confirmed (published or waiting to be)."""
@@ -68,7 +69,9 @@ class ConfirmWindow:
 
     def requeue(self) -> None:
         """The connection went: what was published over it and not confirmed is published again on the
-        next one, first."""
+        next one, first. The broker may have taken some before the connection went (their confirms lost
+        with it): those it will hold twice, counted in ``republished``."""
+        self.republished += len(self.unconfirmed)
         self.unsent.extendleft(reversed(self.unconfirmed.values()))
         self.unconfirmed.clear()
         self.unconfirmed_bytes = 0

@@ -131,6 +131,7 @@ class RowSender:
         self._settled = False
         self._broker_away = False  # the last put found the broker away (a flush would only wait for it again)
         self._error: BaseException | None = None
+        self._republished = 0  # the queue's republished count already counted
         self._thread: threading.Thread | None = None
         if ahead > 0:
             self._thread = threading.Thread(target=self._send_loop, name="srl-sender", daemon=True)
@@ -326,6 +327,7 @@ class RowSender:
                 logger.warning("the sending thread did not finish within 30 s")
                 return
         self._settle()
+        self._count_republished()
 
     def _settle(self) -> None:
         """Wait (once) until the broker took or refused every batch put (RabbitMQ confirms over a window, so a
@@ -368,6 +370,15 @@ class RowSender:
         if batches or rows:
             self.sent_batches += batches
             self.in_flight.sent(batches, rows, should_stop=self.stop.is_set if give_up_at_stop else None)
+        self._count_republished()
+
+    def _count_republished(self) -> None:
+        """Count the batches the queue published again after a lost connection since the last count: the
+        broker may hold them twice, and the run's accounts say so (``republished_batches``)."""
+        republished = self.queue.republished
+        if republished > self._republished:
+            self.counters.add(republished_batches=republished - self._republished)
+            self._republished = republished
 
     def close(self) -> None:
         """:meth:`finish`, then close the queue."""
