@@ -151,11 +151,30 @@ class RedisStreamQueue(ExperienceQueue):
             reconnect_timeout_s=reconnect_timeout_s,
         )
         self._client = self._link.client
+        self._republished = 0
 
     # ------------------------------------------------------------ producer
+    @property
+    def republished(self) -> int:
+        return self._republished
+
+    def _again(self, tries: list[int], count: int) -> None:
+        """A put's ``tries`` so far (one list per put): a try after the first follows a failure (a lost
+        connection, an error reply to one entry of a pipeline), and Redis may hold entries an earlier try sent
+        (their replies lost with it): up to ``count`` more copies."""
+        if tries:
+            self._republished += count
+        tries.append(1)
+
     def put(self, data: bytes) -> None:
         [payload] = self._payloads([data])
-        self._link.call("put", lambda: self._client.xadd(self.key, {FIELD: payload}))
+        tries: list[int] = []
+
+        def send() -> None:
+            self._again(tries, 1)
+            self._client.xadd(self.key, {FIELD: payload})
+
+        self._link.call("put", send)
 
     def put_many(self, items: Sequence[bytes]) -> None:
         self._put_many(items, then_backlog=False)
@@ -167,8 +186,10 @@ class RedisStreamQueue(ExperienceQueue):
         items = self._payloads(items)
         if not items:
             return None
+        tries: list[int] = []
 
         def send() -> int | None:
+            self._again(tries, len(items))
             pipe = self._client.pipeline(transaction=False)
             for data in items:
                 pipe.xadd(self.key, {FIELD: data})
