@@ -268,6 +268,10 @@ CASES = {case.name: case for case in [
     # where R2D2's vector preset was chosen (docs/benchmarks.md, "R2D2 as it comes"): not judged there
     Case("r2d2-cartpole", "CartPole-v1", r2d2_default, "steps:100000", (), 475.0, "steps:20000"),
     Case("r2d2-acrobot", "Acrobot-v1", r2d2_default, "steps:100000", (), -100.0, "steps:20000"),
+    # where IMPALA's Box preset was chosen (docs/benchmarks.md, "IMPALA's Box preset"): not judged there
+    Case("impala-invdoublependulum", "InvertedDoublePendulum-v5", impala.Config, "steps:1000000", (), 9000.0,
+         "steps:20000", needs="mujoco"),
+    Case("impala-hopper", "Hopper-v5", impala.Config, "steps:1000000", (), 1000.0, "steps:20000", needs="mujoco"),
     Case("dqn-minatar-default", MINATAR_BREAKOUT, dqn.Config, "steps:2000000",
          (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0, "steps:20000",
          needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),

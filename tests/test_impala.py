@@ -8,6 +8,8 @@ import torch
 
 import srl
 from srl.algorithms import impala, ppo
+from srl.base.checkpoint import saved_rl_config
+from srl.base.env import EnvConfig, env_spec
 
 
 def test_vtrace_matches_the_recursion_computed_by_hand() -> None:
@@ -130,3 +132,37 @@ def test_on_policy_rows_train_the_same_with_and_without_the_clip() -> None:
     assert not all(np.allclose(trained[0][k], initial[0][k], atol=1e-4) for k in names)
     for name in names:
         assert np.allclose(trained[0][name], trained[1][name], atol=1e-5), name
+
+
+def test_presets_follow_the_action_family_and_a_field_set_wins(caplog: pytest.LogCaptureFixture) -> None:
+    """Box normalizes observations and rewards (CleanRL's continuous-action PPO does); Discrete keeps them raw;
+    a field the user sets is never the preset's; a run says what it took."""
+    discrete = impala.Config().resolved(env_spec(EnvConfig("CartPole-v1")))
+    box = impala.Config().resolved(env_spec(EnvConfig("Pendulum-v1")))
+    assert (discrete.normalize_obs, discrete.normalize_reward) == (False, False)
+    assert (box.normalize_obs, box.normalize_reward) == (True, True)
+    assert impala.Config(normalize_reward=False).resolved(env_spec(EnvConfig("Pendulum-v1"))).normalize_reward is False
+    with caplog.at_level("INFO", logger="srl.impala"):
+        config = impala.Config(normalize_obs=False)
+        assert config.settled(EnvConfig("Pendulum-v1")) is config  # None stays None: resolved where used
+    assert "the box preset for 'Pendulum-v1': normalize_reward True (set them" in caplog.text, caplog.text
+    # a checkpoint written before rewards could be scaled reads as unscaled, whatever the family
+    saved = saved_rl_config({"rl_config": {"normalize_obs": False}}, impala.Config)
+    assert saved["normalize_reward"] is False
+
+
+def test_scaled_rewards_train_and_their_statistics_travel_with_a_takeover() -> None:
+    """With rewards scaled (the Box preset), a learner's return statistics move as it trains, are in its
+    checkpoint state and its takeover state, and a successor that loads them scales as it did."""
+    runner = srl.Runner("Pendulum-v1", impala.Config(seed=0, envs_per_actor=4, batch_segments=4))
+    runner.train(max_steps=2_000)
+    learner = runner._learner
+    assert isinstance(learner, impala.IMPALALearner) and learner.config.normalize_reward
+    assert float(learner.return_rms.count) > 1.0 and float(learner.return_rms.var) > 0.0
+    arrays, _ = learner.extra_state()
+    assert any(key.startswith("return_rms") for key in arrays)
+    successor = impala.Config().make_learner(runner.spec, runner.parameter, impala.Config().make_buffer(runner.spec))
+    successor.load_takeover_state(learner.takeover_state())
+    reward, done = np.full((2, 16), -8.0, np.float32), np.zeros((2, 16), bool)
+    assert np.array_equal(successor.scale_rewards(reward.copy(), done, 0.99),
+                          learner.scale_rewards(reward.copy(), done, 0.99))

@@ -18,26 +18,30 @@ how far behind (in versions and in train steps) what it learns from is, and
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
 from srl.base.config import check_int, check_number
-from srl.base.env import EnvSpec
+from srl.base.env import BoxActions, EnvConfig, EnvSpec, env_spec
 from srl.base.rl import (
     Buffer,
     DataPath,
-    Learner,
     Parameter,
     RLConfig,
     TrainStats,
+    preset_note,
 )
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
     ActorCriticParameter,
     LinearAnneal,
+    ReturnScaledLearner,
     SegmentWorker,
     check_actions,
     config_segment_schema,
@@ -51,14 +55,28 @@ from srl.rl.memories import SegmentBuffer
 from srl.rl.networks import EncoderConfig
 from srl.rl.recurrent import check_recurrent
 
+# Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box, images, grids).
+# Box normalizes observations and rewards, as CleanRL's continuous-action PPO does (ppo_continuous_action.py,
+# made for MuJoCo); chosen on InvertedDoublePendulum and Hopper, judged on Pendulum (docs/benchmarks.md,
+# "IMPALA's Box preset"). The others keep IMPALA's raw observations and rewards.
+PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
+    "normalize_obs": (False, True, False, False),
+    "normalize_reward": (False, True, False, False),
+}
+FAMILIES = ("discrete", "box", "images", "grids")
+"""the columns of ``PRESETS``, as ``Config.family`` names them"""
+
+logger = logging.getLogger("srl.impala")
+
 
 @dataclass
 class Config(RLConfig):
-    """IMPALA settings."""
+    """IMPALA settings; ``None`` fields take the preset of the env's family: its action space for vector
+    observations, or images (see ``PRESETS``)."""
 
     algorithm: ClassVar[str] = "impala"
     saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "adam_eps": 1e-8,
-                                              "clip_ratio": None}
+                                              "clip_ratio": None, "normalize_reward": False}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
@@ -74,8 +92,11 @@ class Config(RLConfig):
     per env and send it with each segment; the learner unrolls it over the segment from that state"""
     recurrent_size: int = 128
     """units of the recurrent cell"""
-    normalize_obs: bool | None = False
-    """normalize observations by running statistics (updated by the learner, published with the params)"""
+    normalize_obs: bool | None = None
+    """normalize observations by running statistics (updated by the learner, published with the params;
+    preset: off Discrete, on Box)"""
+    normalize_reward: bool | None = None
+    """scale rewards by the running std of the discounted return (preset: off Discrete, on Box)"""
     segment_length: int = 16
     """T: steps per segment (the unroll length)"""
     batch_segments: int = 8
@@ -143,6 +164,29 @@ class Config(RLConfig):
         if self.buffer_segments < self.batch_segments:
             raise ValueError(f"buffer_segments ({self.buffer_segments}) must hold a batch ({self.batch_segments})")
 
+    def family(self, spec: EnvSpec) -> str:
+        """The preset family of ``spec`` (``FAMILIES``): its images, small or not, else its action space."""
+        if spec.image:
+            return "grids" if self.encoder.small_image(spec) else "images"
+        return "box" if isinstance(spec.actions, BoxActions) else "discrete"
+
+    def resolved(self, spec: EnvSpec) -> Config:
+        """A copy with every ``None`` field set to the preset of ``spec``'s family (``family``)."""
+        column = FAMILIES.index(self.family(spec))
+        changes = {name: preset[column] for name, preset in PRESETS.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def settled(self, env_config: EnvConfig) -> Config:
+        """Itself: the fields left at None stay None (``resolved`` sets them where the config is used); it says
+        which preset they take."""
+        left = [name for name in PRESETS if getattr(self, name) is None]
+        if left:
+            spec = env_spec(env_config)
+            resolved = self.resolved(spec)
+            logger.info("%s", preset_note(self, self.family(spec), env_config.id,
+                                          {name: getattr(resolved, name) for name in left}))
+        return self
+
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "impala")
         self.encoder.check(spec)
@@ -156,7 +200,7 @@ class Config(RLConfig):
         return config_segment_schema(self, spec, self.segment_length)
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
-        return ActorCriticParameter(self, spec, device)
+        return ActorCriticParameter(self.resolved(spec), spec, device)
 
     def make_worker(
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
@@ -171,7 +215,7 @@ class Config(RLConfig):
 
     def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> IMPALALearner:
         assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
-        return IMPALALearner(self, parameter, buffer)
+        return IMPALALearner(self.resolved(spec), parameter, buffer)
 
 
 def vtrace(
@@ -231,12 +275,13 @@ class IMPALAStats(TrainStats):
     lr: float = 0.0
 
 
-class IMPALALearner(Learner):
+class IMPALALearner(ReturnScaledLearner):
     """``train()`` takes ``batch_segments`` segments (None until that many arrived) and makes one step."""
 
     optimizer: torch.optim.Optimizer
 
     def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer) -> None:
+        super().__init__()
         self.config = config
         self.parameter = parameter
         self.buffer = buffer
@@ -249,6 +294,9 @@ class IMPALALearner(Learner):
 
     def plan(self, max_steps: int | None, max_train_count: int | None, env_steps: int = 0) -> None:
         self.anneal.plan(max_steps, max_train_count, env_steps)
+
+    def _scaled(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
+        return self.scale_rewards(reward, done, self.config.gamma)
 
     def train(self) -> IMPALAStats | None:
         segments = self.buffer.take(self.config.batch_segments)
@@ -276,7 +324,8 @@ class IMPALALearner(Learner):
                     bootstrap = net.value(to_device(last_obs, dev))
         logprob, entropy, value, bootstrap = logprob.float(), entropy.float(), value.float(), bootstrap.float()
         behaviour = to_device(segments["logprob"], dev)
-        rewards = to_device(segment_rewards(segments), dev)  # the env's and a time limit's bootstrap
+        scale = self._scaled if config.normalize_reward else None
+        rewards = to_device(segment_rewards(segments, scale), dev)  # the env's and a time limit's bootstrap
         discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
         with torch.no_grad():
             log_rhos = logprob.detach() - behaviour

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -42,19 +41,16 @@ from srl.base.env import BoxActions, EnvConfig, EnvSpec, env_spec
 from srl.base.rl import (
     Buffer,
     DataPath,
-    Learner,
     Parameter,
     RLConfig,
     TrainStats,
     preset_note,
-    torch_from_arrays,
-    torch_to_arrays,
 )
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
     ActorCriticParameter,
     LinearAnneal,
-    RunningMeanStd,
+    ReturnScaledLearner,
     SegmentWorker,
     bootstrapped_values,
     check_actions,
@@ -279,7 +275,7 @@ class PPOStats(TrainStats):
     """asynchronous: segments dropped at training time for being more than max_policy_lag versions old"""
 
 
-class PPOLearner(Learner):
+class PPOLearner(ReturnScaledLearner):
     """``train()`` runs one PPO update: sync, on every segment in the buffer (the distributed trainer
     calls it once all of this version's are in); asynchronous, on the next ``segments_per_update``."""
 
@@ -287,6 +283,7 @@ class PPOLearner(Learner):
 
     def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer,
                  segments_per_update: int, per_actor_minibatches: bool = False) -> None:
+        super().__init__()
         self.config = config
         self.actor_segments = config.envs_per_actor if per_actor_minibatches else 0
         """the segments ``config.minibatches`` is counted in (one actor's: the preset's); 0: the whole update"""
@@ -296,7 +293,6 @@ class PPOLearner(Learner):
         self.device = parameter.device
         self.lr = float(config.lr or 1e-3)
         self.optimizer = make_adam(parameter.net.parameters(), self.lr, eps=1e-5)
-        self.return_rms = RunningMeanStd(())
         self.train_count = 0
         self.anneal = LinearAnneal()
         self.compute = LearnerCompute.of(config, self.device)
@@ -307,32 +303,8 @@ class PPOLearner(Learner):
         (else over ``max_train_count`` gradient steps), from where the run is (``env_steps``)."""
         self.anneal.plan(max_steps, max_train_count, env_steps)
 
-    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return torch_to_arrays({"return_rms": self.return_rms}), {}
-
-    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-        torch_from_arrays({"return_rms": self.return_rms}, dict(arrays))
-
-    def takeover_state(self) -> dict[str, Any]:
-        return {"return_rms": self.return_rms.state()}
-
-    def load_takeover_state(self, meta: Mapping[str, Any]) -> None:
-        if "return_rms" in meta:
-            self.return_rms.load_state(meta["return_rms"], "return_rms")
-
-    def _scale_rewards(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
-        """Divide the env's rewards by the running std of their discounted returns (accumulated within each
-        segment); the time-limit bootstrap joins them after (``segment_rewards``)."""
-        gamma = float(self.config.gamma or 0.99)
-        running = np.zeros(reward.shape[0], np.float64)
-        returns = np.zeros_like(reward, dtype=np.float64)
-        for t in range(reward.shape[1]):
-            running = running * gamma + reward[:, t]
-            returns[:, t] = running
-            running[done[:, t]] = 0.0
-        self.return_rms.update(torch.from_numpy(returns))
-        scale = float(np.sqrt(self.return_rms.var.item() + 1e-8))
-        return np.clip(reward / scale, -10.0, 10.0).astype(np.float32)
+    def _scaled(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
+        return self.scale_rewards(reward, done, float(self.config.gamma or 0.99))
 
     def train(self) -> PPOStats | None:
         config, net, dev = self.config, self.parameter.net, self.device
@@ -353,7 +325,7 @@ class PPOLearner(Learner):
         lr, clip = self.lr * frac, config.clip_coef * frac
         self.optimizer.param_groups[0]["lr"] = lr
 
-        reward = segment_rewards(segments, self._scale_rewards if config.normalize_reward else None)
+        reward = segment_rewards(segments, self._scaled if config.normalize_reward else None)
         values = segments["value"]
         observations, last_obs = segment_observations(segments, self.parameter.frames)
         recurrent = net.recurrent is not None

@@ -48,6 +48,7 @@ from torch.distributions import Categorical, Normal
 from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
 from srl.base.rl import (
     Columns,
+    Learner,
     Parameter,
     PolicyIO,
     Worker,
@@ -277,6 +278,41 @@ class LinearAnneal:
         if self.max_train_count:
             return max(1.0 - train_count / self.max_train_count, self.floor)
         return 1.0
+
+
+class ReturnScaledLearner(Learner):
+    """A learner that can scale rewards by the running std of their discounted returns (CleanRL's and SB3's
+    reward normalization): ``return_rms`` is its state, kept in checkpoints and handed to a trainer that
+    takes the run over (every params message carries it)."""
+
+    def __init__(self) -> None:
+        self.return_rms = RunningMeanStd(())
+
+    def scale_rewards(self, reward: np.ndarray, done: np.ndarray, gamma: float) -> np.ndarray:
+        """Divide ``(N, T)`` env rewards by the running std of their discounted returns (accumulated within
+        each segment), clipped to ±10; the time-limit bootstrap joins them after (``segment_rewards``)."""
+        running = np.zeros(reward.shape[0], np.float64)
+        returns = np.zeros_like(reward, dtype=np.float64)
+        for t in range(reward.shape[1]):
+            running = running * gamma + reward[:, t]
+            returns[:, t] = running
+            running[done[:, t]] = 0.0
+        self.return_rms.update(torch.from_numpy(returns))
+        scale = float(np.sqrt(self.return_rms.var.item() + 1e-8))
+        return np.clip(reward / scale, -10.0, 10.0).astype(np.float32)
+
+    def extra_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return torch_to_arrays({"return_rms": self.return_rms}), {}
+
+    def load_extra_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        torch_from_arrays({"return_rms": self.return_rms}, dict(arrays))
+
+    def takeover_state(self) -> dict[str, Any]:
+        return {"return_rms": self.return_rms.state()}
+
+    def load_takeover_state(self, meta: Mapping[str, Any]) -> None:
+        if "return_rms" in meta:
+            self.return_rms.load_state(meta["return_rms"], "return_rms")
 
 
 class ActorCritic(nn.Module):
