@@ -26,8 +26,6 @@ Discrete or continuous-control vectors, Atari-sized images, or small grids
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -37,18 +35,19 @@ import torch
 from torch import nn
 
 from srl.base.config import check_int, check_number
-from srl.base.env import BoxActions, EnvConfig, EnvSpec, env_spec
+from srl.base.env import EnvSpec
 from srl.base.rl import (
     Buffer,
     DataPath,
     Parameter,
     RLConfig,
     TrainStats,
-    preset_note,
 )
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
+    ACTION_FAMILIES,
     ActorCriticParameter,
+    FamilyPresets,
     LinearAnneal,
     ReturnScaledLearner,
     SegmentWorker,
@@ -81,18 +80,16 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "normalize_obs": (False, True, False, False),
     "normalize_reward": (False, True, False, False),
 }
-FAMILIES = ("discrete", "box", "images", "grids")
+FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
 
-logger = logging.getLogger("srl.ppo")
-
-
 @dataclass
-class Config(RLConfig):
+class Config(FamilyPresets, RLConfig):
     """PPO settings; ``None`` fields take the preset of the env's family: its action space for vector
     observations, or images (see ``PRESETS``)."""
 
     algorithm: ClassVar[str] = "ppo"
+    presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
     saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128}
 
     envs_per_actor: int = 8
@@ -155,29 +152,6 @@ class Config(RLConfig):
     """sync: seconds the trainer waits for every actor's segments before going on with what it has"""
     min_segments: int = 1
     """sync: the fewest segments the trainer goes on with after sync_wait_s"""
-
-    def family(self, spec: EnvSpec) -> str:
-        """The preset family of ``spec`` (``FAMILIES``): its images, small or not, else its action space."""
-        if spec.image:
-            return "grids" if self.encoder.small_image(spec) else "images"
-        return "box" if isinstance(spec.actions, BoxActions) else "discrete"
-
-    def resolved(self, spec: EnvSpec) -> Config:
-        """A copy with every ``None`` field set to the preset of ``spec``'s family (``family``)."""
-        column = FAMILIES.index(self.family(spec))
-        changes = {name: preset[column] for name, preset in PRESETS.items() if getattr(self, name) is None}
-        return dataclasses.replace(self, **changes)
-
-    def settled(self, env_config: EnvConfig) -> Config:
-        """Itself: the fields left at None stay None (``resolved`` sets them where the config is used); it says
-        which preset they take."""
-        left = [name for name in PRESETS if getattr(self, name) is None]
-        if left:
-            spec = env_spec(env_config)
-            resolved = self.resolved(spec)
-            logger.info("%s", preset_note(self, self.family(spec), env_config.id,
-                                          {name: getattr(resolved, name) for name in left}))
-        return self
 
     def validate(self) -> None:
         super().validate()

@@ -36,16 +36,18 @@ segment from it (``evaluate_sequence``, ``bootstrapped_values``).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
-from srl.base.env import BoxActions, DiscreteActions, EnvSpec, MultiDiscreteActions
+from srl.base.env import BoxActions, DiscreteActions, EnvConfig, EnvSpec, MultiDiscreteActions, env_spec
 from srl.base.rl import (
     Columns,
     Learner,
@@ -53,6 +55,7 @@ from srl.base.rl import (
     PolicyIO,
     Worker,
     concat_rows,
+    preset_note,
     torch_from_arrays,
     torch_to_arrays,
     worker_generator,
@@ -278,6 +281,47 @@ class LinearAnneal:
         if self.max_train_count:
             return max(1.0 - train_count / self.max_train_count, self.floor)
         return 1.0
+
+
+ACTION_FAMILIES = ("discrete", "box", "images", "grids")
+"""the preset families of an actor-critic config: Discrete / MultiDiscrete and Box over vectors, images, and grids
+(images under the Nature CNN's smallest side, as MinAtar's)"""
+
+
+P = TypeVar("P", bound="FamilyPresets")
+
+
+class FamilyPresets:
+    """What PPO's and IMPALA's configs share: ``presets`` gives each field a config may leave at None one value per
+    family of ``ACTION_FAMILIES``; ``resolved`` sets them where the config is used, ``settled`` says which."""
+
+    presets: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    algorithm: ClassVar[str]
+    encoder: EncoderConfig
+
+    def family(self, spec: EnvSpec) -> str:
+        """The preset family of ``spec``: its images, small or not, else its action space."""
+        if spec.image:
+            return "grids" if self.encoder.small_image(spec) else "images"
+        return "box" if isinstance(spec.actions, BoxActions) else "discrete"
+
+    def resolved(self: P, spec: EnvSpec) -> P:
+        """A copy with every ``None`` field set to the preset of ``spec``'s family (``family``)."""
+        column = ACTION_FAMILIES.index(self.family(spec))
+        changes = {name: preset[column] for name, preset in self.presets.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
+
+    def settled(self: P, env_config: EnvConfig) -> P:
+        """Itself: the fields left at None stay None (``resolved`` sets them where the config is used); it says
+        which preset they take."""
+        left = [name for name in self.presets if getattr(self, name) is None]
+        if left:
+            spec = env_spec(env_config)
+            resolved = self.resolved(spec)
+            logging.getLogger(f"srl.{self.algorithm}").info(
+                "%s", preset_note(self, self.family(spec), env_config.id,  # type: ignore[arg-type]
+                                  {name: getattr(resolved, name) for name in left}))
+        return self
 
 
 class ReturnScaledLearner(Learner):
