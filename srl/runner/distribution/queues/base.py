@@ -124,9 +124,10 @@ class ExperienceQueue(ABC):
 
     @property
     def republished(self) -> int:
-        """Producer: payloads published again because the connection was lost before the broker confirmed
-        them. The broker may have taken one before the loss, and then holds it twice (at-least-once: the
-        trainer drops the copy it reads as a duplicate). 0 where puts return only once the broker answered."""
+        """Producer: payloads sent again because the broker had not confirmed them when a try failed (a lost
+        connection, RabbitMQ's unconfirmed window; an error reply within a Redis pipeline). The broker may have
+        taken one before, and then holds it twice (at-least-once: the trainer drops the copy it reads as a
+        duplicate). 0 where a backend never sends a payload twice."""
         return 0
 
     @abstractmethod
