@@ -862,6 +862,10 @@ def record_table(rows: list[dict[str, Any]], cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def _exit_on_terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", action="append", default=[], help="algorithm/queue/fault (repeatable)")
@@ -916,6 +920,8 @@ def main() -> None:
                      else "known failing" if c.known_failing() else "runnable")
             print(f"{c.name:36} {state:14} {why}")
         return
+    # SIGTERM (a `kill`, the end of a CI job) unwinds as Ctrl-C does: the running cell's nodes and brokers go with it
+    signal.signal(signal.SIGTERM, _exit_on_terminate)
     print(f"{'cell':36} {'seed':>10} {'verdict':60} {'cost s':>7} {'wall s':>7} {'eval':>8}", flush=True)
     spreads = no_fault_spreads(cells, args.spread, args.seed)
     failed = 0
