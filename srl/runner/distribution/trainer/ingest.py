@@ -67,6 +67,8 @@ logger = logging.getLogger("srl.trainer")
 
 _WAIT_OUT: tuple[type[BaseException], ...] = (*BOARD_AWAY, QueueError)
 
+READ_AGAIN_KEPT = 65536
+"""the latest duplicates an ingest remembers (``Ingest.read_again``): more than a queue's reads in flight"""
 MAX_INITIAL_PRIORITY = 1e6
 """initial priorities from actors are clipped here (one huge value would starve every other row)"""
 
@@ -207,6 +209,9 @@ class Ingest:
         """batches counted as received whose reads went back to the queue (``_count_given_back``)"""
         self.given_back_keys: set[Key] = set()
         """those not read again yet"""
+        self.read_again: dict[Key, None] = {}
+        """the latest duplicates read (up to ``READ_AGAIN_KEPT``, oldest first): a counted read whose ack comes back
+        undone only after the broker delivered its batches again, and this trainer read them, is not queued"""
         self.other_task_batches = 0
         self.stale_rows = 0
         self._queue_log = Throttle()
@@ -342,6 +347,11 @@ class Ingest:
         ``given_back_batches`` until this trainer reads them again (as duplicates), so the accounts balance
         (``sent = received + refused + still queued - given back``)."""
         landed = self.counter.given_back()
+        # the broker may have delivered them again before the ack came back undone, and this trainer read them
+        copies_read = {key for key in landed if key in self.read_again}
+        for key in copies_read:
+            del self.read_again[key]
+        landed = [key for key in landed if key not in copies_read]
         if not landed:
             return
         self.given_back_keys.update(landed)
@@ -382,6 +392,10 @@ class Ingest:
                     if key in self.given_back_keys:  # a read given back after its count: no longer queued
                         self.given_back_keys.discard(key)
                         back += 1
+                    else:  # maybe the copy of a read whose ack is yet to come back undone
+                        self.read_again[key] = None
+                        if len(self.read_again) > READ_AGAIN_KEPT:
+                            del self.read_again[next(iter(self.read_again))]
                     continue
                 taking.add(key)
                 opened.append((message, frame))
