@@ -698,7 +698,7 @@ def test_reads_given_back_after_their_count_landed_are_counted_as_given_back_unt
         wait_for(lambda: board.get_counters().get("duplicates", 0) == 2, 60,
                  "the trainer to read its given-back batches again")
         counters = board.get_counters()
-        assert run.ingest.given_back_batches == 2, "the count that landed after the read went back was not noticed"
+        assert run.ingest.given_back.batches == 2, "the count that landed after the read went back was not noticed"
         assert counters["received_batches"] == 2 and counters.get("given_back_batches", 0) == 0, counters
         assert producer.depth() == 0 and len(run.buffer) == 16  # their rows are in the buffer once
     finally:
@@ -727,7 +727,7 @@ def test_a_counted_read_whose_connection_was_lost_before_its_ack_is_counted_as_g
         consumer._drop_connection()  # type: ignore[attr-defined]  # the broker takes the unacked read back
         ingest.ack_counted()  # on the connection it comes back with: the ack cannot be made
         counters = board.get_counters()
-        assert counters.get("given_back_batches") == 2 and ingest.given_back_batches == 2, counters
+        assert counters.get("given_back_batches") == 2 and ingest.given_back.batches == 2, counters
         wait_for(lambda: ingest.ingest_once(consumer) >= 0 and board.get_counters().get("duplicates", 0) == 2, 30,
                  "the trainer to read the given-back batches again", interval=0.0)
         ingest.ack_counted()
@@ -763,7 +763,7 @@ def test_a_counted_read_whose_batches_were_read_again_before_its_ack_came_back_u
         ingest.ack_counted()
         counters = board.get_counters()
         assert counters["received_batches"] == 2 and counters.get("given_back_batches", 0) == 0, counters
-        assert ingest.given_back_batches == 0 and consumer.depth() == 0
+        assert ingest.given_back.batches == 0 and consumer.depth() == 0
     finally:
         run.stop.set("test over")
         consumer.destroy()

@@ -68,7 +68,7 @@ logger = logging.getLogger("srl.trainer")
 _WAIT_OUT: tuple[type[BaseException], ...] = (*BOARD_AWAY, QueueError)
 
 READ_AGAIN_KEPT = 65536
-"""the latest duplicates an ingest remembers (``Ingest.read_again``): more than a queue's reads in flight"""
+"""the latest duplicates a trainer remembers (``GivenBack``): more than a queue's reads in flight"""
 MAX_INITIAL_PRIORITY = 1e6
 """initial priorities from actors are clipped here (one huge value would starve every other row)"""
 
@@ -157,6 +157,36 @@ class ReadWindow:
             self.capacity = rows
 
 
+class GivenBack:
+    """Batches counted as received whose reads went back to the queue unacked: ``batches`` of them are queued
+    again until this trainer reads them again (as duplicates). A read whose ack came back undone only after the
+    broker delivered its batches again, and this trainer read those (the latest ``READ_AGAIN_KEPT`` duplicates
+    are remembered), gives back none of them: they are no longer queued."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self._keys: set[Key] = set()
+        self._read_again: dict[Key, None] = {}  # oldest first
+
+    def add(self, landed: list[Key]) -> list[Key]:
+        """Give back ``landed``, less those read again already; those given back."""
+        given = [key for key in landed if key not in self._read_again]
+        for key in landed:
+            self._read_again.pop(key, None)
+        self._keys.update(given)
+        self.batches += len(given)
+        return given
+
+    def read_again(self, key: Key) -> int:
+        """A duplicate of ``key`` was read: 1 when it was given back (it is no longer queued), else 0."""
+        if key in self._keys:
+            self._keys.discard(key)
+            return 1
+        self._read_again[key] = None  # maybe the copy of a read whose ack is yet to come back undone
+        if len(self._read_again) > READ_AGAIN_KEPT:
+            del self._read_again[next(iter(self._read_again))]
+        return 0
+
 class Ingest:
     """One trainer run's ingest: its own thread (``start``), its counters; its reads' counts and acks are
     ``counter``'s (:class:`~srl.runner.distribution.trainer.counter.ReadCounter`), the messages it refuses
@@ -205,13 +235,8 @@ class Ingest:
         self.received_transitions = 0
         self.duplicates = 0
         self.redelivered_batches = 0
-        self.given_back_batches = 0
+        self.given_back = GivenBack()
         """batches counted as received whose reads went back to the queue (``_count_given_back``)"""
-        self.given_back_keys: set[Key] = set()
-        """those not read again yet"""
-        self.read_again: dict[Key, None] = {}
-        """the latest duplicates read (up to ``READ_AGAIN_KEPT``, oldest first): a counted read whose ack comes back
-        undone only after the broker delivered its batches again, and this trainer read them, is not queued"""
         self.other_task_batches = 0
         self.stale_rows = 0
         self._queue_log = Throttle()
@@ -346,16 +371,9 @@ class Ingest:
         are also queued: counted on the board as
         ``given_back_batches`` until this trainer reads them again (as duplicates), so the accounts balance
         (``sent = received + refused + still queued - given back``)."""
-        landed = self.counter.given_back()
-        # the broker may have delivered them again before the ack came back undone, and this trainer read them
-        copies_read = {key for key in landed if key in self.read_again}
-        for key in copies_read:
-            del self.read_again[key]
-        landed = [key for key in landed if key not in copies_read]
+        landed = self.given_back.add(self.counter.given_back())
         if not landed:
             return
-        self.given_back_keys.update(landed)
-        self.given_back_batches += len(landed)
         logger.warning("%d batch(es) counted as received went back to the queue with their reads: they count as "
                        "given back until they are read again (as duplicates)", len(landed))
         with contextlib.suppress(StoppedWhileWaiting):  # stopping: the summary then names them as a surplus
@@ -389,13 +407,7 @@ class Ingest:
                 key = (header.actor_id, header.seq)
                 if key in taking or not self.seen.is_new(*key):
                     dups += 1
-                    if key in self.given_back_keys:  # a read given back after its count: no longer queued
-                        self.given_back_keys.discard(key)
-                        back += 1
-                    else:  # maybe the copy of a read whose ack is yet to come back undone
-                        self.read_again[key] = None
-                        if len(self.read_again) > READ_AGAIN_KEPT:
-                            del self.read_again[next(iter(self.read_again))]
+                    back += self.given_back.read_again(key)  # a read given back after its count: no longer queued
                     continue
                 taking.add(key)
                 opened.append((message, frame))
