@@ -165,7 +165,8 @@ def trainer_on(scheme: str, redis_url: str, namespace: str
     what, port, url = BROKERS[scheme]
     if not port_open("127.0.0.1", port):
         broker_unavailable(what, "127.0.0.1", port)
-    board, params, run, batch = trainer_run(redis_url, namespace, url, scheme, TrainerOptions(uid="t", secret=""))
+    board, params, run, batch = trainer_run(redis_url, namespace, url, scheme,
+                                            TrainerOptions(uid="t", secret="", lease_ttl=60.0))  # the 60 s it claims
     return board, params, run, batch, open_queue(url, namespace=namespace, role="producer", redis_params=params)
 
 
@@ -739,7 +740,8 @@ def test_a_counted_read_whose_connection_was_lost_before_its_ack_keeps_the_accou
         ingest.ack_counted()
         counters = board.get_counters()
         assert counters["received_batches"] == 2 and counters.get("given_back_batches", 0) == 0, counters
-        assert ingest.given_back.batches == (0 if copies_read_first else 2)  # given back, ever
+        if not copies_read_first:  # else the copies may come in two reads, one of them after its ack came back
+            assert ingest.given_back.batches == 2  # given back, ever
         assert len(run.buffer) == 16 and consumer.depth() == 0  # their rows, once; none left queued
     finally:
         run.stop.set("test over")
