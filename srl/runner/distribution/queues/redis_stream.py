@@ -65,8 +65,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -86,6 +86,7 @@ from srl.runner.distribution.queues.redis_stream_connection import TRANSIENT, St
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 
 logger = logging.getLogger("srl.queues.redis")
+T = TypeVar("T")
 
 _ANY_REDIS_ERROR: tuple[type[BaseException], ...] = (redis.RedisError, *TRANSIENT)
 # XCLAIM ... IDLE sets an entry's idle time: this makes it claimable by anyone at once
@@ -158,23 +159,24 @@ class RedisStreamQueue(ExperienceQueue):
     def republished(self) -> int:
         return self._republished
 
-    def _again(self, tries: list[int], count: int) -> None:
-        """A put's ``tries`` so far (one list per put): a try after the first follows a failure (a lost
-        connection, an error reply to one entry of a pipeline), and Redis may hold entries an earlier try sent
-        (their replies lost with it): up to ``count`` more copies."""
-        if tries:
-            self._republished += count
-        tries.append(1)
+    def _retried(self, op: Callable[[], T], count: int) -> Callable[[], T]:
+        """``op`` (a put of ``count`` entries), counting each try after the first as ``count`` republished: it
+        follows a failure (a lost connection, an error reply to one entry of a pipeline), and Redis may hold the
+        entries an earlier try sent (their replies lost with it)."""
+        tries = 0
+
+        def run() -> T:
+            nonlocal tries
+            if tries:
+                self._republished += count
+            tries += 1
+            return op()
+
+        return run
 
     def put(self, data: bytes) -> None:
         [payload] = self._payloads([data])
-        tries: list[int] = []
-
-        def send() -> None:
-            self._again(tries, 1)
-            self._client.xadd(self.key, {FIELD: payload})
-
-        self._link.call("put", send)
+        self._link.call("put", self._retried(lambda: self._client.xadd(self.key, {FIELD: payload}), 1))
 
     def put_many(self, items: Sequence[bytes]) -> None:
         self._put_many(items, then_backlog=False)
@@ -186,10 +188,7 @@ class RedisStreamQueue(ExperienceQueue):
         items = self._payloads(items)
         if not items:
             return None
-        tries: list[int] = []
-
         def send() -> int | None:
-            self._again(tries, len(items))
             pipe = self._client.pipeline(transaction=False)
             for data in items:
                 pipe.xadd(self.key, {FIELD: data})
@@ -209,7 +208,7 @@ class RedisStreamQueue(ExperienceQueue):
                 raise backlog
             return int(backlog)
 
-        result: int | None = self._link.call("put_many", send)
+        result: int | None = self._link.call("put_many", self._retried(send, len(items)))
         return result
 
     # ------------------------------------------------------------ consumer

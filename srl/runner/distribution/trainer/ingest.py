@@ -187,6 +187,7 @@ class GivenBack:
             del self._read_again[next(iter(self._read_again))]
         return 0
 
+
 class Ingest:
     """One trainer run's ingest: its own thread (``start``), its counters; its reads' counts and acks are
     ``counter``'s (:class:`~srl.runner.distribution.trainer.counter.ReadCounter`), the messages it refuses
