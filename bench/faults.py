@@ -883,7 +883,8 @@ def main() -> None:
                         help="append each cell's result to FILE (JSON lines) with the commit and the date, so the "
                         "matrix can be run in parts")
     parser.add_argument("--passes", type=int, default=0, metavar="N",
-                        help="with --record: skip the cells FILE already holds N passes of with different seeds")
+                        help="with --record: skip the cells FILE already holds N passes of with different seeds; "
+                             "run those with fewest first")
     parser.add_argument("--table", action="store_true",
                         help="with --record: print FILE's results as a table (algorithm x fault); run none")
     parser.add_argument("--shuffle", action="store_true",
@@ -913,6 +914,8 @@ def main() -> None:
     picker = random.Random()  # its own: a run seeds the global one (seed_everything), which would repeat seeds
     if args.shuffle:
         picker.shuffle(cells)
+    if args.record is not None and args.passes:  # fewest passes first: a part run covers the most cells
+        cells.sort(key=lambda c: len(done.get(c.name, ())))
     if args.list:
         for c in cells:
             why = c.not_applicable() or c.not_built() or c.known_failing()
