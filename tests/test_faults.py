@@ -87,3 +87,31 @@ def test_a_recorded_matrix_counts_passes_by_seed_and_names_failures_with_their_r
     assert f"`{cell.name}` seed 2" in table and "--cell dqn/redis/trainer-kill --seed 2" in table
     faults.write_record(record, faults.Result(cell.name, 3, "pass", 1.0, 10.0), scaled=True)
     assert "1/1/0 of 1" in faults.record_table(faults.read_record(record), [cell])
+
+
+def test_a_run_over_before_its_recovery_runs_again_longer_and_does_not_count_until_it_sees_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cell = faults.Cell("dqn", "redis", "zombie")
+    missed = f"pass ({faults.ENDED_BEFORE} the standby took the stopped actor's slot)"
+    calls: list[int] = []
+
+    def runs(seen_at: int) -> object:
+        def run_cell_at(c: faults.Cell, seed: int, stretch: int, work: Path | None = None,
+                        scaled: bool = True) -> faults.Result:
+            calls.append(stretch)
+            return faults.Result(c.name, seed, "pass" if stretch >= seen_at else missed, 1.0, 10.0, stretch=stretch)
+        return run_cell_at
+
+    monkeypatch.setattr(faults, "run_cell_at", runs(3))
+    result = faults.run_cell(cell, 7)
+    assert calls == [1, 3] and result.stretch == 3 and result.wall_s == 20.0  # every run's wall time
+    assert result.verdict.startswith("pass (at 3x its budget") and not result.missed_recovery
+    calls.clear()
+    monkeypatch.setattr(faults, "run_cell_at", runs(100))  # never seen: the longest run's pass, named as such
+    result = faults.run_cell(cell, 7)
+    assert calls == list(faults.STRETCHES) and result.missed_recovery
+    record = tmp_path / "faults.jsonl"
+    faults.write_record(record, result, scaled=True)
+    assert faults.passed_seeds(faults.read_record(record)) == {}
+    assert "1 passing runs ended before their fault's recovery" in faults.record_table(
+        faults.read_record(record), [cell])
