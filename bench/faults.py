@@ -886,11 +886,11 @@ def record_table(rows: list[dict[str, Any]], cells: list[Cell]) -> str:
              "| algorithm | " + " | ".join(f"`{f}`" for f in faults) + " |",
              "|---|" + "---|" * len(faults)]
     for algorithm in algorithms:
-        row = []
+        cells_of: list[str] = []
         for fault in faults:
             mine = [c for c in runnable_cells if c.algorithm == algorithm and c.fault == fault]
-            row.append("/".join(map(str, counts(mine))) + f" of {len(mine)}" if mine else "n/a")
-        lines.append(f"| {algorithm} | " + " | ".join(row) + " |")
+            cells_of.append("/".join(map(str, counts(mine))) + f" of {len(mine)}" if mine else "n/a")
+        lines.append(f"| {algorithm} | " + " | ".join(cells_of) + " |")
     once, twice, _ = counts(runnable_cells)
     missed = sum(1 for r in rows if missed_recovery(str(r.get("verdict", ""))))
     lines += ["", f"{once} of {len(runnable_cells)} runnable cells passed at least once, {twice} with two seeds; "

@@ -240,7 +240,7 @@ def redis_refusing(admin: redis.Redis, refusal: str) -> Iterator[None]:
     elif refusal == "READONLY":
         admin.execute_command("REPLICAOF", "127.0.0.1", closed_port())  # a primary that never answers
     else:
-        time_limit = admin.config_get("lua-time-limit").get("lua-time-limit", "5000")
+        time_limit = admin.config_get("lua-time-limit").get("lua-time-limit") or "5000"
         admin.config_set("lua-time-limit", 100)
         # no socket timeout and no retry: redis-py (8.x: 5 s, 3 retries) would time the script out, send it
         # again on a new connection, meet BUSY and end this thread, and the first would spin for ever
