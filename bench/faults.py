@@ -652,14 +652,14 @@ def missed_recovery(verdict: str) -> bool:
     return verdict.startswith("pass") and ENDED_BEFORE in verdict
 
 
-def run_cell(cell: Cell, seed: int, work: Path | None = None, scaled: bool = True) -> Result:
+def run_cell(cell: Cell, seed: int, scaled: bool = True) -> Result:
     """Run one cell with ``seed``; never raises for what the cell finds (the verdict says). ``scaled`` False: at
     its algorithm's budget whatever the fault (the test suite's sample keeps to minutes). A run that passes but
     ends before its fault's recovery is over runs again with the same seed at the next of ``STRETCHES``; the
     result is the last run's, its wall time every run's."""
     spent = 0.0
     for stretch in STRETCHES:
-        result = run_cell_at(cell, seed, stretch, (work / f"x{stretch}") if work is not None else None, scaled)
+        result = run_cell_at(cell, seed, stretch, scaled)
         spent += result.wall_s
         if not result.missed_recovery:
             break
@@ -670,15 +670,16 @@ def run_cell(cell: Cell, seed: int, work: Path | None = None, scaled: bool = Tru
     return dataclasses.replace(result, verdict=verdict, wall_s=spent, stretch=stretch)
 
 
-def run_cell_at(cell: Cell, seed: int, stretch: int, work: Path | None = None, scaled: bool = True) -> Result:
-    """One run of ``cell`` with ``seed`` at ``stretch`` times its budget."""
+def run_cell_at(cell: Cell, seed: int, stretch: int, scaled: bool = True) -> Result:
+    """One run of ``cell`` with ``seed`` at ``stretch`` times its budget, in a directory of its own (kept where it
+    fails)."""
     started = time.monotonic()
     if why := cell.not_applicable():
         return Result(cell.name, seed, f"n/a: {why}", None, 0.0)
     if why := cell.not_built():
         return Result(cell.name, seed, f"not built yet: {why}", None, 0.0)
     with tempfile.TemporaryDirectory(prefix="srl-faults-") as tmp:
-        run = Run(cell, work or Path(tmp), seed, scaled, stretch)
+        run = Run(cell, Path(tmp), seed, scaled, stretch)
         evaluation: float | None = None
         try:
             verdict, cost, accounts, evaluation = _run(run)

@@ -96,8 +96,7 @@ def test_a_run_over_before_its_recovery_runs_again_longer_and_does_not_count_unt
     calls: list[int] = []
 
     def runs(seen_at: int) -> object:
-        def run_cell_at(c: faults.Cell, seed: int, stretch: int, work: Path | None = None,
-                        scaled: bool = True) -> faults.Result:
+        def run_cell_at(c: faults.Cell, seed: int, stretch: int, scaled: bool = True) -> faults.Result:
             calls.append(stretch)
             return faults.Result(c.name, seed, "pass" if stretch >= seen_at else missed, 1.0, 10.0, stretch=stretch)
         return run_cell_at
