@@ -1,6 +1,6 @@
 """Central inference (SEED RL): one server acts for every actor; actors only step envs.
 
-In-process tests run a real ``InferenceRun`` (gRPC on loopback, the board and queue in a real Redis) and
+In-process tests run a real ``InferenceRun`` (its frames over loopback TCP, the board and queue in a real Redis) and
 talk to it with the actor's own ``InferenceClient``; the end-to-end tests run real processes.
 """
 
@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -32,7 +31,8 @@ from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.settings.options import InferenceOptions
 from srl.runner.distribution.settings.task import TaskSpec, build_task
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, task_tag
-from srl.runner.distribution.wire.inference import METHOD, InferenceLostError, InferenceRefusedError
+from srl.runner.distribution.wire.inference import InferenceLostError, InferenceRefusedError
+from srl.runner.distribution.wire.link import HELLO, ClientLink, Refusal, Status
 from tests.nodes import ClientThread, board_for, lease_holder_pid, sigkill, start, wait_for
 
 
@@ -292,7 +292,7 @@ def test_a_lone_slot_anneals_epsilon_over_the_tasks_plan_on_the_server(serve_tas
 
 
 def _raw_request(served: Served, slot: int, uid: str, columns: dict[str, np.ndarray] | bytes, secret: str | None,
-                 seq: int = 0) -> grpc.RpcError | bytes:
+                 seq: int = 0) -> Refusal | bytes:
     """One request sent by hand (what a forger could send: columns, or any bytes); the server's answer."""
     served.board.claim_lease(f"actor:{slot}", uid, 60_000)
     if isinstance(columns, bytes):
@@ -302,11 +302,19 @@ def _raw_request(served: Served, slot: int, uid: str, columns: dict[str, np.ndar
         header = BatchHeader(actor_id=f"{uid}.0", actor_index=slot, epoch=0, seq=seq, params_version=0,
                              count=len(columns["obs"]), created_at=time.time(), task=task_tag(served.board.task_id))
         blob = codec.encode_batch(header, columns, None)
-    with grpc.insecure_channel(served.run.address, options=[("grpc.max_send_message_length", 2**26)]) as channel:
-        try:
-            return next(iter(channel.stream_stream(METHOD)(iter([blob]), timeout=10)))
-        except grpc.RpcError as e:
-            return e
+    host, _, port = served.run.address.rpartition(":")
+    link = ClientLink(host, int(port), False, None, 2**26)
+    try:
+        return link.round_trip(blob, lambda: None, lambda: True, 60.0)
+    except Refusal as e:
+        return e
+    finally:
+        link.close()
+
+
+def _refusal(answer: Refusal | bytes) -> Status:
+    assert isinstance(answer, Refusal), f"the server answered a bad request with actions ({len(answer)} bytes)"
+    return answer.status
 
 
 def _good_request(served: Served) -> dict[str, np.ndarray]:
@@ -317,7 +325,7 @@ def _good_request(served: Served) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("forgery", ["nan_reward", "obs_out_of_bounds", "obs_shape", "obs_dtype", "started_mid_episode",
-                                     "extra_env", "oversized", "garbage"])
+                                     "extra_env", "garbage"])
 def test_a_forged_request_is_refused_and_counted_and_the_server_goes_on(serve_task: Any, forgery: str) -> None:
     served = serve_task(_impala(), actor_num=2)
     good = served.client(0)
@@ -337,23 +345,52 @@ def test_a_forged_request_is_refused_and_counted_and_the_server_goes_on(serve_ta
         columns["started"][1] = False  # a stream's first request must start every episode
     elif forgery == "extra_env":
         forged = {k: np.concatenate([v, v[:1]]) for k, v in columns.items()}
-    elif forgery == "oversized":  # 20,000 envs' worth: more than any request of this task may be
-        forged = {k: np.repeat(v, 10_000, axis=0) for k, v in columns.items()}
     elif forgery == "garbage":
         forged = b"SRL\x00" + bytes(range(256)) * 4
     answer = _raw_request(served, 1, "forger", forged, None)
-    assert isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _refusal(answer) == Status.INVALID_ARGUMENT
     assert served.run.refused == 1
     assert len(_step(good, _obs(served), 2)) == 2  # the other actor is still served
     good.close()
 
 
 def test_a_huge_request_is_cut_off_before_it_is_read(serve_task: Any) -> None:
-    """Past 4x the largest request (and 1 MiB) gRPC refuses the message itself, unread; the server goes on."""
+    """A frame declared longer than the task's largest request is refused from its head alone (its bytes are
+    never read, so a forger cannot make the server hold them); counted; the server goes on."""
+    import socket
+    import struct
+
     served = serve_task(_impala(), actor_num=2)
-    columns = {k: np.repeat(v, 50_000, axis=0) for k, v in _good_request(served).items()}
-    answer = _raw_request(served, 1, "forger", columns, None)
-    assert isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    host, _, port = served.run.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(HELLO + struct.pack("<IB", 2**30, 1))  # a head announcing a gigabyte, and nothing else
+        data = b""
+        while len(data) < 6:
+            chunk = sock.recv(4096)
+            assert chunk, "the server closed the connection without saying why"
+            data += chunk
+        _, kind, status = struct.unpack_from("<IBB", data)
+        assert kind == 2 and Status(status) == Status.RESOURCE_EXHAUSTED
+    wait_for(lambda: served.run.refused == 1, 10, "the refusal to be counted")
+    good = served.client(0)
+    assert len(_step(good, _obs(served), 2)) == 2
+    good.close()
+
+
+def test_a_client_of_another_protocol_is_told_so(serve_task: Any) -> None:
+    """A peer that does not open with srl's hello (an older node speaking gRPC, a port scanner) is refused
+    with what this server speaks; the server goes on."""
+    import socket
+
+    served = serve_task(_impala(), actor_num=1)
+    host, _, port = served.run.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    assert data[4] == 2 and Status(data[5]) == Status.INVALID_ARGUMENT
+    assert b"gRPC" in data and b"same version on every node" in data
     good = served.client(0)
     assert len(_step(good, _obs(served), 2)) == 2
     good.close()
@@ -362,7 +399,7 @@ def test_a_huge_request_is_cut_off_before_it_is_read(serve_task: Any) -> None:
 def test_an_actor_without_the_secret_is_refused(serve_task: Any) -> None:
     served = serve_task(_impala(), actor_num=2, secret="the-task-secret")
     answer = _raw_request(served, 0, "stranger", _good_request(served), None)
-    assert isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _refusal(answer) == Status.UNAUTHENTICATED
     wrong = served.client(1, secret="another-secret")
     with pytest.raises(InferenceRefusedError, match="refused"):
         wrong.act(_obs(served))
@@ -404,8 +441,7 @@ def test_an_actor_that_does_not_hold_its_slot_is_refused(serve_task: Any) -> Non
     served = serve_task(_impala(), actor_num=2)
     served.board.claim_lease("actor:0", "the-real-actor", 60_000)
     answer = _raw_request(served, 0, "an-impostor", _good_request(served), None)
-    assert isinstance(answer, grpc.RpcError)  # the lease check, not the claim in _raw_request, decides
-    assert answer.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _refusal(answer) == Status.PERMISSION_DENIED  # the lease check, not the claim in _raw_request, decides
     assert served.run.refused == 1
 
 
@@ -572,26 +608,16 @@ def test_an_actor_killed_mid_episode_is_replaced_and_the_run_finishes(redis_url:
 
 def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Board) -> None:
     """A server that never answers (stuck, or not yet given params) cannot hold an actor past its task's
-    end: stopping the run cancels the call it waits on."""
-    from concurrent import futures
+    end: stopping the run ends the wait at once."""
+    import socket
 
-
-    def never_answer(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
-        for _ in requests:
-            context.add_callback(lambda: None)
-            while context.is_active():
-                time.sleep(0.05)
-        yield b""
-
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    service, method = METHOD.split("/")[1:]
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        service, {method: grpc.stream_stream_rpc_method_handler(never_answer)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    acceptor.start()
     try:
         assert board.claim_lease("inference", "stuck-server", 60_000)
-        assert board.set_inference_address("stuck-server", f"127.0.0.1:{port}", False)
+        assert board.set_inference_address("stuck-server", f"127.0.0.1:{listener.getsockname()[1]}", False)
         spec = env_spec(EnvConfig("CartPole-v1"))
         stop = StopFlag()
         client = InferenceClient(board, spec, 2, 0, "actor-x.0", task_tag(""), Codec(task=board.task_name), stop)
@@ -613,7 +639,54 @@ def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Bo
         assert len(raised) == 1 and isinstance(raised[0], InferenceLostError) and "stopping" in str(raised[0])
         client.close()
     finally:
-        server.stop(0)
+        listener.close()
+        for sock in accepted:
+            sock.close()
+
+
+def test_an_actor_whose_server_went_silent_and_lost_its_lease_goes_to_the_one_named_now(board: Board) -> None:
+    """A server that stops answering (paused, its host gone: the connection stays open) is waited for while
+    it holds the inference lease (a full queue holds replies back); once another holds it, the actor's wait
+    ends, and its next act connects to the server the board names then."""
+    import socket
+
+    from srl.runner.distribution.actor import inference_client
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    acceptor.start()
+    silence = inference_client.SILENCE_CHECK_S
+    inference_client.SILENCE_CHECK_S = 0.2
+    try:
+        assert board.claim_lease("inference", "paused-server", 60_000)
+        assert board.set_inference_address("paused-server", f"127.0.0.1:{listener.getsockname()[1]}", False)
+        spec = env_spec(EnvConfig("CartPole-v1"))
+        client = InferenceClient(board, spec, 2, 0, "actor-x.0", task_tag(""), Codec(task=board.task_name),
+                                 StopFlag())
+        raised: list[BaseException] = []
+
+        def act() -> None:
+            try:
+                client.act(np.zeros((2, 4), np.float32))
+            except BaseException as e:
+                raised.append(e)
+
+        thread = threading.Thread(target=act, daemon=True)
+        thread.start()
+        thread.join(1.5)
+        assert thread.is_alive()  # silent, but it holds the lease: the actor waits
+        board.release_lease("inference", "paused-server")  # its lease lapsed; a standby takes it
+        assert board.claim_lease("inference", "standby-server", 60_000)
+        thread.join(10.0)
+        assert not thread.is_alive(), "the actor still waits on a server that lost its lease"
+        assert len(raised) == 1 and isinstance(raised[0], InferenceLostError) and "silent" in str(raised[0])
+        client.close()
+    finally:
+        inference_client.SILENCE_CHECK_S = silence
+        listener.close()
+        for sock in accepted:
+            sock.close()
 
 
 def test_a_lost_life_ends_the_workers_episode_without_a_new_one(serve_task: Any) -> None:

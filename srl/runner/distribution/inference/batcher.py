@@ -1,12 +1,12 @@
 """The batcher: the requests of many actors, one forward pass for all of them, and the rows it finishes.
 
 Owns: :class:`Batcher` — the open sessions by slot and the requests waiting for actions; loading staged
-params between two batches; gathering a batch (at most ``max_batch_envs`` envs, waiting at most
-``max_wait_ms`` after the oldest request, or until every connected actor has one in); the forward pass and
-each request's actions; handing the rows the workers finish to the run's sender (backpressure: it blocks);
-dropping the sessions whose streams closed. Must never: act with weights from two versions in one batch,
-fail a request for another's fault (only the network failing fails a batch), or be called from any thread
-but the run's loop, apart from ``admit``, ``submit``, ``wake``, ``open_sessions`` and ``take_means``.
+params between two batches; when a batch goes (at most ``max_batch_envs`` envs, at most ``max_wait_ms`` after
+the oldest request, at once when every connected actor has one in); the forward pass and each request's
+actions; handing the rows the workers finish to the run's sender (backpressure: it blocks); dropping the
+sessions whose connections closed. Must never: act with weights from two versions in one batch, fail a
+request for another's fault (only the network failing fails a batch), or be called from any thread but the
+server's loop, apart from ``open_sessions`` and ``take_means``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ logger = logging.getLogger("srl.inference")
 
 MAX_FAILED_BATCHES = 10
 """forward passes failing in a row before the server gives up (a fault of its own, not of a request)"""
+IDLE_S = 0.05
+"""the longest the server's loop waits for a request before it looks at its rows, sessions and params"""
 
 Outbox = queue.Queue[tuple[dict[str, np.ndarray], np.ndarray | None, int, int] | None]
 """finished rows on their way to the sender: (columns, priorities, slot, version), None for the end"""
@@ -50,11 +52,12 @@ class BatchMeans:
 
 
 class Batcher:
-    """The acting side of one inference server. Who calls it::
+    """The acting side of one inference server, driven by the server's loop (``inference/run.py``)::
 
-        a stream's handler:  batcher.admit(session); batcher.submit(request); wait for request.done
-        the run's loop:      while not stopped: batcher.turn()    # params, a batch, its rows, closed sessions
-        the run's end:       batcher.close()                      # the rows every session finished
+        while not stopped:
+            streams.poll(batcher.wait_s())          # requests in: batcher.admit(session), batcher.submit(request)
+            streams.answer(batcher.turn())          # params, a batch acted for, its rows, closed sessions
+        batcher.close()                             # the rows every session finished
     """
 
     def __init__(self, parameter: Parameter, envs: int, max_batch: int, rows: int, options: InferenceOptions,
@@ -71,10 +74,10 @@ class Batcher:
         self.params_epoch = 0
         self.sessions: dict[int, Session] = {}
         self.pending: deque[Request] = deque()
-        self.cond = threading.Condition()
-        """guards ``sessions``, ``pending`` and ``retired``; notified when there is something to do"""
+        self._sessions_lock = threading.Lock()
+        """guards ``sessions`` against the board thread's look (``open_sessions``)"""
         self.retired: list[Session] = []
-        """sessions a newer stream of their slot replaced: their rows are shipped, then they are dropped"""
+        """sessions a newer connection of their slot replaced: their rows are shipped, then they are dropped"""
         self.agent_steps = 0
         self.batches = 0
         self.dropped_rows = 0
@@ -86,29 +89,21 @@ class Batcher:
         self._last_batches = 0
         self._failed_batches = 0
 
-    # ------------------------------------------------------------ the handlers' side
+    # ------------------------------------------------------------ what the connections bring
     def admit(self, session: Session) -> None:
-        """A new stream's session; it replaces its slot's older one."""
-        with self.cond:
+        """A new connection's session; it replaces its slot's older one."""
+        with self._sessions_lock:
             old = self.sessions.get(session.slot)
-            if old is not None:  # the batcher ships its finished rows and drops it; its stream ends
+            if old is not None:  # the batcher ships its finished rows and drops it; its connection ends
                 old.closed.set()
-                old.context.cancel()
                 self.retired.append(old)
             self.sessions[session.slot] = session
 
     def submit(self, request: Request) -> None:
-        with self.cond:
-            self.pending.append(request)
-            self.cond.notify_all()
-
-    def wake(self) -> None:
-        """Something changed (a session closed, params arrived, the board thread ended): look again."""
-        with self.cond:
-            self.cond.notify_all()
+        self.pending.append(request)
 
     def open_sessions(self) -> list[Session]:
-        with self.cond:
+        with self._sessions_lock:
             return [s for s in self.sessions.values() if not s.closed.is_set()]
 
     def take_means(self) -> BatchMeans:
@@ -125,50 +120,44 @@ class Batcher:
         return means
 
     # ------------------------------------------------------------ the loop's side
-    def turn(self) -> None:
-        """Load the params staged since the last batch, act for the next batch, ship finished rows, drop the
-        sessions whose streams closed."""
+    def wait_s(self) -> float:
+        """How long the loop may wait for more requests before the next ``turn`` (0: a batch is due)."""
+        if not self.pending or (self.parameter.version == 0 and not self.staged.pending):
+            return IDLE_S
+        if self._due():
+            return 0.0
+        return max(0.0, min(IDLE_S, self.pending[0].arrived + self.options.max_wait_ms / 1000 - time.monotonic()))
+
+    def _due(self) -> bool:
+        count = len(self.pending)
+        if count * self.envs >= self.max_batch or self.stop.is_set():
+            return True
+        live = sum(1 for s in self.sessions.values() if not s.closed.is_set())
+        return count >= live or time.monotonic() >= self.pending[0].arrived + self.options.max_wait_ms / 1000
+
+    def turn(self) -> list[Request]:
+        """Load the params staged since the last batch; act for the batch that is due (returned: each request
+        with its actions, its refusal, or neither when its session closed or its batch failed); ship finished
+        rows; drop the sessions whose connections closed."""
         if self.staged.pending and (loaded := self.staged.load(self.parameter)) is not None:
             self.params_epoch = loaded[0]
-        batch = self._gather()
-        if batch:
+        batch: list[Request] = []
+        if self.pending and self.parameter.version > 0 and self._due():
+            take = max(1, self.max_batch // self.envs)
+            batch = [self.pending.popleft() for _ in range(min(take, len(self.pending)))]
             self._act(batch)
             self._ship_rows(list({id(r.session): r.session for r in batch}.values()))
         else:
-            with self.cond:
-                sessions = list(self.sessions.values())
-            self._ship_rows(sessions)
+            self._ship_rows(list(self.sessions.values()))
         self._reap()
+        return batch
 
     def close(self) -> None:
         """The end: every session is dropped, after shipping the rows its worker finished."""
-        with self.cond:
+        with self._sessions_lock:
             sessions = list(self.sessions.values())
             self.sessions.clear()
         self._ship_rows(sessions + self.retired, closing=True)
-
-    def _gather(self) -> list[Request]:
-        """The next batch: the oldest request and those that join it within ``max_wait_ms``, at most
-        ``max_batch`` envs; at once when every connected actor has a request in."""
-        wait = self.options.max_wait_ms / 1000
-        with self.cond:
-            if not self.pending or self.parameter.version == 0:
-                self.cond.wait(0.05)
-            if not self.pending or self.parameter.version == 0:
-                return []
-            deadline = self.pending[0].arrived + wait
-            while True:
-                live = sum(1 for s in self.sessions.values() if not s.closed.is_set())
-                count = len(self.pending)
-                if count * self.envs >= self.max_batch or count >= live or self.stop.is_set():
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.cond.wait(left)
-            take = max(1, self.max_batch // self.envs)
-            batch = [self.pending.popleft() for _ in range(min(take, len(self.pending)))]
-        return batch
 
     def _act(self, batch: list[Request]) -> None:
         now = time.monotonic()
@@ -176,14 +165,12 @@ class Batcher:
         with torch.inference_mode():
             for request in batch:
                 if request.session.closed.is_set():
-                    request.done.set()
                     continue
                 try:
                     request.session.prepare(request)
                     ready.append((request, request.session.worker.policy_inputs(request.obs)))
                 except Exception as e:  # what the worker refuses (frames that do not slide): this request only
                     request.error = refused(e)
-                    request.done.set()
             if not ready:
                 return
             try:
@@ -201,7 +188,6 @@ class Batcher:
                     request.session.acted = True
                 except Exception as e:
                     request.error = refused(e)
-                request.done.set()
         with self._lock:
             self.batches += 1
             self.agent_steps += len(ready) * self.envs
@@ -210,15 +196,14 @@ class Batcher:
             self._batch_wait_s += sum(now - r.arrived for r, _ in ready)
 
     def _batch_failed(self, error: Exception, requests: list[Request]) -> None:
-        """A forward pass failed: its actors are answered UNAVAILABLE (they reconnect and restart their
-        episodes) and their sessions closed; ``MAX_FAILED_BATCHES`` in a row is a fault of this server, not
-        of a request: it stops, and the task with it."""
+        """A forward pass failed: its actors are told UNAVAILABLE (they reconnect and restart their episodes)
+        and their sessions closed; ``MAX_FAILED_BATCHES`` in a row is a fault of this server, not of a
+        request: it stops, and the task with it."""
         self._failed_batches += 1
         logger.error("a forward pass for %d actor(s) failed (%d in a row): %s: %s", len(requests),
                      self._failed_batches, type(error).__name__, short(error), exc_info=self._failed_batches == 1)
         for request in requests:
-            request.session.closed.set()
-            request.done.set()  # no actions: the handler answers UNAVAILABLE
+            request.session.closed.set()  # no actions: the loop tells its actor UNAVAILABLE
         if self._failed_batches >= MAX_FAILED_BATCHES:
             raise RuntimeError(f"{MAX_FAILED_BATCHES} forward passes in a row failed; the last: "
                                f"{type(error).__name__}: {short(error)}") from error
@@ -250,14 +235,15 @@ class Batcher:
                     continue
 
     def _reap(self) -> None:
-        """Drop the sessions whose streams closed, after shipping the rows their workers finished."""
-        with self.cond:
+        """Drop the sessions whose connections closed, after shipping the rows their workers finished."""
+        with self._sessions_lock:
             closed = [s for s in self.sessions.values() if s.closed.is_set()] + self.retired
             self.retired = []
             for session in closed:
                 if self.sessions.get(session.slot) is session:
                     del self.sessions[session.slot]
         if closed:
+            self.pending = deque(r for r in self.pending if not r.session.closed.is_set())
             self._ship_rows(closed, closing=True)
             for session in closed:
                 logger.info("actor %s left slot %d; its state is freed", session.uid, session.slot)

@@ -5,25 +5,25 @@ server's work on one task: holding the ``inference`` lease (a standby waits to t
 ``node/liveness.py``'s hooks, saying on the board where it listens, fetching every params version the
 trainer publishes, closing the streams of actors whose slot lease lapsed, sending the rows the actors'
 workers finish to the task's queue (as actors do, so the trainer cannot tell the difference), its stats,
-and the end in order. The actors' streams are ``streams.py``'s, their sessions and the checks of a request
-``session.py``'s, the forward pass for all of them ``batcher.py``'s. The protocol is ``wire/inference.py``;
-the actor's side, ``actor/inference_client.py``.
+and the end in order. The actors' connections are ``streams.py``'s, their sessions and the checks of a request
+``session.py``'s, the forward pass for all of them ``batcher.py``'s; one loop drives the connections and the
+batcher. The protocol is ``wire/inference.py`` and ``wire/link.py``; the actor's side,
+``actor/inference_client.py``.
 
 Must never: trust a request. Every message either way is an srl codec BATCH: signed with the task's
 secret when there is one (an actor without it is refused), bounded in size, and checked against the
 declared columns (the env's observation dtype, shape and bounds; finite rewards; episode starts where
-episodes ended). A bad request is refused, counted and logged with its source; its stream is closed
+episodes ended). A bad request is refused, counted and logged with its source; its connection is closed
 (the actor reconnects and restarts its episodes); the server goes on.
 
-The transport is gRPC (grpcio) with raw bytes in both directions, no protobuf: one stream per actor,
-one request (the envs' observations, and what followed the previous actions) and one reply (the
-actions) per step, as SEED RL's actors do. Over TLS when the server has a certificate; a board reached
-over TLS demands one.
+The transport is srl's own frames over TCP (``wire/link.py``): one connection per actor, one request (the
+envs' observations, and what followed the previous actions) and one reply (the actions) per step, as SEED
+RL's actors do. Over TLS when the server has a certificate; a board reached over TLS demands one.
 
-The loop, per actor and on the server::
+The loop, per actor and on the server (one thread: no hand-off between threads per request)::
 
     actor: obs -> request(obs, reward, terminated, truncated, final_obs, started) -> actions -> env.step
-    server: requests of many actors -> worker.observe / reset per actor -> one policy() for all
+    server: poll every connection -> requests -> worker.observe / reset per actor -> one policy() for all
             -> worker.act_with per actor -> replies; finished rows -> queue (backpressure waits)
 """
 
@@ -173,7 +173,7 @@ class InferenceRun:
     # ------------------------------------------------------------ background: lease, stats, params, actors
     def _board_thread(self) -> None:
         self.liveness.run()
-        self.batcher.wake()
+        self.streams.wake()
 
     # ------------------------------------------------------------ heartbeats (node.liveness.Liveness's hooks)
     def report(self) -> Beat:
@@ -217,11 +217,10 @@ class InferenceRun:
         holders = self.board.lease_holders([f"actor:{s.slot}" for s in sessions])
         for session, holder in zip(sessions, holders, strict=True):
             if holder != session.uid:
-                logger.warning("actor %s lost slot %d (lease lapsed or taken): closing its stream", session.uid,
+                logger.warning("actor %s lost slot %d (lease lapsed or taken): closing its connection", session.uid,
                                session.slot)
                 session.closed.set()
-                session.context.cancel()
-        self.batcher.wake()
+        self.streams.wake()
 
     def _fetch_params(self) -> None:
         try:
@@ -238,7 +237,7 @@ class InferenceRun:
             return
         self.batcher.staged.put(record.epoch, record.version, arrays)
         self.latest_version = record.version
-        self.batcher.wake()
+        self.streams.wake()
 
     def _stats(self, rate: float) -> InferenceStats:
         means = self.batcher.take_means()
@@ -265,9 +264,11 @@ class InferenceRun:
         self.lease_guard.start()  # renews while the board thread is busy fetching params
         board_thread.start()
         sender_thread.start()
+        self.stop.add_hook(self.streams.wake)
         try:
             while not self.stop.is_set():
-                self.batcher.turn()
+                self.streams.poll(self.batcher.wait_s())
+                self.streams.answer(self.batcher.turn())
         finally:
             self.stop.set("inference stopping")
             self.streams.stop_serving(1.0)

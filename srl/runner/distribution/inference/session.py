@@ -1,8 +1,8 @@
 """One actor's session on the inference server, and what a request must be for the server to act on it.
 
-Owns: :class:`Session` (an actor's stream: its slot, its next seq, its worker holding its envs' recurrent
+Owns: :class:`Session` (an actor's connection: its slot, its next seq, its worker holding its envs' recurrent
 state and unfinished rows), :class:`Request` (one step of an actor's envs, waiting for its actions),
-:class:`Refused` (why a request is not acted on, and the gRPC status its actor is told) and
+:class:`Refused` (why a request is not acted on, and the status its actor is told) and
 :class:`RequestCheck` (decoding a request with the task's wire codec and checking its task, size, slot and
 seq). Must never: trust a request (what is wrong with one raises ``Refused``), or touch a worker from any
 thread but the batcher's.
@@ -13,19 +13,23 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from srl.base.rl import Worker
 from srl.base.schema import Schema
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, DecodeError, short
+from srl.runner.distribution.wire.link import Status
+
+if TYPE_CHECKING:
+    from srl.runner.distribution.wire.link import ServerConnection
 
 
 class Refused(Exception):
     """A request the server will not act on (what is wrong with it, for the log and the actor)."""
 
-    def __init__(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+    def __init__(self, reason: str, code: Status = Status.INVALID_ARGUMENT) -> None:
         super().__init__(reason)
         self.code = code
 
@@ -45,19 +49,21 @@ class Request:
     actions: np.ndarray | None = None
     version: int = 0
     error: Refused | None = None
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class Session:
-    """One actor's stream: its worker (its envs' state and unfinished rows); only the batcher touches it."""
+    """One actor's connection: its worker (its envs' state and unfinished rows); only the server's loop
+    touches it, but for ``closed``, which any thread may set (the loop then ends the connection)."""
 
-    def __init__(self, slot: int, uid: str, worker: Worker, context: grpc.ServicerContext) -> None:
+    def __init__(self, slot: int, uid: str, worker: Worker, connection: ServerConnection) -> None:
         self.slot = slot
         self.uid = uid
         self.worker = worker
-        self.context = context
+        self.connection = connection
         self.acted = False
         self.seq = 0
+        self.seq_waiting = False
+        """a request of it waits for its actions (an actor sends one at a time)"""
         self.closed = threading.Event()
         self.rows_since = time.monotonic()
 
@@ -86,7 +92,7 @@ class Session:
 @dataclass(frozen=True)
 class RequestCheck:
     """How a request is read: decoded by ``wire`` (signed, bounded, checked against ``schema``), then
-    checked against the task (``task_tag``, ``envs`` per actor) and its stream (slot and seq)."""
+    checked against the task (``task_tag``, ``envs`` per actor) and its connection (slot and seq)."""
 
     wire: Codec
     schema: Schema
@@ -94,15 +100,15 @@ class RequestCheck:
     envs: int
 
     def read(self, data: bytes, session: Session | None) -> tuple[BatchHeader, dict[str, np.ndarray]]:
-        """The header and columns of a request on ``session``'s stream (None: the stream's first)."""
+        """The header and columns of a request on ``session``'s connection (None: its first)."""
         try:
             header, columns, _ = self.wire.decode_batch(data, self.schema)
         except DecodeError as e:
-            code = (grpc.StatusCode.UNAUTHENTICATED if "signature" in str(e) or "signed" in str(e)
-                    else grpc.StatusCode.INVALID_ARGUMENT)
+            code = (Status.UNAUTHENTICATED if "signature" in str(e) or "signed" in str(e)
+                    else Status.INVALID_ARGUMENT)
             raise Refused(f"bad request: {e}", code) from None
         if header.task != self.task_tag:
-            raise Refused("the request was made for another task", grpc.StatusCode.FAILED_PRECONDITION)
+            raise Refused("the request was made for another task", Status.FAILED_PRECONDITION)
         if header.count != self.envs:
             raise Refused(f"a request carries {header.count} envs; this task's actors step {self.envs}")
         if session is not None and (header.actor_index != session.slot or header.seq != session.seq):

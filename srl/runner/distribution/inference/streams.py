@@ -1,25 +1,28 @@
-"""The gRPC side of the inference server: where it listens, and one handler per actor's stream.
+"""The server's side of the actors' connections: where it listens, and every connection in one loop.
 
-Owns: :class:`ActorStreams` — the gRPC server (TLS when the node has a certificate, a bounded number of
-streams, the address actors are told) and each stream's handler: reading its requests (``RequestCheck``),
-opening its session once the actor's slot lease is checked, handing each request to the batcher and
-answering with its actions, and refusing a bad request (counted, logged and put on the board at most once
-per interval, its stream aborted with the refusal's status code). Must never: act itself (only the
-batcher's loop touches workers), or let one stream's refusal end another stream or the server.
+Owns: :class:`ActorStreams` — the listening socket (TLS when the node has a certificate), a bounded number of
+connections, the address actors are told; ``poll``: reading every connection that has bytes (``wire/link.py``'s
+frames), checking each request (``RequestCheck``), opening a connection's session once the actor's slot lease
+is checked, handing requests to the batcher; ``answer``: the actions of a batch, one reply each; ending the
+connections whose session closed; refusing what is bad (counted, logged and put on the board at most once per
+interval, the connection ended with the refusal's status). Must never: act itself (the batcher does), block the
+loop on one actor, or let one connection's refusal end another or the server.
+
+One thread does all of it, the batcher's forward pass included (``inference/run.py``'s loop): a request is read,
+acted for and answered with no hand-off between threads, the CPU per request that made a thread per stream slow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
-from pathlib import Path
+from collections.abc import Callable
 
-import grpc
 import numpy as np
 
 from srl.base.env import EnvSpec
@@ -33,28 +36,27 @@ from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.settings.options import InferenceOptions
 from srl.runner.distribution.settings.task import MAX_CENTRAL_ACTORS, TaskSpec
 from srl.runner.distribution.wire.codec import BatchHeader, short, task_tag
-from srl.runner.distribution.wire.inference import (
-    METHOD,
-    grpc_options,
-    max_request_bytes,
-    reply_schema,
-    request_schema,
-)
+from srl.runner.distribution.wire.inference import max_request_bytes, reply_schema, request_schema
+from srl.runner.distribution.wire.link import KIND_BATCH, FrameError, PeerGone, ServerConnection, Status, frame
 
 logger = logging.getLogger("srl.inference")
 
 FIRST_REQUEST_S = 10.0
-"""seconds a new stream has to send its first request before the server closes it (an idle connection
-must not hold one of its handler threads)"""
+"""seconds a new connection has to send its first request before the server closes it (an idle connection
+must not hold a place)"""
+CLOSE_S = 1.0
+"""seconds a connection being refused has to take its last frame before it is closed anyway"""
 MAX_STREAMS = MAX_CENTRAL_ACTORS + 4
-"""streams one server serves at once (gRPC's synchronous server holds a thread per open stream): a task's
-actors (``MAX_CENTRAL_ACTORS`` at most, which the client and every node check) and a few spare"""
+"""connections one server holds at once: a task's actors (``MAX_CENTRAL_ACTORS`` at most, which the client and
+every node check) and a few spare (a replaced actor's, a refused one's)"""
+_LISTENER, _WAKE = object(), object()
 
 
 class ActorStreams:
-    """The actors' streams of one inference server: ``start`` listens (and says where), ``stop`` ends them.
+    """The actors' connections of one inference server: ``start`` listens (and says where), ``poll`` and
+    ``answer`` serve, ``stop_serving`` ends them all.
 
-    ``make_worker(slot, session)`` is the worker of a slot's ``session``-th stream."""
+    ``make_worker(slot, session)`` is the worker of a slot's ``session``-th connection."""
 
     def __init__(self, board: Board, task: TaskSpec, options: InferenceOptions, spec: EnvSpec, batcher: Batcher,
                  make_worker: Callable[[int, int], Worker], stop: StopFlag, counters: CounterDeltas) -> None:
@@ -72,110 +74,231 @@ class ActorStreams:
         self.task_tag = task_tag(board.task_id)
         self.check = RequestCheck(self.wire, request_schema(spec), self.task_tag, self.envs)
         self.action_dtype = reply_schema(spec).columns["action"].dtype
-        self.server: grpc.Server | None = None
+        self.max_connections = min(MAX_STREAMS, task.actor_num + 4)
         self.refused = 0
-        self._lock = threading.Lock()
-        """guards ``refused`` and the stream counts, which every handler thread changes"""
         self._event_log = Throttle()
         self._stream_counts: dict[int, int] = {}
+        self._connections: set[ServerConnection] = set()
+        self._selector = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._tls_context: ssl.SSLContext | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._wake_lock = threading.Lock()
 
     def start(self) -> str:
         """Listen; the address actors reach this server at."""
         opts = self.options
-        workers = min(MAX_STREAMS, self.task.actor_num + 4)
-        # gRPC's own bound is looser than the codec's: a request somewhat too large is refused and counted by the
-        # codec with a reason; one past 4x (and 1 MiB) is cut off by gRPC before it is read at all
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="srl-inference"),
-                             options=grpc_options(4 * self.max_request_bytes + 2**20),
-                             maximum_concurrent_rpcs=workers)
-        handler = grpc.stream_stream_rpc_method_handler(self._serve_stream)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            METHOD.split("/")[1], {METHOD.split("/")[2]: handler}),))
+        host, _, port_text = opts.listen.rpartition(":")
+        bind_host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((bind_host, int(port_text)))
+        except (OSError, ValueError) as e:
+            listener.close()
+            raise OSError(f"cannot listen on {opts.listen}: {e} (is the address taken, or not this machine's?)"
+                          ) from None
+        listener.listen(128)
+        listener.setblocking(False)
         if self.tls:
-            key = Path(opts.tls_key_file).read_bytes()
-            cert = Path(opts.tls_cert_file).read_bytes()
-            port = server.add_secure_port(opts.listen, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            port = server.add_insecure_port(opts.listen)
-        if port == 0:
-            raise OSError(f"cannot listen on {opts.listen}: the address is taken or not this machine's")
-        server.start()
-        self.server = server
-        host = opts.listen.rpartition(":")[0]
-        advertised = opts.advertise_host or (socket.gethostname() if host in ("0.0.0.0", "[::]", "::") else host)
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(opts.tls_cert_file, opts.tls_key_file)
+            self._tls_context = context
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, _LISTENER)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        port = listener.getsockname()[1]
+        advertised = opts.advertise_host or (socket.gethostname() if bind_host in ("0.0.0.0", "::", "") else bind_host)
         return f"{advertised}:{port}"
 
+    def wake(self) -> None:
+        """Make a ``poll`` under way return (from any thread): a session closed, params arrived, a stop."""
+        with self._wake_lock, contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    # ------------------------------------------------------------ the loop's side
+    def poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for bytes; read what came (requests go to the batcher), write what waited;
+        end the connections whose session closed or that said nothing in time."""
+        for key, events in self._selector.select(timeout):
+            if key.data is _LISTENER:
+                self._accept()
+            elif key.data is _WAKE:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    self._wake_r.recv(4096)
+            else:
+                connection: ServerConnection = key.data
+                if events & selectors.EVENT_WRITE:
+                    self._flush(connection)
+                if events & selectors.EVENT_READ and not connection.closed:
+                    self._read(connection)
+        self._tidy()
+
+    def answer(self, requests: list[Request]) -> None:
+        """The replies of a batch the batcher acted for (or the refusals)."""
+        for request in requests:
+            session = request.session
+            connection = session.connection
+            if connection.closed or connection.closing:
+                continue
+            if request.error is not None:
+                self._refuse(request.error, connection, session)
+                continue
+            if request.actions is None:  # its session closed (a newer connection took the slot; its batch failed)
+                continue  # _tidy ends the connection
+            reply = BatchHeader(actor_id=self.options.uid, actor_index=session.slot,
+                                epoch=self.batcher.params_epoch, seq=request.seq, params_version=request.version,
+                                count=self.envs, created_at=time.time(), task=self.task_tag)
+            actions = request.actions.astype(self.action_dtype, copy=False)
+            session.seq_waiting = False
+            try:
+                connection.send(frame(KIND_BATCH, self.wire.encode_batch(reply, {"action": actions}, None)))
+            except PeerGone:
+                self._drop(connection)
+                continue
+            self._watch(connection)
+
     def stop_serving(self, grace: float | None) -> None:
-        """End every stream (after ``grace`` seconds for those under way)."""
-        if self.server is not None:
-            self.server.stop(grace)
+        """End every connection (telling each actor why) and stop listening."""
+        for connection in list(self._connections):
+            connection.refuse(Status.UNAVAILABLE, f"inference server stopping: {self.stop.reason}")
+        deadline = time.monotonic() + (grace or 0.0)
+        while any(c.wants_write and not c.closed for c in self._connections) and time.monotonic() < deadline:
+            for connection in list(self._connections):
+                self._flush(connection)
+            time.sleep(0.01)
+        for connection in list(self._connections):
+            self._drop(connection)
+        if self._listener is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
-    def _serve_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        session: Session | None = None
-        first = threading.Timer(FIRST_REQUEST_S, lambda: session is None and context.cancel())
-        first.daemon = True
-        first.start()  # a connection that says nothing does not keep a handler thread
+    # ------------------------------------------------------------ connections
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("cannot accept a connection: %s", e)
+                return
+            peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+            connection = ServerConnection(sock, peer, self.max_request_bytes, self._tls_context)
+            self._connections.add(connection)
+            self._selector.register(connection, selectors.EVENT_READ, connection)
+            if len(self._connections) > self.max_connections:
+                self._refuse(Refused(f"this server holds {self.max_connections} connections for the task's "
+                                     f"{self.task.actor_num} actors already", Status.UNAVAILABLE), connection, None)
+
+    def _read(self, connection: ServerConnection) -> None:
+        session: Session | None = connection.session
         try:
-            for data in requests:
-                try:
-                    header, columns = self.check.read(data, session)
-                    if session is None:
-                        session = self._open_session(header, context)
-                    first.cancel()
-                    request = Request(session, np.array(columns["obs"]), columns, header.seq)
-                    session.seq += 1
-                except Refused as e:
-                    self._refuse(e, context, session)
-                    return
-                self.batcher.submit(request)
-                while not request.done.wait(0.1):
-                    if self.stop.is_set() or session.closed.is_set():
-                        context.abort(grpc.StatusCode.UNAVAILABLE, f"inference server stopping: {self.stop.reason}"
-                                      if self.stop.is_set() else "this actor's session was closed")
-                if request.error is not None:
-                    self._refuse(request.error, context, session)
-                    return
-                if request.actions is None:  # its session closed while the request waited (a newer one took it)
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "this actor's session was closed")
-                    return  # abort raises; this line is never reached
-                reply = BatchHeader(actor_id=self.options.uid, actor_index=session.slot,
-                                    epoch=self.batcher.params_epoch, seq=request.seq, params_version=request.version,
-                                    count=self.envs, created_at=time.time(), task=self.task_tag)
-                actions = request.actions.astype(self.action_dtype, copy=False)
-                yield self.wire.encode_batch(reply, {"action": actions}, None)
-        finally:
-            first.cancel()
-            if session is not None:
-                session.closed.set()
-                self.batcher.wake()
+            payloads = connection.receive()
+        except PeerGone:
+            self._drop(connection)
+            return
+        except FrameError as e:
+            self._refuse(Refused(str(e), e.status), connection, session)
+            return
+        for data in payloads:
+            try:
+                if session is not None and session.seq_waiting:
+                    raise Refused("a request before the reply to the one before: an actor sends one at a time")
+                header, columns = self.check.read(data, session)
+                if session is None:
+                    session = self._open_session(header, connection)
+                request = Request(session, np.array(columns["obs"]), columns, header.seq)
+                session.seq += 1
+            except Refused as e:
+                self._refuse(e, connection, session)
+                return
+            session.seq_waiting = True
+            self.batcher.submit(request)
 
-    def _open_session(self, header: BatchHeader, context: grpc.ServicerContext) -> Session:
+    def _open_session(self, header: BatchHeader, connection: ServerConnection) -> Session:
         slot, uid = header.actor_index, header.actor_id.rpartition(".")[0]
         if not 0 <= slot < self.task.actor_num:
             raise Refused(f"slot {slot} is not one of the task's {self.task.actor_num}")
         try:
             holder, _ = self.board.lease_holder(f"actor:{slot}")
         except BOARD_AWAY as e:
-            raise Refused(f"cannot check the actor's lease now ({short(e)})", grpc.StatusCode.UNAVAILABLE) from None
+            raise Refused(f"cannot check the actor's lease now ({short(e)})", Status.UNAVAILABLE) from None
         if holder != uid:
             raise Refused(f"{uid!r} does not hold actor slot {slot} (its holder: {holder!r})",
-                          grpc.StatusCode.PERMISSION_DENIED)
-        with self._lock:
-            count = self._stream_counts[slot] = self._stream_counts.get(slot, 0) + 1
-        session = Session(slot, uid, self.make_worker(slot, count), context)
+                          Status.PERMISSION_DENIED)
+        count = self._stream_counts[slot] = self._stream_counts.get(slot, 0) + 1
+        session = Session(slot, uid, self.make_worker(slot, count), connection)
+        connection.session = session
         self.batcher.admit(session)
-        logger.info("actor %s connected for slot %d (%s)", uid, slot, context.peer())
+        logger.info("actor %s connected for slot %d (%s)", uid, slot, connection.peer)
         return session
 
-    def _refuse(self, error: Refused, context: grpc.ServicerContext, session: Session | None) -> None:
-        with self._lock:
-            self.refused += 1
+    def _tidy(self) -> None:
+        """End the connections whose session closed, that took too long to close, or that never spoke."""
+        now = time.monotonic()
+        for connection in list(self._connections):
+            session: Session | None = connection.session
+            if connection.closing:
+                if not connection.wants_write or now - connection.closing_since > CLOSE_S:
+                    self._drop(connection)
+            elif session is not None and session.closed.is_set():
+                connection.refuse(Status.UNAVAILABLE, "this actor's session was closed")
+                self._watch(connection)
+            elif session is None and now - connection.opened > FIRST_REQUEST_S:
+                self._drop(connection)
+
+    def _flush(self, connection: ServerConnection) -> None:
+        try:
+            connection.flush()
+        except PeerGone:
+            self._drop(connection)
+            return
+        if connection.closing and not connection.wants_write:
+            self._drop(connection)
+        else:
+            self._watch(connection)
+
+    def _watch(self, connection: ServerConnection) -> None:
+        """Select the connection for writing only while it has something to write."""
+        if connection.closed:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.wants_write else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            if self._selector.get_key(connection).events != events:
+                self._selector.modify(connection, events, connection)
+
+    def _drop(self, connection: ServerConnection) -> None:
+        session: Session | None = connection.session
+        if session is not None and not session.closed.is_set():
+            session.closed.set()
+        if connection in self._connections:
+            self._connections.discard(connection)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(connection)
+        connection.close()
+
+    def _refuse(self, error: Refused, connection: ServerConnection, session: Session | None) -> None:
+        self.refused += 1
         self.counters.add(bad_messages=1)
         who = f"slot {session.slot} ({session.uid})" if session is not None else "an unknown actor"
         if self._event_log.ready():  # once per interval: a flood of bad requests must not flood the log or board
-            logger.warning("refused a request from %s at %s: %s (%d refused so far)", who, context.peer(),
+            logger.warning("refused a request from %s at %s: %s (%d refused so far)", who, connection.peer,
                            short(error), self.refused)
             with contextlib.suppress(*BOARD_AWAY):
                 self.board.log_event(f"inference refused a request from {who}: {short(error, 300)}",
                                      level="WARNING", source=self.options.uid)
-        context.abort(error.code, short(error, 400))
+        if session is not None:
+            session.closed.set()
+        connection.refuse(error.code, short(error, 400))
+        self._watch(connection)
+

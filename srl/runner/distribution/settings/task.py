@@ -25,8 +25,9 @@ from srl.runner.distribution.wire.codec import MAX_MESSAGE_ROWS, Codec, DecodeEr
 MAX_QUEUE_CAPACITY = 1_000_000
 """most batches a task may allow in its queue"""
 MAX_CENTRAL_ACTORS = 1020
-"""most actor slots a task with central inference may have: its server holds a stream, and a thread, per actor
-(up to 1,024 streams, a few of them spare for an actor whose new stream opens while its old one closes)"""
+"""most actor slots a task with central inference may have: its server holds a connection (a file descriptor) per
+actor, and 1,024 descriptors is a common limit of a process (a few are kept spare for an actor whose new
+connection opens while its old one closes)"""
 TASK_GONE = ("the task is gone from the board: deleted, or Redis restarted without persistence (run it with "
              "appendonly yes for long tasks)")
 """why a node stops when its task vanished"""
@@ -178,8 +179,8 @@ def check_central(rl_config: RLConfig, actor_num: int) -> None:
     cannot serve ``actor_num`` actors (elastic or not: every slot may connect)."""
     if actor_num > MAX_CENTRAL_ACTORS:
         raise TaskConfigError(
-            f"central inference serves at most {MAX_CENTRAL_ACTORS} actors (its server holds a stream and a "
-            f"thread for each), got actor_num={actor_num}; run fewer actors with more envs each (envs_per_actor), "
+            f"central inference serves at most {MAX_CENTRAL_ACTORS} actors (its server holds a connection for "
+            f"each), got actor_num={actor_num}; run fewer actors with more envs each (envs_per_actor), "
             "or inference='local'"
         )
     if rl_config.data_path().sync:

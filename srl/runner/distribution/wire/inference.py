@@ -1,5 +1,5 @@
-"""The central inference protocol: the one gRPC method, what a request and a reply carry, the channel's
-options, and the errors an actor's stream ends with.
+"""The central inference protocol: what a request and a reply carry, and the errors an actor's connection
+ends with (the frames that carry them are ``wire/link.py``'s).
 
 Owns what the inference server and the actor's client both speak; must never trust a peer: every message
 either way is an srl codec batch checked against these schemas (``srl.runner.distribution.wire.codec``).
@@ -7,15 +7,10 @@ either way is an srl codec batch checked against these schemas (``srl.runner.dis
 
 from __future__ import annotations
 
-from typing import Any
-
 from srl.base.env import VALUE_BOUND, DiscreteActions, EnvSpec, MultiDiscreteActions
 from srl.base.schema import Column, Schema
 from srl.runner.distribution.settings.credentials import CredentialsError
 from srl.runner.distribution.wire.codec import batch_message_bytes
-
-METHOD = "/srl.Inference/Act"
-"""the one gRPC method: a bidirectional stream of requests and replies (raw bytes: srl codec batches)"""
 
 
 class InferenceLostError(ConnectionError):
@@ -52,17 +47,3 @@ def reply_schema(spec: EnvSpec) -> Schema:
     if isinstance(actions, MultiDiscreteActions):
         return Schema({"action": Column("int64", (len(actions.nvec),), low=0, high=max(actions.nvec) - 1)})
     return Schema({"action": Column("float32", tuple(actions.shape), low=-VALUE_BOUND, high=VALUE_BOUND)})
-
-
-KEEPALIVE_MS = 10_000
-"""HTTP/2 pings on an idle or waiting stream: a peer that stops answering them (its host gone, its process
-frozen) is dropped ``KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS`` later, and an actor goes to the standby"""
-KEEPALIVE_TIMEOUT_MS = 5_000
-
-
-def grpc_options(max_bytes: int) -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes),
-            ("grpc.so_reuseport", 0), ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2)]
