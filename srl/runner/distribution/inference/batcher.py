@@ -35,6 +35,8 @@ MAX_FAILED_BATCHES = 10
 """forward passes failing in a row before the server gives up (a fault of its own, not of a request)"""
 IDLE_S = 0.05
 """the longest the server's loop waits for a request before it looks at its rows, sessions and params"""
+LOOK_S = 0.02
+"""how often the loop looks at every session between batches (a session that closed is freed this late)"""
 
 Outbox = queue.Queue[tuple[dict[str, np.ndarray], np.ndarray | None, int, int] | None]
 """finished rows on their way to the sender: (columns, priorities, slot, version), None for the end"""
@@ -88,6 +90,8 @@ class Batcher:
         self._batch_requests = 0
         self._last_batches = 0
         self._failed_batches = 0
+        self._look_at = 0.0
+        """when ``turn`` next looks at every session (aged rows, closed sessions), not only a batch's"""
 
     # ------------------------------------------------------------ what the connections bring
     def admit(self, session: Session) -> None:
@@ -147,9 +151,11 @@ class Batcher:
             batch = [self.pending.popleft() for _ in range(min(take, len(self.pending)))]
             self._act(batch)
             self._ship_rows(list({id(r.session): r.session for r in batch}.values()))
-        else:
+        now = time.monotonic()
+        if now >= self._look_at or self.retired:  # every session's aged rows, and the closed ones: now and then
+            self._look_at = now + LOOK_S
             self._ship_rows(list(self.sessions.values()))
-        self._reap()
+            self._reap()
         return batch
 
     def close(self) -> None:
@@ -204,6 +210,7 @@ class Batcher:
                      self._failed_batches, type(error).__name__, short(error), exc_info=self._failed_batches == 1)
         for request in requests:
             request.session.closed.set()  # no actions: the loop tells its actor UNAVAILABLE
+        self._look_at = 0.0
         if self._failed_batches >= MAX_FAILED_BATCHES:
             raise RuntimeError(f"{MAX_FAILED_BATCHES} forward passes in a row failed; the last: "
                                f"{type(error).__name__}: {short(error)}") from error

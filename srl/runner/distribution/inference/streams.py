@@ -44,6 +44,8 @@ logger = logging.getLogger("srl.inference")
 FIRST_REQUEST_S = 10.0
 """seconds a new connection has to send its first request before the server closes it (an idle connection
 must not hold a place)"""
+TIDY_S = 0.02
+"""how often the loop looks at every connection when nothing asked it to (a first request late, a close slow)"""
 CLOSE_S = 1.0
 """seconds a connection being refused has to take its last frame before it is closed anyway"""
 MAX_STREAMS = MAX_CENTRAL_ACTORS + 4
@@ -79,6 +81,8 @@ class ActorStreams:
         self._event_log = Throttle()
         self._stream_counts: dict[int, int] = {}
         self._connections: set[ServerConnection] = set()
+        self._tidy_at = 0.0
+        """when ``poll`` next looks at every connection (0: at once, something changed)"""
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._tls_context: ssl.SSLContext | None = None
@@ -129,13 +133,17 @@ class ActorStreams:
             elif key.data is _WAKE:
                 with contextlib.suppress(BlockingIOError, OSError):
                     self._wake_r.recv(4096)
+                self._tidy_at = 0.0
             else:
                 connection: ServerConnection = key.data
                 if events & selectors.EVENT_WRITE:
                     self._flush(connection)
                 if events & selectors.EVENT_READ and not connection.closed:
                     self._read(connection)
-        self._tidy()
+        now = time.monotonic()
+        if now >= self._tidy_at:
+            self._tidy_at = now + TIDY_S
+            self._tidy()
 
     def answer(self, requests: list[Request]) -> None:
         """The replies of a batch the batcher acted for (or the refusals)."""
@@ -148,7 +156,8 @@ class ActorStreams:
                 self._refuse(request.error, connection, session)
                 continue
             if request.actions is None:  # its session closed (a newer connection took the slot; its batch failed)
-                continue  # _tidy ends the connection
+                self._tidy_at = 0.0  # _tidy ends the connection
+                continue
             reply = BatchHeader(actor_id=self.options.uid, actor_index=session.slot,
                                 epoch=self.batcher.params_epoch, seq=request.seq, params_version=request.version,
                                 count=self.envs, created_at=time.time(), task=self.task_tag)
@@ -240,6 +249,7 @@ class ActorStreams:
         session = Session(slot, uid, self.make_worker(slot, count), connection)
         connection.session = session
         self.batcher.admit(session)
+        self._tidy_at = 0.0  # a session it replaced ends its connection
         logger.info("actor %s connected for slot %d (%s)", uid, slot, connection.peer)
         return session
 
@@ -300,5 +310,6 @@ class ActorStreams:
         if session is not None:
             session.closed.set()
         connection.refuse(error.code, short(error, 400))
+        self._tidy_at = 0.0  # closed once its last frame is out
         self._watch(connection)
 
