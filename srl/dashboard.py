@@ -45,7 +45,15 @@ from urllib.parse import unquote, urlsplit
 import redis
 
 from srl.base.config import Settings
-from srl.runner.distribution.board.board import Board, BoardError, TaskState, TaskStatus, list_tasks, task_key_prefix
+from srl.runner.distribution.board.board import (
+    Board,
+    BoardError,
+    TaskState,
+    TaskStatus,
+    inference_lease,
+    list_tasks,
+    task_key_prefix,
+)
 from srl.runner.distribution.node.stats import ActorStats, NodeStats, Reports
 from srl.runner.distribution.sending.in_flight import batches_in_flight
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
@@ -192,7 +200,8 @@ class Dashboard:
         shown_slots = range(min(status.actor_num, SHOWN_ACTORS))
         # stats, counters, config and every lease shown in one round trip: a read per slot cost a round trip
         # each, 64 per refresh of the page
-        view = board.view(status.actor_num, lease_slots=len(shown_slots))
+        view = board.view(status.actor_num, lease_slots=len(shown_slots), servers=status.inference_servers)
+        servers = [inference_lease(k) for k in range(status.inference_servers)]
         reports = Reports.of(view.stats)
         counters = view.counters
         detail: dict[str, Any] = {"name": board.task_name, **_status_fields(status), "error": None, "now": now}
@@ -205,7 +214,7 @@ class Dashboard:
         detail["elapsed_s"] = round(max(0.0, (status.ended_at or now) - start), 1) if start else None
 
         trainer = reports.trainer
-        holders = [view.holders[name] for name in ("trainer", "inference", *(f"actor:{slot}" for slot in shown_slots))]
+        holders = [view.holders[name] for name in ("trainer", *(f"actor:{slot}" for slot in shown_slots))]
         detail["trainer"] = {
             "holder": _scalar(holders[0]), "heartbeat_age_s": _heartbeat_age(trainer, now),
             "stats": _clean_stats(trainer),
@@ -213,15 +222,17 @@ class Dashboard:
         detail["train_count"] = trainer.train_count if trainer is not None and trainer.train_count else \
             status.train_count
 
-        detail["inference"] = None
-        if config.get("inference") == "central":  # an inference server to show
-            detail["inference"] = {"holder": _scalar(holders[1]),
-                                   "heartbeat_age_s": _heartbeat_age(reports.inference, now),
-                                   "stats": _clean_stats(reports.inference)}
+        detail["inference_servers"] = []
+        if config.get("inference") == "central":  # the inference servers to show
+            detail["inference_servers"] = [
+                {"name": name if len(servers) > 1 else "inference", "holder": _scalar(view.holders[name]),
+                 "heartbeat_age_s": _heartbeat_age(reports.servers.get(k), now),
+                 "stats": _clean_stats(reports.servers.get(k))} for k, name in enumerate(servers)]
+        detail["inference"] = detail["inference_servers"][0] if detail["inference_servers"] else None
 
         actors = []
         actor_stats = []
-        for slot, holder in zip(shown_slots, holders[2:], strict=True):
+        for slot, holder in zip(shown_slots, holders[1:], strict=True):
             s = reports.actor(slot)
             if s is not None:
                 actor_stats.append(s)

@@ -25,10 +25,10 @@ def _status(state: TaskState = TaskState.ACTIVE, end_reason: str = "") -> TaskSt
 
 def _serving(**overrides: object) -> Serving:
     values: dict[str, object] = {
-        "actor_num": 4, "central": False, "elastic": False, "trainer": None, "inference": None,
+        "actor_num": 4, "central": False, "elastic": False, "trainer": None, "inference": [None],
         "actors": ["actor-0", None, None, None],
         "refusals": {"trainer": [Refusal("node-9", "trainer", "no GPU", 0.0)], "actor": [], "inference": []},
-        "inference_address": None, "read_at": 100.0,
+        "inference_addresses": [], "read_at": 100.0,
     }
     return Serving(**{**values, **overrides})  # type: ignore[arg-type]
 

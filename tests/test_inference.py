@@ -24,7 +24,7 @@ from srl.base.env import EnvConfig, env_spec
 from srl.base.rl import RLConfig, Worker, join_policy_io, split_policy_io
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.actor.inference_client import InferenceClient
-from srl.runner.distribution.board.board import Board, TaskState
+from srl.runner.distribution.board.board import Board, TaskState, inference_lease
 from srl.runner.distribution.inference.run import InferenceRun
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import open_queue
@@ -109,7 +109,7 @@ class Served:
         codec = Codec(secret=self.secret if secret == "same" else secret, task=self.board.task_name)
         spec = self.run.spec
         return InferenceClient(self.board, spec, self.task.rl_config.envs_per_actor, slot, f"{uid}.0",
-                               task_tag(self.board.task_id), codec, StopFlag())
+                               task_tag(self.board.task_id), codec, StopFlag(), servers=self.task.inference_servers)
 
 
 def _publish(board: Board, config: RLConfig, spec: Any, codec: Codec) -> None:
@@ -125,22 +125,29 @@ def serve_task(redis_url: str, namespace: str) -> Iterator[Any]:
     served: list[Served] = []
 
     def make(config: RLConfig, env: str = "CartPole-v1", actor_num: int = 3, secret: str | None = None,
-             capacity: int = 1000, **options: Any) -> Served:
+             capacity: int = 1000, servers: int = 1, server: int = 0, **options: Any) -> Served:
+        """A server of a task (of ``servers``; the task is written by the first ``make`` of a test)."""
         redis_params = RedisParameters(url=redis_url, task_name=namespace)
         board = Board(redis_params.connect(), namespace)
         runner = srl.Runner(env, config)
         config_json = json.dumps({**runner.task_config(), "actor_num": actor_num, "max_steps": 10**9,
-                                  "inference": "central", "queue": {"scheme": "redis", "capacity": capacity}})
+                                  "inference": "central", "queue": {"scheme": "redis", "capacity": capacity},
+                                  **({"inference_servers": servers} if servers > 1 else {})})
         codec = Codec(secret=secret, task=namespace)
-        status = board.create_task(config_json, signature=codec.config_signature(config_json))
-        board = board.bound(status.task_id)
-        board.set_active()
+        if served:
+            board = served[0].board
+        else:
+            status = board.create_task(config_json, signature=codec.config_signature(config_json))
+            board = board.bound(status.task_id)
+            board.set_active()
         task = build_task(config_json, codec.config_signature(config_json), codec)
-        opts = InferenceOptions(listen="127.0.0.1:0", uid="inference-test", heartbeat_interval=0.2, lease_ttl=2.0,
-                                params_poll_interval=0.02, secret=secret, batch_max_age=0.1, **options)
-        assert board.claim_lease("inference", opts.uid, 60_000)
-        run = InferenceRun(board, redis_params, None, task, opts)
-        _publish(board, task.rl_config, run.spec, codec)
+        opts = InferenceOptions(listen="127.0.0.1:0", uid=f"inference-test{'-' + str(len(served)) if served else ''}",
+                                heartbeat_interval=0.2, lease_ttl=2.0, params_poll_interval=0.02, secret=secret,
+                                batch_max_age=0.1, **options)
+        assert board.claim_lease(inference_lease(server), opts.uid, 60_000)
+        run = InferenceRun(board, redis_params, None, task, opts, server)
+        if not served:
+            _publish(board, task.rl_config, run.spec, codec)
         thread = threading.Thread(target=run.run, daemon=True)
         thread.start()
         wait_for(lambda: run.parameter.version == 1, 10, "the server to load params version 1")
@@ -152,7 +159,8 @@ def serve_task(redis_url: str, namespace: str) -> Iterator[Any]:
     for s in served:
         s.run.stop.set("test over")
         s.thread.join(timeout=10)
-        s.board.delete_task()
+    if served:
+        served[0].board.delete_task()
 
 
 def _step(client: InferenceClient, obs: np.ndarray, steps: int) -> list[np.ndarray]:
@@ -457,6 +465,75 @@ def test_an_actor_whose_lease_lapses_is_dropped_and_its_state_freed(serve_task: 
     client.close()
 
 
+def test_several_servers_share_the_slots_and_a_missing_ones_actors_go_to_another_and_back(
+    serve_task: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two servers of one task: slot 0 acts through server 0 and slot 1 through server 1; when server 1 goes,
+    slot 1's actor restarts its episodes on server 0, and once a new server 1 serves it goes back."""
+    from srl.runner.distribution.actor import inference_client
+
+    monkeypatch.setattr(inference_client, "RETURN_S", 0.2)
+    first = serve_task(_impala(), actor_num=2, servers=2)
+    second = serve_task(_impala(), actor_num=2, servers=2, server=1)
+    wait_for(lambda: second.run.parameter.version == 1, 10, "server 1 to load the params")
+    addresses = first.board.get_inference_addresses(2)
+    assert [a.server if a else None for a in addresses] == [0, 1]
+    assert addresses[0] is not None and addresses[0].address == first.run.address
+    zero, one = first.client(0), first.client(1)
+    obs = _obs(first)
+    _step(zero, obs, 3)
+    _step(one, obs, 3)
+    assert first.run.agent_steps == 3 * 2 and second.run.agent_steps == 3 * 2
+    assert set(first.run._sessions) == {0} and set(second.run._sessions) == {1}
+
+    second.run.stop.set("test: server 1 goes")
+    second.thread.join(timeout=10)
+    wait_for(lambda: first.board.lease_holder("inference:1")[0] is None, 10, "server 1's lease to be released")
+    with pytest.raises(InferenceLostError):  # its connection ended with it: the episodes start again
+        _step(one, obs, 1)
+    _step(one, obs, 3)
+    assert set(first.run._sessions) == {0, 1}  # slot 1 acts through server 0 now
+    assert one.connected_to == first.run.address
+
+    third = serve_task(_impala(), actor_num=2, servers=2, server=1)  # a new server 1
+    wait_for(lambda: third.run.parameter.version == 1, 10, "the new server 1 to load the params")
+    time.sleep(0.25)  # past RETURN_S: the next act looks for its own server
+    with pytest.raises(InferenceLostError, match="going back"):
+        one.act(obs)
+    _step(one, obs, 2)
+    assert one.connected_to == third.run.address and set(third.run._sessions) == {1}
+    wait_for(lambda: set(first.run._sessions) == {0}, 10, "server 0 to free slot 1's state")
+    zero.close()
+    one.close()
+
+
+def test_a_task_of_several_servers_shows_each_on_the_progress_line_and_the_board_view(serve_task: Any) -> None:
+    from srl.runner.distribution.client.report import progress_lines
+
+    first = serve_task(_impala(), actor_num=2, servers=3)
+    serve_task(_impala(), actor_num=2, servers=3, server=2)
+    board = first.board
+    status = board.get_status()
+    assert status is not None and status.inference_servers == 3
+    view = board.view(status.actor_num, servers=status.inference_servers)
+    assert {k: v for k, v in view.holders.items() if k.startswith("inference")} == {
+        "inference": "inference-test", "inference:1": None, "inference:2": "inference-test-1"}
+    wait_for(lambda: "inference:2" in board.get_all_stats(), 10, "server 2's heartbeat")
+    lines = [x for x in progress_lines(board, status, 1.0) if x.startswith("  inference")]
+    assert len(lines) == 3
+    assert lines[0].startswith("  inference inference-test at ") and "MISSING" in lines[1]
+    assert lines[2].startswith("  inference:2 inference-test-1 at ")
+
+
+def test_inference_servers_need_central_inference_and_a_count_a_task_may_have() -> None:
+    runner = srl.Runner("CartPole-v1", _impala())
+    with pytest.raises(ValueError, match="give inference='central' too"):
+        runner.train_distribution(RedisParameters(), actor_num=2, max_steps=100, inference_servers=2)
+    with pytest.raises(ValueError, match=r"inference_servers must be an integer in 1\.\.64, got 65"):
+        runner.train_distribution(RedisParameters(), actor_num=2, max_steps=100, inference="central",
+                                  inference_servers=65)
+
+
 # ------------------------------------------------------------------------------------ real processes
 
 
@@ -529,6 +606,43 @@ def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, n
     assert any("restarting this actor's episodes" in n.output() for n in actors)
     counters = board.get_counters()
     assert counters.get("bad_messages", 0) == 0 and counters["received_batches"] > 0
+
+
+def test_a_server_of_two_killed_mid_run_leaves_its_actors_to_the_other_and_the_run_finishes(
+    redis_url: str, namespace: str, nodes: list[Any], tmp_path: Any
+) -> None:
+    """Two servers share the actor slots, no standby: SIGKILL one mid-run; its actors restart their episodes
+    on the other, the run ends, and the rows of both servers were trained on (nothing refused)."""
+    start(nodes, "trainer", redis_url, namespace, tmp_path)
+    for _ in range(2):
+        start(nodes, "inference", redis_url, namespace, tmp_path, *INFERENCE_ARGS)
+    for _ in range(2):
+        start(nodes, "actor", redis_url, namespace, tmp_path)
+    board = board_for(redis_url, namespace)
+    client = ClientThread(srl.Runner("CartPole-v1", _impala()), RedisParameters(url=redis_url, task_name=namespace),
+                          actor_num=2, max_train_count=10_000_000, local_processes=False, inference="central",
+                          inference_servers=2)
+    client.start()
+    # each slot on its own server (one that came before its server was up goes back to it): one session each
+    wait_for(lambda: all(board.get_all_stats().get(name, {}).get("agent_steps", 0) > 100
+                         and board.get_all_stats()[name].get("sessions") == 1 for name in ("inference", "inference:1")),
+             300, "both servers to act for their own actor")
+    victim = lease_holder_pid(board, "inference:1")
+    assert victim is not None
+    survivor = next(n for n in nodes if n.role == "inference" and n.proc.pid != victim)
+    before = survivor.output().count("connected for slot 1")  # 1 if slot 1 came before server 1 did, else 0
+    sigkill(victim)
+    wait_for(lambda: survivor.output().count("connected for slot 1") > before, 60,
+             "slot 1 to come to the other server")
+    steps = board.get_all_stats()["inference"]["agent_steps"]
+    wait_for(lambda: board.get_all_stats()["inference"]["sessions"] == 2
+             and board.get_all_stats()["inference"]["agent_steps"] > steps + 200, 60, "it to act for both slots")
+    assert board.end_task(TaskState.END, "server 0 serves both slots: test over")
+    client.join(timeout=120)
+    assert not client.is_alive() and client.error is None, client.error
+    counters = board.get_counters()
+    assert counters.get("bad_messages", 0) == 0 and counters["received_batches"] > 0
+    assert any("restarting this actor's episodes" in n.output() for n in nodes if n.role == "actor")
 
 
 def test_batched_sampling_draws_each_action_with_its_probability() -> None:

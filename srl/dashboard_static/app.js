@@ -203,10 +203,10 @@ function renderSlots(task) {
     "buffer " + num(t.memory) + ", loss " + num(t.loss, 4) + ", params v" + num(t.params_version) +
       ", " + (t.device || "?"),
   ));
-  if (task.inference) {  // central inference: the server that acts for every actor
-    const i = task.inference.stats;
+  for (const server of task.inference_servers || []) {  // central inference: the servers that act for the actors
+    const i = server.stats;
     rows.push(slotRow(
-      "inference", task.inference,
+      server.name, server,
       num(i.agent_steps_per_s, 1) + " actions/s, " + num(i.batch_envs_mean, 1) + " envs/batch",
       "backpressure " + num(i.backpressure_wait_s, 1) + " s",
       "request wait " + num(i.batch_wait_ms_mean, 2) + " ms",

@@ -18,7 +18,7 @@ import numpy as np
 
 from srl.base.env import EnvSpec, MultiDiscreteActions
 from srl.base.rl import Worker
-from srl.runner.distribution.board.board import BOARD_AWAY, Board
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, InferenceAddress
 from srl.runner.distribution.node.retry import Throttle
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, DecodeError, short
@@ -35,6 +35,9 @@ logger = logging.getLogger("srl.inference")
 SILENCE_CHECK_S = 5.0
 """seconds without a reply after which an actor looks, every as many seconds, whether its server still holds
 the inference lease (a reply may wait long while the queue is full; a paused server's lease lapses)"""
+RETURN_S = 10.0
+"""how often an actor acting through another server than its own (``slot % servers``, which was missing) looks
+whether its own serves again, to go back to it"""
 
 
 class InferenceClient(Worker):
@@ -43,13 +46,19 @@ class InferenceClient(Worker):
 
     It keeps no network and no rows (the server does). A broken connection raises :class:`InferenceLostError`
     from ``act``, before any env stepped: the actor restarts its episodes and the next ``act`` connects
-    to whichever server holds the lease then."""
+    to whichever server holds the lease then. Of a task's ``servers``, an actor's own is ``slot % servers``;
+    while that one is missing it acts through another, and goes back once its own serves again."""
 
     def __init__(self, board: Board, spec: EnvSpec, num_envs: int, slot: int, sender: str, tag: int,
-                 codec: Codec, stop: StopFlag, ca_file: str | None = None) -> None:
+                 codec: Codec, stop: StopFlag, ca_file: str | None = None, servers: int = 1) -> None:
         self.board = board
         self.num_envs = num_envs
         self.slot = slot
+        self.servers = servers
+        self.own_server = slot % servers
+        self._server = self.own_server
+        """the server this actor acts through now"""
+        self._return_at = 0.0
         self.sender = sender
         self.tag = tag
         self.stop = stop
@@ -90,6 +99,8 @@ class InferenceClient(Worker):
         self._final = next_obs if done.any() else self._final
 
     def act(self, obs: np.ndarray) -> np.ndarray:
+        if self._link is not None and self._server != self.own_server and time.monotonic() >= self._return_at:
+            self._look_for_own_server()
         link = self._link or self._connect()
         if link is None or self.stop.is_set():
             raise InferenceLostError(f"stopping: {self.stop.reason}")
@@ -145,10 +156,31 @@ class InferenceClient(Worker):
     def _still_serving(self) -> bool:
         """Whether the server this actor waits on still holds the inference lease (a board away: assume so)."""
         try:
-            address = self.board.get_inference_address()
+            address = self.board.get_inference_address(self._server)
         except BOARD_AWAY:
             return True
         return address is not None and address.uid == self._server_uid
+
+    def _look_for_own_server(self) -> None:
+        """Acting through another server: go back to this actor's own once it serves again (its episodes start
+        again there: InferenceLostError)."""
+        self._return_at = time.monotonic() + RETURN_S
+        try:
+            own = self.board.get_inference_address(self.own_server)
+        except BOARD_AWAY:
+            return
+        if own is not None:
+            self.lost()
+            raise InferenceLostError(f"going back to inference server {self.own_server} ({own.uid}), this actor "
+                                     "slot's own, which serves again")
+
+    def _pick(self, addresses: list[InferenceAddress | None]) -> InferenceAddress | None:
+        """This actor's own server, or while it is missing another that serves (the slot picks which)."""
+        own = addresses[self.own_server]
+        if own is not None:
+            return own
+        serving = [a for a in addresses if a is not None]
+        return serving[self.slot % len(serving)] if serving else None
 
     def _connect(self) -> ClientLink | None:
         """A connection to the server the board names (waiting for one); None once the run stops. A server
@@ -159,7 +191,7 @@ class InferenceClient(Worker):
             self.stop.wait(min(0.05 * 2 ** (self._failures - 1), 2.0))
         while not self.stop.is_set():
             try:
-                address = self.board.get_inference_address()
+                address = self._pick(self.board.get_inference_addresses(self.servers))
             except BOARD_AWAY as e:
                 address = None
                 if note.ready():
@@ -180,9 +212,12 @@ class InferenceClient(Worker):
                 else:
                     self._seq = self._replies = 0
                     self._started[:] = True
-                    self._server_uid = address.uid
+                    self._server_uid, self._server = address.uid, address.server
+                    self._return_at = time.monotonic() + RETURN_S
                     if address.address != self.connected_to:
-                        logger.info("acting through inference %s at %s", address.uid, address.address)
+                        elsewhere = (f" (server {address.server}: this slot's own, {self.own_server}, is missing)"
+                                     if address.server != self.own_server else "")
+                        logger.info("acting through inference %s at %s%s", address.uid, address.address, elsewhere)
                     self.connected_to = address.address
                     return self._link
             elif note.ready():

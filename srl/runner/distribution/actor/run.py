@@ -122,7 +122,7 @@ class ActorRun:
             from srl.runner.distribution.actor.inference_client import InferenceClient
 
             self.inference = InferenceClient(board, self.spec, config.envs_per_actor, slot, self.sender,
-                                             self.task_tag, self.codec, self.stop, ca)
+                                             self.task_tag, self.codec, self.stop, ca, task.inference_servers)
             self.worker: Worker = self.inference
         else:
             self.parameter = config.make_parameter(self.spec, config.resolve_device())

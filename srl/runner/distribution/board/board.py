@@ -68,7 +68,10 @@ from srl.runner.distribution.board.keys import (
     _SCAN_COUNT,
     BOARD_FORMAT_VERSION,
     MAX_ACTORS,
+    MAX_INFERENCE_SERVERS,
     actor_slot,
+    inference_lease,
+    inference_server,
     list_tasks,
     task_key_prefix,
 )
@@ -109,6 +112,7 @@ __all__ = [
     "LEDGER_BYTES",
     "MAX_ACTORS",
     "MAX_CONFIG_BYTES",
+    "MAX_INFERENCE_SERVERS",
     "MAX_STATS_BYTES",
     "REFUSALS_CAP",
     "SMALL_TASK_SLOTS",
@@ -130,6 +134,8 @@ __all__ = [
     "TaskView",
     "actor_slot",
     "count_token",
+    "inference_lease",
+    "inference_server",
     "list_tasks",
     "task_key_prefix",
 ]
@@ -193,7 +199,7 @@ class Board(BoardTasks, BoardLeases, BoardParams, BoardAccounts, BoardJournal, B
         """Every key of this task that exists now (the named ones, plus a SCAN of the prefix)."""
         keys = {self._task_key, self._epoch_key, self._params_key, self._feed_key, self._counters_key, self._roles_key,
                 self._events_key, self._deadletters_key, self._history_key, self._resume_key, self._counted_key,
-                self._refusals_key, self._ledger_key, self._checkpoint_key, self._inference_key,
+                self._refusals_key, self._ledger_key, self._checkpoint_key, self.inference_key(0),
                 self.lease_key("trainer"), self.lease_key("inference")}
         try:
             actor_num = _int(self.client.hget(self._task_key, "actor_num") or 0, "actor_num", 0, MAX_ACTORS)

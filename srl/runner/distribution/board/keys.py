@@ -17,9 +17,11 @@ Keys (``P`` = ``srl:{<task_name>}:``)::
                              float32 weights when blob's are float16 (a trainer taking over restores them)
     P params:feed     stream one entry, the latest (epoch, version): a node awaiting the next blocks on it
     P lease:trainer   string owner uid, PX ttl
-    P lease:inference string owner uid, PX ttl (the central inference server)
+    P lease:inference string owner uid, PX ttl (the central inference server; with several, server 0)
+    P lease:inference:<k>  string  the same for server k (1 .. the task's inference_servers - 1)
     P lease:actor:<i> string owner uid, PX ttl
     P inference       hash   uid, address, tls: where the holder of lease:inference serves
+    P inference:<k>   hash   the same for server k
     P counters        hash   role_id -> JSON of running totals
     P counted         hash   role_id -> the token of the last count it added with one (a retried count
                              whose reply was lost carries it again and adds nothing); '<role_id> heartbeat'
@@ -53,10 +55,12 @@ BOARD_FORMAT_VERSION = 3
 """version of the key layout and field encoding above; bumped on any incompatible change (3: task ids)"""
 MAX_ACTORS = 100_000
 """most actor slots a task may have"""
+MAX_INFERENCE_SERVERS = 64
+"""most central inference servers a task may share its actor slots among"""
 
 _TASK_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _ROLE_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
-_LEASE_NAME = re.compile(r"trainer|inference|actor:(0|[1-9][0-9]{0,5})")
+_LEASE_NAME = re.compile(r"trainer|inference(?::(?P<server>[1-9][0-9]?))?|actor:(?P<slot>0|[1-9][0-9]{0,5})")
 _SCAN_COUNT = 500
 
 
@@ -72,7 +76,22 @@ def task_key_prefix(task_name: str) -> str:
 def actor_slot(lease_name: str) -> int | None:
     """The slot index of an actor's lease name (``"actor:3"`` -> 3); None for anything else."""
     match = _LEASE_NAME.fullmatch(lease_name)
-    return int(match[1]) if match and match[1] is not None else None
+    return int(match["slot"]) if match and match["slot"] is not None else None
+
+
+def inference_lease(server: int) -> str:
+    """The lease name of central inference's server ``server``: ``inference`` for 0 (as with one server),
+    ``inference:<k>`` for the others."""
+    return "inference" if server == 0 else f"inference:{server}"
+
+
+def inference_server(lease_name: str) -> int | None:
+    """The server index of an inference lease name (``"inference"`` -> 0, ``"inference:2"`` -> 2); None for
+    anything else."""
+    match = _LEASE_NAME.fullmatch(lease_name)
+    if not match or not lease_name.startswith("inference"):
+        return None
+    return int(match["server"]) if match["server"] is not None else 0
 
 
 def list_tasks(client: redis.Redis, limit: int = 1000) -> list[str]:
@@ -88,10 +107,11 @@ def list_tasks(client: redis.Redis, limit: int = 1000) -> list[str]:
     return sorted(names)
 
 
-def _lease_names(actor_num: int) -> list[str]:
-    """The names of a task's leases: ``trainer``, ``inference`` (central inference's server) and ``actor:<i>``
-    for each of its slots."""
-    return ["trainer", "inference", *(f"actor:{i}" for i in range(max(0, min(actor_num, MAX_ACTORS))))]
+def _lease_names(actor_num: int, servers: int = 1) -> list[str]:
+    """The names of a task's leases: ``trainer``, ``inference`` (central inference's servers: ``inference``, then
+    ``inference:<k>`` for each of its ``servers`` beyond the first) and ``actor:<i>`` for each of its slots."""
+    return ["trainer", *(inference_lease(k) for k in range(max(1, min(servers, MAX_INFERENCE_SERVERS)))),
+            *(f"actor:{i}" for i in range(max(0, min(actor_num, MAX_ACTORS))))]
 
 
 def _check_role(role_id: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import redis
 
 from srl.runner.distribution.board.accounts import _check_token, _deltas_json, _stats_json
-from srl.runner.distribution.board.keys import _LEASE_NAME, MAX_ACTORS, _lease_names
+from srl.runner.distribution.board.keys import _LEASE_NAME, MAX_ACTORS, _lease_names, inference_lease
 from srl.runner.distribution.board.records import (
     BoardDataError,
     Heartbeat,
@@ -65,7 +65,6 @@ class BoardLeases:
     def _init_leases(self) -> None:
         """Name this part's keys and register its scripts (from ``Board.__init__``)."""
         self._epoch_key = self.prefix + "epoch"
-        self._inference_key = self.prefix + "inference"
         self._renew = self.client.register_script(_RENEW_LUA)
         self._release = self.client.register_script(_RELEASE_LUA)
         self._set_inference = self.client.register_script(_SET_INFERENCE_LUA)
@@ -76,7 +75,7 @@ class BoardLeases:
 
     def lease_key(self, name: str) -> str:
         if not _LEASE_NAME.fullmatch(name):
-            raise ValueError(f"lease name {name!r}: expected 'trainer' or 'actor:<index>'")
+            raise ValueError(f"lease name {name!r}: expected 'trainer', 'inference[:<server>]' or 'actor:<index>'")
         return self.prefix + "lease:" + name
 
     def claim_lease(self, name: str, owner_uid: str, ttl_ms: int) -> bool:
@@ -108,34 +107,55 @@ class BoardLeases:
             return []
         return [_holder(holder) for holder in self.client.mget([self.lease_key(n) for n in names])]
 
-    def release_leases_of(self, owner_uid: str, actor_num: int) -> list[str]:
+    def release_leases_of(self, owner_uid: str, actor_num: int, servers: int = 1) -> list[str]:
         """Release every lease of the task ``owner_uid`` holds, and return their names: for a node stopped
         while its claim was in flight, when the board may have granted a slot the node never learned of."""
-        names = _lease_names(actor_num)
+        names = _lease_names(actor_num, servers)
         holders = self.client.mget([self.lease_key(n) for n in names])
         mine = [name for name, holder in zip(names, holders, strict=True) if _text(holder, 256) == owner_uid]
         return [name for name in mine if self.release_lease(name, owner_uid)]
 
-    def held_leases(self, actor_num: int) -> list[str]:
-        """The names of the task's leases someone holds now (``trainer``, ``actor:<i>``), in one MGET."""
-        names = _lease_names(actor_num)
+    def held_leases(self, actor_num: int, servers: int = 1) -> list[str]:
+        """The names of the task's leases someone holds now (``trainer``, ``inference``, ``actor:<i>``), in
+        one MGET."""
+        names = _lease_names(actor_num, servers)
         holders = self.client.mget([self.lease_key(n) for n in names])
         return [name for name, holder in zip(names, holders, strict=True) if holder is not None]
 
-    def set_inference_address(self, owner_uid: str, address: str, tls: bool) -> bool:
-        """Say where central inference is served (``host:port``, over TLS or not): only while ``owner_uid``
-        holds the ``inference`` lease (False: it does not, nothing written)."""
-        return bool(self._set_inference(keys=[self.lease_key("inference"), self._inference_key],
+    def inference_key(self, server: int = 0) -> str:
+        """Where inference server ``server`` says it listens (``inference``; ``inference:<k>`` beyond the first)."""
+        return self.prefix + inference_lease(server)
+
+    def set_inference_address(self, owner_uid: str, address: str, tls: bool, server: int = 0) -> bool:
+        """Say where central inference server ``server`` serves (``host:port``, over TLS or not): only while
+        ``owner_uid`` holds its lease (False: it does not, nothing written)."""
+        return bool(self._set_inference(keys=[self.lease_key(inference_lease(server)), self.inference_key(server)],
                                         args=[owner_uid, _text(address, 300) or "", "1" if tls else "0"]))
 
-    def get_inference_address(self) -> InferenceAddress | None:
-        """Where central inference is served now: the server holding the ``inference`` lease and the
-        address it wrote (None while no server holds it or it has not written one)."""
+    def get_inference_address(self, server: int = 0) -> InferenceAddress | None:
+        """Where central inference server ``server`` serves now: the server holding its lease and the address
+        it wrote (None while no server holds it or it has not written one; BoardDataError: not host:port)."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.lease_key("inference"))
-        pipe.hmget(self._inference_key, *_INFERENCE_FIELDS)
+        pipe.get(self.lease_key(inference_lease(server)))
+        pipe.hmget(self.inference_key(server), *_INFERENCE_FIELDS)
         holder, fields = pipe.execute()
-        return _inference_address(holder, fields)
+        return _inference_address(holder, fields, server)
+
+    def get_inference_addresses(self, servers: int) -> list[InferenceAddress | None]:
+        """Where each of ``servers`` central inference servers serves now, in one round trip: None for one
+        with no holder, no address yet, or one that is not host:port (the others serve meanwhile)."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in range(servers):
+            pipe.get(self.lease_key(inference_lease(k)))
+            pipe.hmget(self.inference_key(k), *_INFERENCE_FIELDS)
+        answers = pipe.execute()
+        found: list[InferenceAddress | None] = []
+        for k in range(servers):
+            try:
+                found.append(_inference_address(answers[2 * k], answers[2 * k + 1], k))
+            except BoardDataError:
+                found.append(None)
+        return found
 
     def claim_actor_slot(self, owner_uid: str, actor_num: int, ttl_ms: int, prefer: int | None = None) -> int | None:
         """An actor slot now leased to ``owner_uid``: ``prefer`` if it holds it or it is free (an actor taking
@@ -215,16 +235,16 @@ def _holder(raw: bytes | str | None) -> str | None:
     return _text(raw, 256)
 
 
-def _inference_address(holder: bytes | str | None, fields: list[Any]) -> InferenceAddress | None:
-    """Where central inference is served, from the ``inference`` lease and the :data:`_INFERENCE_FIELDS` of
-    ``inference`` as read: None unless the holder wrote an address. BoardDataError: it is not host:port."""
+def _inference_address(holder: bytes | str | None, fields: list[Any], server: int = 0) -> InferenceAddress | None:
+    """Where central inference server ``server`` serves, from its lease and the :data:`_INFERENCE_FIELDS` of
+    its address hash as read: None unless the holder wrote an address. BoardDataError: it is not host:port."""
     uid, address, tls = fields
     holder_text, uid_text, address_text = _holder(holder), _text(uid, 256), _text(address, 300)
     if holder_text is None or holder_text != uid_text or not address_text:
         return None
     if not _ADDRESS.fullmatch(address_text):
         raise BoardDataError(f"the inference address on the board is not host:port: {address_text[:80]!r}")
-    return InferenceAddress(holder_text, address_text, _text(tls, 4) == "1")
+    return InferenceAddress(holder_text, address_text, _text(tls, 4) == "1", server)
 
 
 def _ttl(ttl_ms: int) -> int:

@@ -90,18 +90,22 @@ class TaskStatus:
     trainer_epoch: int = 0
     task_id: str = ""
     """drawn by the client that created the task: a task replacing one of the same name has another"""
+    inference_servers: int = 1
+    """central inference servers the task's actor slots are shared among (its config's ``inference_servers``)"""
 
 
 @dataclass(frozen=True)
 class InferenceAddress:
-    """Where the task's central inference server listens (see ``Board.set_inference_address``)."""
+    """Where one of the task's central inference servers listens (see ``Board.set_inference_address``)."""
 
     uid: str
-    """the server holding the ``inference`` lease"""
+    """the server holding the lease (``inference``, or ``inference:<server>``)"""
     address: str
     """host:port"""
     tls: bool
     """it serves over TLS"""
+    server: int = 0
+    """which of the task's servers it is"""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from srl.runner.distribution.board import values as board_values
-from srl.runner.distribution.board.keys import BOARD_FORMAT_VERSION, MAX_ACTORS
+from srl.runner.distribution.board.keys import BOARD_FORMAT_VERSION, MAX_ACTORS, MAX_INFERENCE_SERVERS
 from srl.runner.distribution.board.records import (
     _MAX_INT,
     BoardDataError,
@@ -46,7 +46,7 @@ _RECORD_FIELDS = ("config", "format", "config_sig", "task_id")
 _STATUS_FIELDS = (
     "status", "end_reason", "created_at", "started_at", "ended_at", "actor_num", "max_train_count",
     "max_steps", "timeout", "params_epoch", "params_version", "train_count", "format", "srl_version",
-    "trainer_uid", "trainer_epoch", "task_id",
+    "trainer_uid", "trainer_epoch", "task_id", "inference_servers",
 )
 
 
@@ -122,6 +122,10 @@ class BoardTasks:
         timeout = _limit(parsed, "timeout", timeout, float)
         if not 1 <= actor_num <= MAX_ACTORS:
             raise ValueError(f"actor_num must be in 1..{MAX_ACTORS}, found {actor_num}")
+        servers = _limit(parsed, "inference_servers", None, int)
+        servers = 1 if servers is None else servers
+        if not 1 <= servers <= MAX_INFERENCE_SERVERS:
+            raise ValueError(f"inference_servers must be in 1..{MAX_INFERENCE_SERVERS}, found {servers}")
         state = _text(self.client.hget(self._task_key, "status"))
         if state in ("INIT", "ACTIVE") and not overwrite:
             raise self._exists_error(state)
@@ -132,7 +136,7 @@ class BoardTasks:
             "max_train_count", _field(max_train_count), "max_steps", _field(max_steps),
             "timeout", _field(timeout), "params_epoch", "0", "params_version", "0", "train_count", "0",
             "format", str(BOARD_FORMAT_VERSION), "srl_version", _srl_version(), "config", config_json,
-            "config_sig", signature, "trainer_uid", "", "trainer_epoch", "0",
+            "config_sig", signature, "trainer_uid", "", "trainer_epoch", "0", "inference_servers", str(servers),
         ]
         # the old task's record is replaced in one step, so its nodes never see no task here ("gone") but
         # another one ("replaced"), and their writes are refused from then on; its other keys go after
@@ -183,6 +187,7 @@ class BoardTasks:
             trainer_uid=_text(raw["trainer_uid"], 128) or "",
             trainer_epoch=_int(raw["trainer_epoch"] or 0, "trainer_epoch"),
             task_id=_text(raw["task_id"], 64) or "",
+            inference_servers=_int(raw["inference_servers"] or 1, "inference_servers", 1, MAX_INFERENCE_SERVERS),
         )
 
     def _check_format(self, raw: bytes | str | None) -> None:

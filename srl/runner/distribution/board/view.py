@@ -8,8 +8,8 @@ what the getters would. Must never: write, parse a value any other way than its 
 value its reader does not ask for (a damaged config must not hide the counters from a summary).
 
 Which keys to read is decided before the pipeline, from the task's slot count as its caller knows it (its
-``TaskStatus.actor_num``): the stats of a role outside those slots (none in a run: every role is a slot, the
-trainer, the inference server or the evaluator) cost one more MGET.
+``TaskStatus.actor_num``, and its ``inference_servers``): the stats of a role outside those slots (none in a run:
+every role is a slot, the trainer, an inference server or the evaluator) cost one more MGET.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import redis
 
 from srl.runner.distribution.board.accounts import _counter_totals, _live_stats, _role_counters, _stats_roles
 from srl.runner.distribution.board.journal import _refusals
-from srl.runner.distribution.board.keys import MAX_ACTORS, _lease_names
+from srl.runner.distribution.board.keys import MAX_ACTORS, MAX_INFERENCE_SERVERS, _lease_names, inference_lease
 from srl.runner.distribution.board.leases import _INFERENCE_FIELDS, _holder, _inference_address
 from srl.runner.distribution.board.params import _HEAD_FIELDS, _params_head
 from srl.runner.distribution.board.records import BoardError, InferenceAddress, Refusal, TaskRecord, _server_time
@@ -30,8 +30,8 @@ from srl.runner.distribution.board.tasks import _RECORD_FIELDS
 
 _T = TypeVar("_T")
 
-_NODE_ROLES = ("trainer", "inference", "evaluator")
-"""the roles that report stats besides the actor slots"""
+_NODE_ROLES = ("trainer", "evaluator")
+"""the roles that report stats besides the actor slots and the inference servers"""
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,12 @@ class TaskView:
     refusals: list[Refusal]
     """as ``Board.get_refusals(refusal_age_s)``"""
     holders: dict[str, str | None]
-    """the holder of each lease read (None: free), by lease name: ``trainer``, ``inference``, ``actor:<i>``"""
+    """the holder of each lease read (None: free), by lease name: ``trainer``, ``inference`` (and
+    ``inference:<k>``), ``actor:<i>``"""
     params_head_or_error: tuple[int, int, int] | BoardError | None
     config_or_error: dict[str, Any] | BoardError
-    inference_address_or_error: InferenceAddress | BoardError | None
+    inference_addresses_or_errors: list[InferenceAddress | BoardError | None]
+    """where each inference server serves (the first is server 0's)"""
 
     @property
     def params_head(self) -> tuple[int, int, int] | None:
@@ -64,7 +66,11 @@ class TaskView:
     @property
     def inference_address(self) -> InferenceAddress | None:
         """As ``Board.get_inference_address()``."""
-        return _value(self.inference_address_or_error)
+        return _value(self.inference_addresses_or_errors[0])
+
+    def inference_address_of(self, server: int) -> InferenceAddress | None:
+        """As ``Board.get_inference_address(server)``."""
+        return _value(self.inference_addresses_or_errors[server])
 
 
 class BoardViews:
@@ -77,20 +83,24 @@ class BoardViews:
     _counters_key: str
     _task_key: str
     _refusals_key: str
-    _inference_key: str
+    inference_key: Callable[[int], str]
     stats_key: Callable[[str], str]
     lease_key: Callable[[str], str]
     _task_record: Callable[[list[Any]], TaskRecord]
     _task_config: Callable[[str], dict[str, Any]]
 
-    def view(self, actor_num: int, lease_slots: int | None = None, refusal_age_s: float | None = None) -> TaskView:
+    def view(self, actor_num: int, lease_slots: int | None = None, refusal_age_s: float | None = None,
+             servers: int = 1) -> TaskView:
         """The task as its nodes last reported it, what they counted, who holds its leases and why nodes refuse
         it: one round trip, however many actors. ``actor_num``: the task's actor slots (``TaskStatus.actor_num``):
         their stats are read with the rest; ``lease_slots``: the actor slots whose lease holder is read (default
-        ``actor_num``); ``refusal_age_s``: refusals older than this by the server's clock are left out."""
+        ``actor_num``); ``refusal_age_s``: refusals older than this by the server's clock are left out;
+        ``servers``: the task's inference servers (``TaskStatus.inference_servers``)."""
         actor_num = max(0, min(actor_num, MAX_ACTORS))
-        stats_roles = [*_NODE_ROLES, *(f"actor:{i}" for i in range(actor_num))]
-        lease_names = _lease_names(actor_num if lease_slots is None else lease_slots)
+        servers = max(1, min(servers, MAX_INFERENCE_SERVERS))
+        stats_roles = [*_NODE_ROLES, *(inference_lease(k) for k in range(servers)),
+                       *(f"actor:{i}" for i in range(actor_num))]
+        lease_names = _lease_names(actor_num if lease_slots is None else lease_slots, servers)
         pipe = self.client.pipeline(transaction=False)
         pipe.smembers(self._roles_key)
         pipe.mget([self.stats_key(role) for role in stats_roles])
@@ -100,8 +110,9 @@ class BoardViews:
         pipe.hgetall(self._refusals_key)
         pipe.time()
         pipe.mget([self.lease_key(name) for name in lease_names])
-        pipe.hmget(self._inference_key, *_INFERENCE_FIELDS)
-        members, stats, counters, head, record, refusals, (sec, usec), holders, inference = pipe.execute()
+        for k in range(servers):
+            pipe.hmget(self.inference_key(k), *_INFERENCE_FIELDS)
+        members, stats, counters, head, record, refusals, (sec, usec), holders, *inference = pipe.execute()
 
         roles = _stats_roles(members)
         read = dict(zip(stats_roles, stats, strict=True))
@@ -116,8 +127,13 @@ class BoardViews:
             holders={name: _holder(holder) for name, holder in holder_of.items()},
             params_head_or_error=_or_error(lambda: _params_head(head)),
             config_or_error=_or_error(lambda: self._task_config(self._task_record(record).config_json)),
-            inference_address_or_error=_or_error(lambda: _inference_address(holder_of["inference"], inference)),
+            inference_addresses_or_errors=[_address_or_error(holder_of[inference_lease(k)], inference[k], k)
+                                           for k in range(servers)],
         )
+
+
+def _address_or_error(holder: Any, fields: list[Any], server: int) -> InferenceAddress | BoardError | None:
+    return _or_error(lambda: _inference_address(holder, fields, server))
 
 
 def _or_error(read: Callable[[], _T]) -> _T | BoardError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from srl.base.config import config_from_dict, shown, unknown_setting_message
-from srl.runner.distribution.board.board import MAX_ACTORS
+from srl.runner.distribution.board.board import MAX_ACTORS, MAX_INFERENCE_SERVERS
 from srl.runner.distribution.queues import BrokerUnavailableError, describe_queue, open_queue
 from srl.runner.distribution.settings.options import ActorOptions, InferenceOptions, TrainerOptions
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
@@ -54,6 +54,7 @@ class TaskRequest:
     inference: str
     inference_options: dict[str, Any] | None
     elastic_actors: bool
+    inference_servers: int = 1
 
 
 def check_request(r: TaskRequest) -> None:
@@ -95,6 +96,10 @@ def check_request(r: TaskRequest) -> None:
             raise TypeError(f"{name} must be a path (str or pathlib.Path) or None, got {shown(value)}")
     if r.inference not in INFERENCE_MODES:
         raise ValueError(f"inference must be one of {list(INFERENCE_MODES)}, got {shown(r.inference)}")
+    check_count("inference_servers", r.inference_servers, 1, MAX_INFERENCE_SERVERS)
+    if r.inference_servers > 1 and r.inference != "central":
+        raise ValueError(f"inference_servers={r.inference_servers} shares the actors among central inference "
+                         "servers: give inference='central' too")
     for name, cls in (("actor_options", ActorOptions), ("trainer_options", TrainerOptions),
                       ("inference_options", InferenceOptions)):
         _check_options(name, getattr(r, name), cls)

@@ -148,10 +148,12 @@ def history_text(snapshot: BoardSnapshot, eval_mean: float | None) -> dict[str, 
         record = trainer.to_record()  # its numbers, by the names the stats dataclass gives them
         row.update({k: v for k, v in record.items()
                     if k not in _NOT_HISTORY and _num(v) is not None})
-    if reports.inference is not None:
-        server = reports.inference
-        row.update({"inference_actions_per_s": server.agent_steps_per_s, "inference_batch_envs": server.batch_envs_mean,
-                    "inference_wait_ms": server.batch_wait_ms_mean, "inference_refused": server.refused_requests})
+    if reports.servers:  # every server's together: actions and refusals summed, batches and waits on average
+        servers = list(reports.servers.values())
+        row.update({"inference_actions_per_s": round(sum(s.agent_steps_per_s for s in servers), 1),
+                    "inference_batch_envs": round(sum(s.batch_envs_mean for s in servers) / len(servers), 2),
+                    "inference_wait_ms": round(sum(s.batch_wait_ms_mean for s in servers) / len(servers), 3),
+                    "inference_refused": sum(s.refused_requests for s in servers)})
     for slot, actor in actors.items():
         row.update({f"actor{slot}_env_steps_per_s": actor.env_steps_per_s,
                     f"actor{slot}_backpressure_wait_s": actor.backpressure_wait_s,

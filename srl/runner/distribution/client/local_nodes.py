@@ -118,25 +118,29 @@ def start_all(
     actor_options: dict[str, Any],
     trainer_options: dict[str, Any],
     inference_options: dict[str, Any] | None = None,
+    inference_servers: int = 1,
 ) -> list[LocalNode]:
-    """One trainer (first in the list), an inference server when ``inference_options`` are given (central
-    inference, listening on loopback unless they say otherwise) and ``actor_num`` actors, each serving
-    one task."""
+    """One trainer (first in the list), ``inference_servers`` inference servers when ``inference_options`` are
+    given (central inference, listening on loopback unless they say otherwise) and ``actor_num`` actors, each
+    serving one task."""
     common = {"run_once": True, **({"secret": secret} if secret else {})}
     procs: list[LocalNode] = []
     try:
         procs.append(start("trainer", redis_params, queue_params, {**common, **trainer_options}))
         if inference_options is not None:
-            procs.append(start("inference", redis_params, queue_params,
-                               {**common, "listen": "127.0.0.1:0", **inference_options}))
+            for _ in range(inference_servers):
+                procs.append(start("inference", redis_params, queue_params,
+                                   {**common, "listen": "127.0.0.1:0", **inference_options}))
         for _ in range(actor_num):
             procs.append(start("actor", redis_params, queue_params, {**common, **actor_options}))
     except BaseException:
         for p in procs:  # their pipes close: they stop as on Ctrl-C
             release(p)
         raise
-    logger.info("started a local trainer, %sand %d local actor(s) (pids %s)",
-                "an inference server " if inference_options is not None else "", actor_num, [p.pid for p in procs])
+    servers = "" if inference_options is None else "an inference server " if inference_servers == 1 else (
+        f"{inference_servers} inference servers ")
+    logger.info("started a local trainer, %sand %d local actor(s) (pids %s)", servers, actor_num,
+                [p.pid for p in procs])
     return procs
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from srl.runner.distribution.board.board import Board, InferenceAddress, Refusal, TaskStatus, TaskView
+from srl.runner.distribution.board.board import Board, InferenceAddress, Refusal, TaskStatus, TaskView, inference_lease
 from srl.runner.distribution.node.stats import ActorStats, InferenceStats, NodeStats, Reports, TrainerStats
 from srl.runner.distribution.queues import open_queue
 from srl.runner.distribution.sending.in_flight import batches_given_back, batches_in_flight, batches_refused
@@ -40,10 +40,10 @@ class BoardSnapshot:
     """``(epoch, version, train_count)`` of the latest params; None before the first publish"""
 
     @classmethod
-    def read(cls, board: Board, actor_num: int = 0) -> BoardSnapshot:
-        """Read in one round trip (``actor_num``: the task's actor slots, whose stats are read in it; any
-        other role's cost one more)."""
-        return cls.of(board.view(actor_num, lease_slots=0))
+    def read(cls, board: Board, actor_num: int = 0, servers: int = 1) -> BoardSnapshot:
+        """Read in one round trip (``actor_num``: the task's actor slots, ``servers`` its inference servers,
+        whose stats are read in it; any other role's cost one more)."""
+        return cls.of(board.view(actor_num, lease_slots=0, servers=servers))
 
     @classmethod
     def of(cls, view: TaskView) -> BoardSnapshot:
@@ -68,12 +68,14 @@ class Serving:
     elastic: bool
     """free actor slots are not missing"""
     trainer: str | None
-    inference: str | None
+    inference: list[str | None]
+    """the holder of each inference server's lease (None: free); one, unless the task has several servers"""
     actors: list[str | None]
     """the holder of each actor slot (None: free)"""
     refusals: dict[str, list[Refusal]]
     """fresh refusals by role, oldest first (none are read for an ended task)"""
-    inference_address: InferenceAddress | None
+    inference_addresses: list[InferenceAddress | None]
+    """where each inference server listens (empty without central inference)"""
     read_at: float
     """this machine's clock when read: how long a node has been missing is counted to it"""
 
@@ -85,24 +87,26 @@ class Serving:
         config = view.config
         actor_num = int(config.get("actor_num", 1))
         central = config.get("inference") == "central"
+        servers = len(view.inference_addresses_or_errors)
         refusals: dict[str, list[Refusal]] = {"trainer": [], "actor": [], "inference": []}
         if not ended:
             for refusal in view.refusals:
                 refusals.setdefault(refusal.role, []).append(refusal)
         # every lease in one read: a read per slot would cost a round trip each (1,000 slots at 20 ms: 20 s a
         # line, during which the client would see neither the task's end nor its own timeout)
-        names = ["trainer", "inference", *(f"actor:{i}" for i in range(actor_num))]
+        names = ["trainer", *(inference_lease(k) for k in range(servers)), *(f"actor:{i}" for i in range(actor_num))]
         unread = [name for name in names if name not in view.holders]
         read = {**view.holders, **dict(zip(unread, board.lease_holders(unread), strict=True))}
         holders = [read[name] for name in names]
         return cls(actor_num=actor_num, central=central, elastic=config.get("elastic_actors") is True,
-                   trainer=holders[0], inference=holders[1], actors=holders[2:], refusals=refusals,
-                   inference_address=view.inference_address if central else None, read_at=time.time())
+                   trainer=holders[0], inference=holders[1 : 1 + servers], actors=holders[1 + servers :],
+                   refusals=refusals, read_at=time.time(),
+                   inference_addresses=[view.inference_address_of(k) for k in range(servers)] if central else [])
 
 
 def read_task(board: Board, status: TaskStatus) -> tuple[BoardSnapshot, Serving]:
     """What a progress line says of the task ``status`` is of, read from ``board`` in one round trip."""
-    view = board.view(status.actor_num, refusal_age_s=REFUSAL_SHOWN_S)
+    view = board.view(status.actor_num, refusal_age_s=REFUSAL_SHOWN_S, servers=status.inference_servers)
     return BoardSnapshot.of(view), Serving.of(view, status.status.finished, board)
 
 
@@ -190,8 +194,10 @@ def progress_text(
             f"{lag}{waiting}"
         )
     if serving.central:
-        lines.append(_inference_line(serving.inference, serving.inference_address, reports.inference, ended,
-                                     missing))
+        several = len(serving.inference) > 1
+        for k, server_holder in enumerate(serving.inference):
+            lines.append(_inference_line(inference_lease(k) if several else "inference", server_holder,
+                                         serving.inference_addresses[k], reports.servers.get(k), ended, missing))
     free: list[int] = []
     for i, actor_holder in enumerate(serving.actors):
         s = reports.actor(i)
@@ -233,16 +239,16 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _inference_line(holder: str | None, address: InferenceAddress | None, stats: InferenceStats | None, ended: bool,
-                    missing: Callable[[str, NodeStats | None, str], str]) -> str:
-    """The central inference server's line: who holds the lease (``holder``), where it listens, how it
-    batches."""
+def _inference_line(label: str, holder: str | None, address: InferenceAddress | None, stats: InferenceStats | None,
+                    ended: bool, missing: Callable[[str, NodeStats | None, str], str]) -> str:
+    """A central inference server's line (``label``: ``inference``, or its lease's name of several): who holds
+    the lease (``holder``), where it listens, how it batches."""
     if holder is None and (not ended or stats is None):
-        return missing("inference", stats, "inference")
+        return missing("inference", stats, label)
     stats = stats or InferenceStats()  # a holder that has not reported yet
     where = f" at {address.address}{' (TLS)' if address.tls else ''}" if address is not None else ""
     refused = f", REFUSED {stats.refused_requests} request(s)" if stats.refused_requests else ""
-    return (f"  inference {holder or stats.uid or '?'}{where}: {stats.sessions} actor(s) connected, "
+    return (f"  {label} {holder or stats.uid or '?'}{where}: {stats.sessions} actor(s) connected, "
             f"{stats.agent_steps_per_s} actions/s, {stats.batch_envs_mean} envs per batch, request wait "
             f"{stats.batch_wait_ms_mean} ms, params v{stats.params_version}, stalled {stats.backpressure_wait_s}s"
             f"{refused}")
@@ -250,7 +256,8 @@ def _inference_line(holder: str | None, address: InferenceAddress | None, stats:
 
 def summary_lines(board: Board, status: TaskStatus, elapsed: float, queued: int | None = None) -> list[str]:
     """The end of a run, read from ``board``: see :func:`summary_text`."""
-    return summary_text(BoardSnapshot.read(board, status.actor_num), status, elapsed, queued)
+    return summary_text(BoardSnapshot.read(board, status.actor_num, status.inference_servers), status, elapsed,
+                        queued)
 
 
 def summary_text(snapshot: BoardSnapshot, status: TaskStatus, elapsed: float, queued: int | None = None) -> list[str]:
@@ -276,9 +283,9 @@ def summary_text(snapshot: BoardSnapshot, status: TaskStatus, elapsed: float, qu
                      f"last loss {_g(trainer.loss) if trainer.loss is not None else '-'}{lag}")
     else:
         lines.append("  trainer: never reported")
-    if reports.inference is not None:
-        i = reports.inference
-        lines.append(f"  inference {i.uid or '?'}: {i.agent_steps} actions in {i.batches} batches, "
+    for k, i in reports.servers.items():
+        label = inference_lease(k) if len(reports.servers) > 1 else "inference"
+        lines.append(f"  {label} {i.uid or '?'}: {i.agent_steps} actions in {i.batches} batches, "
                      f"{i.sent_batches} batches of rows sent, {i.refused_requests} request(s) refused, "
                      f"stalled {i.backpressure_wait_s}s")
     for index, s in reports.actors.items():

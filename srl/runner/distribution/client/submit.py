@@ -64,6 +64,7 @@ def task_config(runner: Runner, request: TaskRequest, with_checkpoints: bool) ->
         "checkpoints": {"interval": r.checkpoint_interval, "memory": r.checkpoint_memory} if with_checkpoints
         else None,
         **({"inference": r.inference} if r.inference != "local" else {}),
+        **({"inference_servers": r.inference_servers} if r.inference_servers != 1 else {}),
         **({"elastic_actors": True} if r.elastic_actors else {}),
     }
 

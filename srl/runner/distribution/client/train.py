@@ -96,6 +96,7 @@ def train_distribution(
     resume_from: str | os.PathLike[str] | None = None,
     inference: str = "local",
     inference_options: dict[str, Any] | None = None,
+    inference_servers: int = 1,
     elastic_actors: bool = False,
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
@@ -143,6 +144,10 @@ def train_distribution(
             envs and fetch no params). Local processes include the server; elsewhere start one with
             ``srl inference`` (a second one stands by). Not for sync PPO (its actors act in lockstep).
         inference_options: InferenceOptions fields for a local inference server.
+        inference_servers: central inference servers that share the actor slots (an actor goes to server
+            ``slot % inference_servers``, to another when that one is missing, and back once it is served again):
+            on a machine whose cores one Python server cannot keep busy. Servers beyond these stand by; local
+            processes start this many.
 
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
     here as local processes and stopped at the end. Ctrl-C or SIGTERM on the client that submitted the task
@@ -157,6 +162,7 @@ def train_distribution(
         eval_every=eval_every, eval_episodes=eval_episodes, checkpoint_interval=checkpoint_interval,
         keep_checkpoints=keep_checkpoints, checkpoint_memory=checkpoint_memory, resume_from=resume_from,
         inference=inference, inference_options=inference_options, elastic_actors=elastic_actors,
+        inference_servers=inference_servers,
     ))
     run_log = RunLog(log_dir) if log_dir is not None else None
     resolved, embedded = resolve(redis_params)
@@ -268,7 +274,8 @@ def _start_local_nodes(run: ClientRun) -> None:
     if start_local:
         run.procs = local_nodes.start_all(run.resolved, r.queue_params, r.actor_num, r.secret, r.actor_options or {},
                                           r.trainer_options or {},
-                                          r.inference_options or {} if r.inference == "central" else None)
+                                          r.inference_options or {} if r.inference == "central" else None,
+                                          r.inference_servers)
 
 
 def _go_live(run: ClientRun, task: dict[str, Any]) -> None:
@@ -369,7 +376,8 @@ def _note_totals(run: ClientRun) -> None:
     local_nodes.stop_all(run.procs)
     started = time.monotonic()
     noted = False
-    while held := with_retry(lambda: board.held_leases(run.request.actor_num), "reading the leases", max_wait=10):
+    while held := with_retry(lambda: board.held_leases(run.request.actor_num, run.request.inference_servers),
+                             "reading the leases", max_wait=10):
         waited = time.monotonic() - started
         if waited >= SETTLE_S:
             logger.warning("%s still held after %.0fs: the summary goes on without their last counts",

@@ -1,7 +1,8 @@
 """Central inference, the SEED RL way: one server acts for every actor of a task; actors only step envs.
 
 Owns: the inference node (``inference_run_forever``, ``srl inference``) and :class:`InferenceRun`, one
-server's work on one task: holding the ``inference`` lease (a standby waits to take it over) through
+server's work on one task: holding one of the task's inference leases (``inference``, and ``inference:<k>``
+for a task of several servers; a standby waits to take one over) through
 ``node/liveness.py``'s hooks, saying on the board where it listens, fetching every params version the
 trainer publishes, closing the streams of actors whose slot lease lapsed, sending the rows the actors'
 workers finish to the task's queue (as actors do, so the trainer cannot tell the difference), its stats,
@@ -43,7 +44,7 @@ from srl.base.env import (
     env_spec,
 )
 from srl.base.rl import Parameter, Worker, seed_everything
-from srl.runner.distribution.board.board import Board, BoardDataError, Heartbeat
+from srl.runner.distribution.board.board import Board, BoardDataError, Heartbeat, inference_lease
 from srl.runner.distribution.inference.batcher import Batcher, Outbox
 from srl.runner.distribution.inference.session import Session
 from srl.runner.distribution.inference.streams import ActorStreams
@@ -73,14 +74,17 @@ logger = logging.getLogger("srl.inference")
 
 
 class InferenceRun:
-    """One inference server working on one task under the ``inference`` lease."""
+    """One inference server working on one task under the lease of its server index ``server`` (``inference``
+    for 0, ``inference:<server>`` for the others of a task of several)."""
 
     def __init__(self, board: Board, redis_params: RedisParameters, queue_params: Any, task: TaskSpec,
-                 options: InferenceOptions) -> None:
+                 options: InferenceOptions, server: int = 0) -> None:
         self.board = board
         self.task = task
         self.options = options
-        self.lease_guard = LeaseGuard(board, "inference", options.uid, options.lease_ttl, options.heartbeat_interval)
+        self.server = server
+        self.lease = inference_lease(server)
+        self.lease_guard = LeaseGuard(board, self.lease, options.uid, options.lease_ttl, options.heartbeat_interval)
         self.tls = bool(options.tls_cert_file)
         if redis_params.describe().startswith("rediss://") and not self.tls:
             raise ValueError("the board is reached over TLS, so central inference must be too: give the inference "
@@ -112,12 +116,12 @@ class InferenceRun:
         self.task_tag = task_tag(board.task_id)
         self.rows = RowSender(
             open_queue(queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params),
-            board, "inference", self.codec, self.schema, max_message_rows(task), task.queue_capacity,
+            board, self.lease, self.codec, self.schema, max_message_rows(task), task.queue_capacity,
             sender_name(options.uid), self.task_tag, self.stop, self.counters,
         )
         self.latest_version = 0
         self.board_work = BoardWork("inference", self.stop)
-        self.liveness = Liveness(board, "inference", options.uid, options.lease_ttl, self.stop, self.lease_guard,
+        self.liveness = Liveness(board, self.lease, options.uid, options.lease_ttl, self.stop, self.lease_guard,
                                  self.board_work, self)
         self._rate_from = (0, time.monotonic())  # agent steps, when: the rate's start
         try:
@@ -188,8 +192,8 @@ class InferenceRun:
 
     def take_lease_back(self) -> bool:
         """A server's lease is not taken back: the standby that took it serves the actors now."""
-        self.stop.set("lost the inference lease: it was not renewed in time (was this process paused or cut off "
-                      "from Redis?)")
+        self.stop.set(f"lost the {self.lease} lease: it was not renewed in time (was this process paused or cut "
+                      "off from Redis?)")
         return False
 
     def in_order(self, answer: Heartbeat) -> None:
@@ -252,12 +256,13 @@ class InferenceRun:
     # ------------------------------------------------------------ the loop
     def run(self) -> str:
         opts = self.options
-        if not self.board.set_inference_address(opts.uid, self.address, self.tls):
+        if not self.board.set_inference_address(opts.uid, self.address, self.tls, self.server):
             self.streams.stop_serving(0)
             self.rows.close()
-            return "lost the inference lease before it could say where it listens"
-        logger.info("inference %s serves %s on %s (%s, batches of up to %d envs, wait %.3g ms)", opts.uid,
-                    self.config.algorithm, self.address, "TLS" if self.tls else "no TLS", self.max_batch,
+            return f"lost the {self.lease} lease before it could say where it listens"
+        of = f" (server {self.server} of {self.task.inference_servers})" if self.task.inference_servers > 1 else ""
+        logger.info("inference %s serves %s on %s%s (%s, batches of up to %d envs, wait %.3g ms)", opts.uid,
+                    self.config.algorithm, self.address, of, "TLS" if self.tls else "no TLS", self.max_batch,
                     opts.max_wait_ms)
         board_thread = threading.Thread(target=self._board_thread, name="srl-inference-board", daemon=True)
         sender_thread = threading.Thread(target=self._send_loop, name="srl-inference-sender", daemon=True)
@@ -295,8 +300,8 @@ class InferenceRun:
         try:
             stats = self._stats(0.0).to_record()
             self.counters.send(lambda deltas, token: self.board.heartbeat(
-                "inference", opts.uid, int(opts.lease_ttl * 1000), "inference", stats, deltas, token=token))
-            self.board.release_lease("inference", opts.uid)
+                self.lease, opts.uid, int(opts.lease_ttl * 1000), self.lease, stats, deltas, token=token))
+            self.board.release_lease(self.lease, opts.uid)
         except Exception as e:
             logger.warning("could not report the end of inference %s: %s", opts.uid, e)
 
@@ -329,18 +334,26 @@ def inference_run_forever(
     ttl_ms = int(opts.lease_ttl * 1000)
 
     def claim(task_board: Board, task: TaskSpec) -> int | None:
+        """The first of the task's server leases free (its index), or None: every one is held."""
         if task.inference != "central":
             return None
-        return 0 if task_board.claim_lease("inference", opts.uid, ttl_ms) else None
+        for server in range(task.inference_servers):
+            if task_board.claim_lease(inference_lease(server), opts.uid, ttl_ms):
+                return server
+        return None
 
     def standby(task_board: Board, task: TaskSpec) -> str:
         if task.inference != "central":
             return "the task acts with local inference (each actor runs its network); waiting for one that does not"
+        if task.inference_servers > 1:
+            return (f"the task's {task.inference_servers} inference servers are all there; standing by to take one "
+                    "over")
         return "another server holds the inference lease; standing by to take it over"
 
     try:
-        serve("inference", board, where, opts, queue_params, claim=claim, lease_name=lambda _: "inference",
+        serve("inference", board, where, opts, queue_params, claim=claim, lease_name=inference_lease,
               standby_note=standby,
-              build_run=lambda task_board, task, _: InferenceRun(task_board, redis_params, queue_params, task, opts))
+              build_run=lambda task_board, task, server: InferenceRun(task_board, redis_params, queue_params, task,
+                                                                      opts, server))
     except KeyboardInterrupt:
         logger.info("inference %s interrupted; exiting (its lease is released)", opts.uid)

@@ -278,7 +278,7 @@ def serve(
             claimed = with_retry(lambda: claim(task_board, task), f"claiming a {role} lease")  # noqa: B023
         except BaseException:  # stopped mid-claim: the board may have granted a lease this node never learned of
             with contextlib.suppress(*BOARD_AWAY):
-                task_board.release_leases_of(uid, task.actor_num)
+                task_board.release_leases_of(uid, task.actor_num, task.inference_servers)
             raise
         if claimed is None:
             note("standby", "%s", standby_note(task_board, task))

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from srl.runner.distribution.board.board import Board, actor_slot
+from srl.runner.distribution.board.board import Board, actor_slot, inference_server
 from srl.runner.distribution.board.values import finite
 
 StatsT = TypeVar("StatsT", bound="NodeStats")
@@ -218,7 +218,8 @@ class Reports:
     actors: dict[int, ActorStats] = field(default_factory=dict)
     """by slot"""
     evaluator: EvaluatorStats | None = None
-    inference: InferenceStats | None = None
+    servers: dict[int, InferenceStats] = field(default_factory=dict)
+    """the central inference servers', by index (0: the one of lease ``inference``)"""
 
     @classmethod
     def read(cls, board: Board) -> Reports:
@@ -229,12 +230,19 @@ class Reports:
         """From each role's stats record, by role id (``Board.get_all_stats()``, ``TaskView.stats``)."""
         actors = {slot: ActorStats.from_record(record) for role, record in sorted(raw.items())
                   if (slot := actor_slot(role)) is not None}
+        servers = {server: InferenceStats.from_record(record) for role, record in raw.items()
+                   if (server := inference_server(role)) is not None}
         return cls(
             trainer=TrainerStats.from_record(raw["trainer"]) if "trainer" in raw else None,
             actors=dict(sorted(actors.items())),
             evaluator=EvaluatorStats.from_record(raw["evaluator"]) if "evaluator" in raw else None,
-            inference=InferenceStats.from_record(raw["inference"]) if "inference" in raw else None,
+            servers=dict(sorted(servers.items())),
         )
+
+    @property
+    def inference(self) -> InferenceStats | None:
+        """The first inference server's (the only one of a task with one)."""
+        return self.servers.get(0)
 
     def actor(self, slot: int) -> ActorStats | None:
         return self.actors.get(slot)

@@ -18,7 +18,7 @@ from srl.base.env import EnvConfig, EnvError
 from srl.base.rl import RLConfig
 from srl.rl.networks import check_module_allowed
 from srl.runner.distribution.board import values as board_values
-from srl.runner.distribution.board.board import MAX_ACTORS, MAX_CONFIG_BYTES
+from srl.runner.distribution.board.board import MAX_ACTORS, MAX_CONFIG_BYTES, MAX_INFERENCE_SERVERS
 from srl.runner.distribution.board.values import BoardValueError
 from srl.runner.distribution.wire.codec import MAX_MESSAGE_ROWS, Codec, DecodeError, short
 
@@ -64,6 +64,8 @@ class TaskSpec:
     inference: str = "local"
     """where actions are chosen: "local" (each actor runs the network) or "central" (an inference node acts
     for every actor, which then only steps its envs; see ``srl.runner.distribution.inference.run``)"""
+    inference_servers: int = 1
+    """central inference's servers: the actor slots are shared among them (a dead one's actors move)"""
 
     @property
     def queue_capacity(self) -> int:
@@ -146,10 +148,14 @@ def build_task(
         if inference not in INFERENCE_MODES:
             raise TaskConfigError(f"task field 'inference' must be one of {list(INFERENCE_MODES)}, found "
                                   f"{short(repr(inference), 60)}")
+        servers = _bounded(data, "inference_servers", int, MAX_INFERENCE_SERVERS, 1)
+        if servers < 1:
+            raise TaskConfigError("task field 'inference_servers' must be at least 1")
         if inference == "central":
             check_central(rl_config, actor_num)
         return TaskSpec(
             inference=inference,
+            inference_servers=servers,
             rl_config=rl_config,
             env_config=env_config,
             actor_num=actor_num,
