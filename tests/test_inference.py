@@ -125,14 +125,16 @@ def serve_task(redis_url: str, namespace: str) -> Iterator[Any]:
     served: list[Served] = []
 
     def make(config: RLConfig, env: str = "CartPole-v1", actor_num: int = 3, secret: str | None = None,
-             capacity: int = 1000, servers: int = 1, server: int = 0, **options: Any) -> Served:
+             capacity: int = 1000, servers: int = 1, server: int = 0, double_buffer: bool = False,
+             **options: Any) -> Served:
         """A server of a task (of ``servers``; the task is written by the first ``make`` of a test)."""
         redis_params = RedisParameters(url=redis_url, task_name=namespace)
         board = Board(redis_params.connect(), namespace)
         runner = srl.Runner(env, config)
         config_json = json.dumps({**runner.task_config(), "actor_num": actor_num, "max_steps": 10**9,
                                   "inference": "central", "queue": {"scheme": "redis", "capacity": capacity},
-                                  **({"inference_servers": servers} if servers > 1 else {})})
+                                  **({"inference_servers": servers} if servers > 1 else {}),
+                                  **({"double_buffer": True} if double_buffer else {})})
         codec = Codec(secret=secret, task=namespace)
         if served:
             board = served[0].board
@@ -525,6 +527,43 @@ def test_a_task_of_several_servers_shows_each_on_the_progress_line_and_the_board
     assert lines[2].startswith("  inference:2 inference-test-1 at ")
 
 
+def test_an_actor_of_two_halves_steps_one_while_the_others_request_is_on_its_way(serve_task: Any) -> None:
+    """Double buffering: an actor's 4 envs in two halves, each its own session of 2 envs on the server (Ape-X's
+    ε of those very envs); a half's next request goes as its step ends, so by the time the other half has
+    stepped, its actions are in; the halves' episodes are the actor's."""
+    from srl.base.rollout import Rollout
+    from srl.runner.distribution.actor.halves import Halves
+
+    config = dqn.Config(envs_per_actor=4, seed=0, batch_size=32, warmup_size=200)
+    served = serve_task(config, actor_num=2, double_buffer=True)
+    assert served.task.halves == 2 and served.run.streams.envs == 2
+    epsilon = np.concatenate([served.run._make_worker(key).epsilon for key in range(4)])  # type: ignore[attr-defined]
+    np.testing.assert_allclose(epsilon, np.concatenate([config.actor_epsilon(s, 2) for s in range(2)]))
+
+    served.board.claim_lease("actor:1", "actor-halves", 60_000)
+    clients = [InferenceClient(served.board, served.run.spec, 2, 1, "actor-halves.0", task_tag(served.board.task_id),
+                               Codec(task=served.board.task_name), StopFlag(), half=half, halves=2) for half in (0, 1)]
+    halves = Halves([Rollout(served.task.env_config, c, 2, seed=h * 2) for h, c in enumerate(clients)], clients)
+    assert halves.num_envs == 4 and halves.envs_per_step == 2
+    episodes = []
+    for _ in range(200):
+        episodes += halves.step()
+    assert set(served.run._sessions) == {2, 3}  # slot 1's two halves
+    assert {s.slot for s in served.run._sessions.values()} == {1}
+    assert 200 * 2 <= served.run.agent_steps <= 200 * 2 + 2 * 2  # and the requests sent ahead, if answered yet
+    assert episodes and {e.env_index for e in episodes} <= {0, 1, 2, 3} and max(e.env_index for e in episodes) >= 2
+    assert all(c._sent is not None for c in clients)  # each half's next request is out already
+    halves.close()
+
+
+def test_double_buffer_halves_an_even_number_of_envs_with_central_inference() -> None:
+    with pytest.raises(ValueError, match="give inference='central' too"):
+        srl.Runner("CartPole-v1", _impala()).train_distribution(RedisParameters(), max_steps=100, double_buffer=True)
+    with pytest.raises(ValueError, match="envs_per_actor must be even, found 3"):
+        srl.Runner("CartPole-v1", impala.Config(envs_per_actor=3)).train_distribution(
+            RedisParameters(), max_steps=100, inference="central", double_buffer=True)
+
+
 def test_inference_servers_need_central_inference_and_a_count_a_task_may_have() -> None:
     runner = srl.Runner("CartPole-v1", _impala())
     with pytest.raises(ValueError, match="give inference='central' too"):
@@ -537,14 +576,16 @@ def test_inference_servers_need_central_inference_and_a_count_a_task_may_have() 
 # ------------------------------------------------------------------------------------ real processes
 
 
-@pytest.mark.parametrize("config", [_impala(), dqn.Config(envs_per_actor=2, batch_size=32, warmup_size=200, seed=0)],
-                         ids=["impala", "apex-dqn"])
-def test_a_central_inference_run_trains_and_ends_with_an_evaluation(config: RLConfig, redis_url: str,
-                                                                     namespace: str) -> None:
+@pytest.mark.parametrize(("config", "double_buffer"), [
+    (_impala(), False), (dqn.Config(envs_per_actor=2, batch_size=32, warmup_size=200, seed=0), False),
+    (_impala(envs_per_actor=4), True),
+], ids=["impala", "apex-dqn", "impala-double-buffered"])
+def test_a_central_inference_run_trains_and_ends_with_an_evaluation(config: RLConfig, double_buffer: bool,
+                                                                     redis_url: str, namespace: str) -> None:
     runner = srl.Runner("CartPole-v1", config)
     runner.train_distribution(RedisParameters(url=redis_url, task_name=namespace), actor_num=2, max_train_count=60,
                               progress_interval=None, local_processes=True, inference="central",
-                              actor_options={"batch_size": 64, "batch_max_age": 0.2},
+                              double_buffer=double_buffer, actor_options={"batch_size": 64, "batch_max_age": 0.2},
                               inference_options={"batch_size": 64, "batch_max_age": 0.2})
     board = board_for(redis_url, namespace)
     status = board.get_status()

@@ -382,6 +382,10 @@ class Worker(ABC):
         """A priority per row for a prioritized buffer (|TD error| with the worker's weights), or None."""
         return None
 
+    def ahead(self, obs: np.ndarray) -> None:  # noqa: B027 - an optional hook
+        """The observations the next ``act`` is called with, as soon as ``Rollout`` knows them (after a step's
+        ``observe`` and ``reset``): a worker that acts remotely may send them now. Nothing by default."""
+
     def may_load_params(self) -> bool:
         """Whether new params may be loaded now (a segment is acted with one version: not mid-segment)."""
         return True

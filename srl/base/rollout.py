@@ -183,7 +183,13 @@ class Rollout:
             self.episodes += len(ended)
             self.worker.reset(ended, next_obs[ended])
         self.obs = next_obs
+        self.worker.ahead(next_obs)
         return episodes
+
+    @property
+    def envs_per_step(self) -> int:
+        """The envs one ``step`` steps: every one."""
+        return self.num_envs
 
     def restart(self, seed: int | None = None) -> None:
         """Start every env's episode (``seed``: the first time); again, the episodes going on are dropped,
@@ -195,6 +201,7 @@ class Rollout:
         lives = reset_info.get("lives")
         self._lives = None if lives is None else np.asarray(lives, dtype=np.int64)
         self.worker.reset(np.arange(self.num_envs), self.obs)
+        self.worker.ahead(self.obs)
 
     def _training_signal(self, reward: np.ndarray, terminated: np.ndarray, done: np.ndarray,
                          info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

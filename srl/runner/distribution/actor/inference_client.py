@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import ssl
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from srl.runner.distribution.wire.inference import (
 from srl.runner.distribution.wire.link import ClientLink, PeerGone, Refusal, Status
 
 logger = logging.getLogger("srl.inference")
+_T = TypeVar("_T")
 
 SILENCE_CHECK_S = 5.0
 """seconds without a reply after which an actor looks, every as many seconds, whether its server still holds
@@ -50,10 +53,13 @@ class InferenceClient(Worker):
     while that one is missing it acts through another, and goes back once its own serves again."""
 
     def __init__(self, board: Board, spec: EnvSpec, num_envs: int, slot: int, sender: str, tag: int,
-                 codec: Codec, stop: StopFlag, ca_file: str | None = None, servers: int = 1) -> None:
+                 codec: Codec, stop: StopFlag, ca_file: str | None = None, servers: int = 1, half: int = 0,
+                 halves: int = 1) -> None:
         self.board = board
         self.num_envs = num_envs
         self.slot = slot
+        self.session = slot * halves + half
+        """which of the server's sessions its requests are (``actor_index``): the slot, or its half's"""
         self.servers = servers
         self.own_server = slot % servers
         self._server = self.own_server
@@ -86,6 +92,10 @@ class InferenceClient(Worker):
         """connections in a row that broke before their first reply (a server gone that the board still names)"""
         self.episodes_lost = False
         """the connection that broke last had acted: the envs' episodes must start again"""
+        self.send_ahead = False
+        """send the next request as soon as ``ahead`` gives its observations (an actor of two halves)"""
+        self._sent: tuple[np.ndarray, ClientLink, InferenceLostError | None] | None = None
+        """the request sent ahead: its observations, the link it went on, and what broke sending it"""
         stop.add_hook(self._interrupt)  # a reply waited for returns at once when the run stops
 
     def reset(self, env_ids: np.ndarray, obs: np.ndarray) -> None:
@@ -99,19 +109,55 @@ class InferenceClient(Worker):
         self._final = next_obs if done.any() else self._final
 
     def act(self, obs: np.ndarray) -> np.ndarray:
+        if self._sent is not None and self._sent[0] is obs:  # its request went ahead (``ahead``): the reply
+            sent_on, error = self._sent[1], self._sent[2]
+            self._sent = None
+            if error is not None:
+                self.lost()
+                raise error
+            return self._reply(sent_on)
+        self._sent = None
         if self._link is not None and self._server != self.own_server and time.monotonic() >= self._return_at:
             self._look_for_own_server()
         link = self._link or self._connect()
         if link is None or self.stop.is_set():
             raise InferenceLostError(f"stopping: {self.stop.reason}")
+        try:
+            self._call(link.send, self._request(obs))
+        except BaseException:
+            self.lost()
+            raise
+        return self._reply(link)
+
+    def ahead(self, obs: np.ndarray) -> None:
+        """With ``send_ahead``: the request for the next ``act`` goes now, on the connection there is (the
+        actor steps its other envs meanwhile: double buffering); what breaks is raised by that ``act``."""
+        link = self._link
+        if not self.send_ahead or link is None or self.stop.is_set() or (
+                self._server != self.own_server and time.monotonic() >= self._return_at):
+            self._sent = None
+            return
+        try:
+            self._call(link.send, self._request(obs))
+        except InferenceLostError as e:
+            self._sent = (obs, link, e)
+            return
+        self._sent = (obs, link, None)
+
+    def _request(self, obs: np.ndarray) -> bytes:
+        """The request for ``obs``: it and what followed the last actions."""
         done = self._terminated | self._truncated
         final = self._final if done.any() else obs
         columns = {"obs": obs, "final_obs": np.ascontiguousarray(final, dtype=obs.dtype), "reward": self._reward,
                    "terminated": self._terminated, "truncated": self._truncated, "started": self._started}
-        header = BatchHeader(actor_id=self.sender, actor_index=self.slot, epoch=0, seq=self._seq, params_version=0,
-                             count=self.num_envs, created_at=time.time(), task=self.tag)
+        header = BatchHeader(actor_id=self.sender, actor_index=self.session, epoch=0, seq=self._seq,
+                             params_version=0, count=self.num_envs, created_at=time.time(), task=self.tag)
+        return self.codec.encode_batch(header, columns, None)
+
+    def _reply(self, link: ClientLink) -> np.ndarray:
+        """The actions of the request on its way."""
         try:
-            reply = self._round_trip(link, self.codec.encode_batch(header, columns, None))
+            reply = self._call(link.receive, self._stop_reason, self._still_serving, SILENCE_CHECK_S)
             head, cols, _ = self.codec.decode_batch(reply, self.reply_schema)
             if head.seq != self._seq or head.count != self.num_envs or head.task != self.tag:
                 raise InferenceLostError(f"a reply out of order or for another task (seq {head.seq}, expected "
@@ -133,9 +179,10 @@ class InferenceClient(Worker):
         self.params_version = head.params_version
         return np.array(action)
 
-    def _round_trip(self, link: ClientLink, request: bytes) -> bytes:
+    def _call(self, what: Callable[..., _T], *args: Any) -> _T:
+        """``what(*args)`` on the link, its errors as this actor's (refused, or the connection lost)."""
         try:
-            return link.round_trip(request, self._stop_reason, self._still_serving, SILENCE_CHECK_S)
+            return what(*args)
         except Refusal as e:
             if e.status in (Status.UNAUTHENTICATED, Status.PERMISSION_DENIED):
                 raise InferenceRefusedError(f"the inference server refused this actor: {e.reason}") from None
@@ -232,6 +279,7 @@ class InferenceClient(Worker):
             link.cancel()
 
     def close(self) -> None:
+        self._sent = None
         if self._link is not None:
             self._link.close()
             self._link = None

@@ -65,6 +65,7 @@ from srl.runner.distribution.wire.inference import InferenceLostError
 from srl.runner.progress import ensure_logging
 
 if TYPE_CHECKING:  # grpc is loaded by an actor of central inference only (it runs threads from its import on)
+    from srl.runner.distribution.actor.halves import Halves
     from srl.runner.distribution.actor.inference_client import InferenceClient
 
 logger = logging.getLogger("srl.actor")
@@ -111,7 +112,8 @@ class ActorRun:
         self.sender = sender_name(options.uid)  # (sender, seq) names a batch for the trainer's dedupe
         self.task_tag = task_tag(board.task_id)
         self.rows: RowSender | None = None
-        self.inference: InferenceClient | None = None
+        self.worker: Worker
+        self.inference: InferenceClient | Halves | None = None
         """with central inference: the task's inference server acts; this actor steps envs, keeps no network"""
         self.parameter: Parameter | None = None
         self.params: ActorParams | None = None
@@ -119,11 +121,10 @@ class ActorRun:
         if task.inference == "central":
             self.codec = options.codec(board.task_name)
             ca = options.inference_ca_file or redis_params.ssl_ca_certs
-            from srl.runner.distribution.actor.inference_client import InferenceClient
+            from srl.runner.distribution.actor.halves import central_rollout
 
-            self.inference = InferenceClient(board, self.spec, config.envs_per_actor, slot, self.sender,
-                                             self.task_tag, self.codec, self.stop, ca, task.inference_servers)
-            self.worker: Worker = self.inference
+            self.inference, self.rollout, self.worker = central_rollout(
+                task, board, self.spec, slot, self.sender, self.task_tag, self.codec, self.stop, ca, seed, allow)
         else:
             self.parameter = config.make_parameter(self.spec, config.resolve_device())
             self.worker = config.make_worker(self.spec, self.parameter, slot, task.actor_num, seed)
@@ -146,13 +147,12 @@ class ActorRun:
             self.rows = RowSender(queue, board, self.lease_name, self.codec, schema, max_message_rows(task),
                                   task.queue_capacity, self.sender, self.task_tag, self.stop, self.counters,
                                   self.waits.begin, self.waits.end, ahead=options.send_ahead)
-        try:
-            self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed, config.vectorization,
-                                   allow)
-        except BaseException:
-            if self.rows is not None:
+            try:
+                self.rollout = Rollout(task.env_config, self.worker, config.envs_per_actor, seed,
+                                       config.vectorization, allow)
+            except BaseException:
                 self.rows.close()
-            raise
+                raise
         self.slot_lost = False  # another actor took this run's slot
         self._board_log = Throttle()
         # stats the heartbeat reports
@@ -370,7 +370,7 @@ class ActorRun:
                     self.recent_rewards.append(episode.total_reward)
                     del self.recent_rewards[:-20]
                     self.counters.add(episodes=1)
-                self.env_steps += self.rollout.num_envs
+                self.env_steps += self.rollout.envs_per_step
                 pending = self.worker.pending()
                 aged = pending and time.monotonic() - batch_started >= opts.batch_max_age
                 if pending >= self.batch_rows or aged:

@@ -55,6 +55,7 @@ class TaskRequest:
     inference_options: dict[str, Any] | None
     elastic_actors: bool
     inference_servers: int = 1
+    double_buffer: bool = False
 
 
 def check_request(r: TaskRequest) -> None:
@@ -83,7 +84,7 @@ def check_request(r: TaskRequest) -> None:
         check_count("eval_every", r.eval_every, 1, 2**62)
     if r.secret is not None and not isinstance(r.secret, str):
         raise TypeError(f"secret must be text or None, got {type(r.secret).__name__}")
-    for name in ("overwrite", "delete_task", "checkpoint_memory", "elastic_actors"):
+    for name in ("overwrite", "delete_task", "checkpoint_memory", "elastic_actors", "double_buffer"):
         if not isinstance(getattr(r, name), bool):
             raise TypeError(f"{name} must be True or False, got {shown(getattr(r, name))}")
     for name in ("attach", "local_processes"):
@@ -97,6 +98,9 @@ def check_request(r: TaskRequest) -> None:
     if r.inference not in INFERENCE_MODES:
         raise ValueError(f"inference must be one of {list(INFERENCE_MODES)}, got {shown(r.inference)}")
     check_count("inference_servers", r.inference_servers, 1, MAX_INFERENCE_SERVERS)
+    if r.double_buffer and r.inference != "central":
+        raise ValueError("double_buffer halves each actor's envs to overlap central inference's round trips: give "
+                         "inference='central' too")
     if r.inference_servers > 1 and r.inference != "central":
         raise ValueError(f"inference_servers={r.inference_servers} shares the actors among central inference "
                          "servers: give inference='central' too")

@@ -65,6 +65,7 @@ def task_config(runner: Runner, request: TaskRequest, with_checkpoints: bool) ->
         else None,
         **({"inference": r.inference} if r.inference != "local" else {}),
         **({"inference_servers": r.inference_servers} if r.inference_servers != 1 else {}),
+        **({"double_buffer": True} if r.double_buffer else {}),
         **({"elastic_actors": True} if r.elastic_actors else {}),
     }
 

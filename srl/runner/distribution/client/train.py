@@ -97,6 +97,7 @@ def train_distribution(
     inference: str = "local",
     inference_options: dict[str, Any] | None = None,
     inference_servers: int = 1,
+    double_buffer: bool = False,
     elastic_actors: bool = False,
 ) -> None:
     """Run ``runner``'s task on actors and a trainer that meet on ``redis_params``' board.
@@ -148,6 +149,9 @@ def train_distribution(
             ``slot % inference_servers``, to another when that one is missing, and back once it is served again):
             on a machine whose cores one Python server cannot keep busy. Servers beyond these stand by; local
             processes start this many.
+        double_buffer: with central inference, each actor steps its envs in two halves that alternate, so
+            one half steps while the other's request is on its way (Sample Factory's double-buffered sampling;
+            ``envs_per_actor`` even). It pays where an actor would otherwise wait for its replies with a core idle.
 
     With an embedded Redis (``RedisParameters()``), the actors and trainer are started
     here as local processes and stopped at the end. Ctrl-C or SIGTERM on the client that submitted the task
@@ -162,7 +166,7 @@ def train_distribution(
         eval_every=eval_every, eval_episodes=eval_episodes, checkpoint_interval=checkpoint_interval,
         keep_checkpoints=keep_checkpoints, checkpoint_memory=checkpoint_memory, resume_from=resume_from,
         inference=inference, inference_options=inference_options, elastic_actors=elastic_actors,
-        inference_servers=inference_servers,
+        inference_servers=inference_servers, double_buffer=double_buffer,
     ))
     run_log = RunLog(log_dir) if log_dir is not None else None
     resolved, embedded = resolve(redis_params)
@@ -222,7 +226,7 @@ def _check(runner: Runner, request: TaskRequest) -> tuple[TaskRequest, Checkpoin
     runner.rl_config.validate()  # it may have changed since the Runner was made (config.lr = "0.001")
     if request.inference == "central":
         try:
-            check_central(runner.rl_config, request.actor_num)
+            check_central(runner.rl_config, request.actor_num, request.double_buffer)
         except TaskConfigError as e:
             raise ValueError(str(e)) from None
     ensure_logging()

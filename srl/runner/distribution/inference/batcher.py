@@ -97,11 +97,11 @@ class Batcher:
     def admit(self, session: Session) -> None:
         """A new connection's session; it replaces its slot's older one."""
         with self._sessions_lock:
-            old = self.sessions.get(session.slot)
+            old = self.sessions.get(session.key)
             if old is not None:  # the batcher ships its finished rows and drops it; its connection ends
                 old.closed.set()
                 self.retired.append(old)
-            self.sessions[session.slot] = session
+            self.sessions[session.key] = session
 
     def submit(self, request: Request) -> None:
         self.pending.append(request)
@@ -136,7 +136,7 @@ class Batcher:
         count = len(self.pending)
         if count * self.envs >= self.max_batch or self.stop.is_set():
             return True
-        live = sum(1 for s in self.sessions.values() if not s.closed.is_set())
+        live = len({s.slot for s in self.sessions.values() if not s.closed.is_set()})  # one request each at most
         return count >= live or time.monotonic() >= self.pending[0].arrived + self.options.max_wait_ms / 1000
 
     def turn(self) -> list[Request]:
@@ -247,10 +247,11 @@ class Batcher:
             closed = [s for s in self.sessions.values() if s.closed.is_set()] + self.retired
             self.retired = []
             for session in closed:
-                if self.sessions.get(session.slot) is session:
-                    del self.sessions[session.slot]
+                if self.sessions.get(session.key) is session:
+                    del self.sessions[session.key]
         if closed:
             self.pending = deque(r for r in self.pending if not r.session.closed.is_set())
             self._ship_rows(closed, closing=True)
             for session in closed:
-                logger.info("actor %s left slot %d; its state is freed", session.uid, session.slot)
+                logger.info("actor %s left slot %d%s; its state is freed", session.uid, session.slot,
+                            f" (half {session.half})" if session.key != session.slot else "")

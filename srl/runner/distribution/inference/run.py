@@ -31,6 +31,7 @@ The loop, per actor and on the server (one thread: no hand-off between threads p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -109,7 +110,8 @@ class InferenceRun:
                                    max_bytes=max(max_params, DEFAULT_MAX_BYTES))
         self.max_batch = options.max_batch_envs or self.envs * task.actor_num
         self._outbox: Outbox = queue.Queue(2)
-        self.batcher = Batcher(self.parameter, self.envs, self.max_batch, batch_rows(task, options.batch_size),
+        self.batcher = Batcher(self.parameter, self.envs // task.halves, self.max_batch,
+                               batch_rows(task, options.batch_size),
                                options, self.stop, self._outbox)
         self.streams = ActorStreams(board, task, options, self.spec, self.batcher, self._make_worker, self.stop,
                                     self.counters)
@@ -130,12 +132,20 @@ class InferenceRun:
             self.rows.close()
             raise
 
-    def _make_worker(self, slot: int, session: int = 1) -> Worker:
-        """The worker of actor slot ``slot`` (its ε), for its ``session``-th stream (a stream of its own
-        random draws: a slot that reconnects does not repeat them)."""
+    def _make_worker(self, key: int, session: int = 1) -> Worker:
+        """The worker of session ``key`` (an actor slot, or of an actor of two halves ``slot * 2 + half``: a
+        worker of half the envs, as if of a slot of its own: Ape-X's ε of those very envs), for its
+        ``session``-th connection (a stream of its own random draws: a slot that reconnects does not repeat
+        them)."""
         config = self.config
-        seed = None if config.seed is None else config.seed + 1000 * (slot + 1) + 7919 * (session - 1)
-        worker = config.make_worker(self.spec, self.parameter, slot, self.task.actor_num, seed)
+        seed = None if config.seed is None else config.seed + 1000 * (key + 1) + 7919 * (session - 1)
+        if self.task.halves == 1:
+            return self._planned(config.make_worker(self.spec, self.parameter, key, self.task.actor_num, seed))
+        halved = dataclasses.replace(config, envs_per_actor=config.envs_per_actor // self.task.halves)
+        return self._planned(halved.make_worker(self.spec, self.parameter, key,
+                                                self.task.actor_num * self.task.halves, seed))
+
+    def _planned(self, worker: Worker) -> Worker:
         worker.plan(self.task.max_steps, self.task.max_train_count)
         return worker
 
@@ -246,7 +256,8 @@ class InferenceRun:
     def _stats(self, rate: float) -> InferenceStats:
         means = self.batcher.take_means()
         return InferenceStats(
-            uid=self.options.uid, sessions=len(self._sessions), agent_steps=means.agent_steps,
+            uid=self.options.uid, sessions=len({s.slot for s in list(self._sessions.values())}),
+            agent_steps=means.agent_steps,
             agent_steps_per_s=round(rate, 1), batches=means.batches, batch_envs_mean=means.envs,
             batch_wait_ms_mean=means.wait_ms, params_version=self.parameter.version,
             sent_batches=self.rows.sent_batches, refused_requests=self.refused,

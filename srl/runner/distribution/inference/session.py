@@ -55,8 +55,14 @@ class Session:
     """One actor's connection: its worker (its envs' state and unfinished rows); only the server's loop
     touches it, but for ``closed``, which any thread may set (the loop then ends the connection)."""
 
-    def __init__(self, slot: int, uid: str, worker: Worker, connection: ServerConnection) -> None:
+    def __init__(self, slot: int, uid: str, worker: Worker, connection: ServerConnection, half: int = 0,
+                 halves: int = 1) -> None:
         self.slot = slot
+        """the actor slot"""
+        self.key = slot * halves + half
+        """which of the server's sessions it is, as its requests say (``actor_index``): the slot, or with actors
+        of two halves (double buffering) the slot's half"""
+        self.half = half
         self.uid = uid
         self.worker = worker
         self.connection = connection
@@ -111,8 +117,8 @@ class RequestCheck:
             raise Refused("the request was made for another task", Status.FAILED_PRECONDITION)
         if header.count != self.envs:
             raise Refused(f"a request carries {header.count} envs; this task's actors step {self.envs}")
-        if session is not None and (header.actor_index != session.slot or header.seq != session.seq):
-            raise Refused(f"request for slot {header.actor_index} seq {header.seq}; expected slot {session.slot} "
+        if session is not None and (header.actor_index != session.key or header.seq != session.seq):
+            raise Refused(f"request for session {header.actor_index} seq {header.seq}; expected {session.key} "
                           f"seq {session.seq}")
         if session is None and header.seq != 0:
             raise Refused(f"a stream starts at seq 0, found {header.seq}")

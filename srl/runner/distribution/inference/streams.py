@@ -58,7 +58,8 @@ class ActorStreams:
     """The actors' connections of one inference server: ``start`` listens (and says where), ``poll`` and
     ``answer`` serve, ``stop_serving`` ends them all.
 
-    ``make_worker(slot, session)`` is the worker of a slot's ``session``-th connection."""
+    ``make_worker(key, session)`` is the worker of a session's ``session``-th connection (``key``: the slot, or
+    with actors of two halves the slot's half, ``slot * 2 + half``)."""
 
     def __init__(self, board: Board, task: TaskSpec, options: InferenceOptions, spec: EnvSpec, batcher: Batcher,
                  make_worker: Callable[[int, int], Worker], stop: StopFlag, counters: CounterDeltas) -> None:
@@ -69,14 +70,16 @@ class ActorStreams:
         self.make_worker = make_worker
         self.stop = stop
         self.counters = counters
-        self.envs = task.rl_config.envs_per_actor
+        self.halves = task.halves
+        self.envs = task.rl_config.envs_per_actor // self.halves
+        """envs per request: an actor's, or half of them (double buffering)"""
         self.tls = bool(options.tls_cert_file)
         self.max_request_bytes = max_request_bytes(spec, self.envs)
         self.wire = options.codec(board.task_name, compress=False, max_bytes=self.max_request_bytes)
         self.task_tag = task_tag(board.task_id)
         self.check = RequestCheck(self.wire, request_schema(spec), self.task_tag, self.envs)
         self.action_dtype = reply_schema(spec).columns["action"].dtype
-        self.max_connections = min(MAX_STREAMS, task.actor_num + 4)
+        self.max_connections = min(MAX_STREAMS * self.halves, task.actor_num * self.halves + 4)
         self.refused = 0
         self._event_log = Throttle()
         self._stream_counts: dict[int, int] = {}
@@ -158,7 +161,7 @@ class ActorStreams:
             if request.actions is None:  # its session closed (a newer connection took the slot; its batch failed)
                 self._tidy_at = 0.0  # _tidy ends the connection
                 continue
-            reply = BatchHeader(actor_id=self.options.uid, actor_index=session.slot,
+            reply = BatchHeader(actor_id=self.options.uid, actor_index=session.key,
                                 epoch=self.batcher.params_epoch, seq=request.seq, params_version=request.version,
                                 count=self.envs, created_at=time.time(), task=self.task_tag)
             actions = request.actions.astype(self.action_dtype, copy=False)
@@ -235,7 +238,8 @@ class ActorStreams:
             self.batcher.submit(request)
 
     def _open_session(self, header: BatchHeader, connection: ServerConnection) -> Session:
-        slot, uid = header.actor_index, header.actor_id.rpartition(".")[0]
+        key, uid = header.actor_index, header.actor_id.rpartition(".")[0]
+        slot, half = divmod(key, self.halves)
         if not 0 <= slot < self.task.actor_num:
             raise Refused(f"slot {slot} is not one of the task's {self.task.actor_num}")
         try:
@@ -245,12 +249,13 @@ class ActorStreams:
         if holder != uid:
             raise Refused(f"{uid!r} does not hold actor slot {slot} (its holder: {holder!r})",
                           Status.PERMISSION_DENIED)
-        count = self._stream_counts[slot] = self._stream_counts.get(slot, 0) + 1
-        session = Session(slot, uid, self.make_worker(slot, count), connection)
+        count = self._stream_counts[key] = self._stream_counts.get(key, 0) + 1
+        session = Session(slot, uid, self.make_worker(key, count), connection, half, self.halves)
         connection.session = session
         self.batcher.admit(session)
         self._tidy_at = 0.0  # a session it replaced ends its connection
-        logger.info("actor %s connected for slot %d (%s)", uid, slot, connection.peer)
+        of = f" (half {half} of its envs)" if self.halves > 1 else ""
+        logger.info("actor %s connected for slot %d%s (%s)", uid, slot, of, connection.peer)
         return session
 
     def _tidy(self) -> None:

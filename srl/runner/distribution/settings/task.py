@@ -66,6 +66,14 @@ class TaskSpec:
     for every actor, which then only steps its envs; see ``srl.runner.distribution.inference.run``)"""
     inference_servers: int = 1
     """central inference's servers: the actor slots are shared among them (a dead one's actors move)"""
+    double_buffer: bool = False
+    """with central inference, each actor's envs are two halves that alternate: one half steps while the
+    other's request is on its way"""
+
+    @property
+    def halves(self) -> int:
+        """The parts an actor's envs act in: 2 when double-buffered, else 1."""
+        return 2 if self.double_buffer else 1
 
     @property
     def queue_capacity(self) -> int:
@@ -151,11 +159,16 @@ def build_task(
         servers = _bounded(data, "inference_servers", int, MAX_INFERENCE_SERVERS, 1)
         if servers < 1:
             raise TaskConfigError("task field 'inference_servers' must be at least 1")
+        double_buffer = data.get("double_buffer", False)
+        if not isinstance(double_buffer, bool):
+            raise TaskConfigError(f"task field 'double_buffer' must be true or false, found "
+                                  f"{short(repr(double_buffer), 60)}")
         if inference == "central":
-            check_central(rl_config, actor_num)
+            check_central(rl_config, actor_num, double_buffer)
         return TaskSpec(
             inference=inference,
             inference_servers=servers,
+            double_buffer=double_buffer,
             rl_config=rl_config,
             env_config=env_config,
             actor_num=actor_num,
@@ -180,9 +193,13 @@ def build_task(
 INFERENCE_MODES = ("local", "central")
 
 
-def check_central(rl_config: RLConfig, actor_num: int) -> None:
-    """Raise TaskConfigError when ``rl_config``'s algorithm cannot act with central inference, or one server
-    cannot serve ``actor_num`` actors (elastic or not: every slot may connect)."""
+def check_central(rl_config: RLConfig, actor_num: int, double_buffer: bool = False) -> None:
+    """Raise TaskConfigError when ``rl_config``'s algorithm cannot act with central inference, one server
+    cannot serve ``actor_num`` actors (elastic or not: every slot may connect), or its envs cannot be halved
+    for ``double_buffer``."""
+    if double_buffer and (rl_config.envs_per_actor < 2 or rl_config.envs_per_actor % 2):
+        raise TaskConfigError(f"double_buffer halves each actor's envs: envs_per_actor must be even, found "
+                              f"{rl_config.envs_per_actor}")
     if actor_num > MAX_CENTRAL_ACTORS:
         raise TaskConfigError(
             f"central inference serves at most {MAX_CENTRAL_ACTORS} actors (its server holds a connection for "

@@ -250,7 +250,8 @@ class ServerConnection:
 
 
 class ClientLink:
-    """The actor's connection to its inference server: ``round_trip`` sends a request and returns the reply.
+    """The actor's connection to its inference server: ``round_trip`` sends a request and returns the reply
+    (``send`` and ``receive`` apart: a request may be on its way while the actor does something else).
 
     It waits for the reply as long as the server keeps it (backpressure holds replies back), looking every
     ``POLL_S`` at ``stop`` and, past ``check_after`` seconds, at ``still_serving()`` (False: the server lost
@@ -274,13 +275,22 @@ class ClientLink:
 
     def round_trip(self, request: bytes, stop_reason: Callable[[], str | None],
                    still_serving: Callable[[], bool], check_after: float) -> bytes:
-        """The reply to ``request``. Raises :class:`Refusal` (the server's word), :class:`PeerGone`, or
-        TimeoutError once ``still_serving`` says no."""
+        """The reply to ``request``: ``send`` then ``receive``."""
+        self.send(request)
+        return self.receive(stop_reason, still_serving, check_after)
+
+    def send(self, request: bytes) -> None:
+        """Send a request (PeerGone: the connection broke)."""
         self.sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             self.sock.sendall(frame(KIND_BATCH, request))
         except OSError as e:
             raise PeerGone(f"cannot send to the server: {e}") from None
+
+    def receive(self, stop_reason: Callable[[], str | None], still_serving: Callable[[], bool],
+                check_after: float) -> bytes:
+        """The next reply. Raises :class:`Refusal` (the server's word), :class:`PeerGone`, or TimeoutError once
+        ``still_serving`` says no."""
         head = self._read(_HEAD.size, stop_reason, still_serving, check_after)
         length, kind = _HEAD.unpack(head)
         if not 1 <= length <= self.max_frame + 1:
