@@ -8,15 +8,16 @@
 Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA's config as it comes):
 
   throughput  agent steps/s of ``--actors`` actors x ``--envs-per-actor`` envs, local inference (each actor
-              runs the network, fetches params) against central (one ``srl inference`` server batches every
-              actor's requests), measured over ``--seconds`` after a warm-up, in the same run. No trainer
+              runs the network, fetches params) against central (``srl inference`` servers batch the actors'
+              requests: ``--servers`` of them, actors double-buffered or not: ``--double-buffer``), measured
+              over ``--seconds`` after a warm-up, in the same run. No trainer
               learns meanwhile (it would take the same two cores): this process publishes a params version
               every ``--publish-interval`` seconds (IMPALA publishes every 4 train steps: several a second)
               and drains the queue, acking every batch. Beside each: the params bytes actors
               fetched per second, Redis's bytes out per second, the server's envs per forward pass and how
-              long a request waited for its batch, and the server process's CPU time (user + system, every
-              thread, from /proc) per agent step. On MinAtar Breakout (MinAtar's CNN) and on Pong frames
-              (the Nature CNN).
+              long a request waited for its batch, and the server processes' CPU time (user + system, every
+              thread, from /proc; every server's together) per agent step. On MinAtar Breakout (MinAtar's
+              CNN) and on Pong frames (the Nature CNN).
   rtt         one actor's round trip (request out, actions back) to a server in another process, p50 and
               p99 over ``--round-trips``: CartPole with one env (the smallest request) and MinAtar with 8.
 
@@ -61,13 +62,14 @@ class Task:
     batch drained and acked."""
 
     def __init__(self, env: str, config: impala.Config, actors: int, inference: str,
-                 publish_interval: float = 0.0) -> None:
+                 publish_interval: float = 0.0, servers: int = 1, double_buffer: bool = False) -> None:
         self.name = f"bench-inference-{uuid.uuid4().hex[:8]}"
         self.redis_params = RedisParameters(url=REDIS_URL, task_name=self.name)
         board = Board(self.redis_params.connect(), self.name)
         runner = srl.Runner(env, config)
         task = {**runner.task_config(), "actor_num": actors, "max_steps": 10**12,
-                "queue": {"scheme": "redis", "capacity": 64}, "inference": inference}
+                "queue": {"scheme": "redis", "capacity": 64}, "inference": inference,
+                **({"inference_servers": servers, "double_buffer": double_buffer} if inference == "central" else {})}
         status = board.create_task(json.dumps(task))
         self.board = board.bound(status.task_id)
         self.board.set_active()
@@ -151,13 +153,14 @@ def net_out(client: redis.Redis) -> int:
 
 
 def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warmup: float, publish_interval: float,
-               server_args: tuple[str, ...] = ()) -> dict[str, Any]:
+               server_args: tuple[str, ...] = (), servers: int = 1, double_buffer: bool = False) -> dict[str, Any]:
     config = impala.Config(envs_per_actor=envs)
-    task = Task(env, config, actors, mode, publish_interval)
+    task = Task(env, config, actors, mode, publish_interval, servers, double_buffer)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         if mode == "central":
-            procs.append(start_node("inference", task, "--listen", "127.0.0.1:0", *server_args))
+            procs += [start_node("inference", task, "--listen", "127.0.0.1:0", *server_args) for _ in range(servers)]
+        server_pids = [p.pid for p in procs]
         procs += [start_node("actor", task) for _ in range(actors)]
         deadline = time.monotonic() + 120
         while actor_totals(task.board, actors) is None:
@@ -166,23 +169,23 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
             time.sleep(0.2)
         time.sleep(warmup)
         client = task.board.client
-        server_pid = procs[0].pid if mode == "central" else None
-        cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
+        cpu0 = sum(cpu_seconds(pid) for pid in server_pids)
         first, out0, t0 = actor_totals(task.board, actors), net_out(client), time.monotonic()
         time.sleep(seconds)
         last, out1, t1 = actor_totals(task.board, actors), net_out(client), time.monotonic()
-        cpu1 = cpu_seconds(server_pid) if server_pid else 0.0
+        cpu1 = sum(cpu_seconds(pid) for pid in server_pids)
         assert first is not None and last is not None
-        server = task.board.get_all_stats().get("inference", {})
+        stats = task.board.get_all_stats()
+        reports = [stats[name] for name in stats if name.startswith("inference")]
         elapsed = t1 - t0
         return {
             "steps_per_s": (last[0] - first[0]) / elapsed,
             "params_bytes_per_s": (last[1] - first[1]) / elapsed,
             "redis_out_per_s": (out1 - out0) / elapsed,
-            "batch_envs": server.get("batch_envs_mean"),
-            "batch_wait_ms": server.get("batch_wait_ms_mean"),
+            "batch_envs": np.mean([r["batch_envs_mean"] for r in reports]) if reports else None,
+            "batch_wait_ms": np.mean([r["batch_wait_ms_mean"] for r in reports]) if reports else None,
             # the actors' step counts come with their heartbeats: a long window keeps their lag small beside it
-            "server_us_per_step": (cpu1 - cpu0) * 1e6 / max(1, last[0] - first[0]) if server_pid else None,
+            "server_us_per_step": (cpu1 - cpu0) * 1e6 / max(1, last[0] - first[0]) if server_pids else None,
         }
     finally:
         task.end()
@@ -195,23 +198,30 @@ def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
           f"{args.seconds:g} s each after {args.warmup:g} s warm-up (server: max_wait_ms "
           f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)}; a params version every "
           f"{args.publish_interval:g} s)")
-    print(f"{'env':<22}{'mode':<24}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
+    print(f"{'env':<22}{'mode':<34}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
           f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}{'server CPU us/step':>20}")
     for env in envs:
         results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup,
                                        args.publish_interval)}
-        for wait in args.max_wait_ms:
-            for threads in args.server_threads:
-                label = "central" + (f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
-                    f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1 else "")
-                results[label] = throughput(env, "central", args.actors, args.envs_per_actor, args.seconds, args.warmup,
-                                            args.publish_interval, ("--max-wait-ms", wait, "--torch-threads", threads))
+        for servers in args.servers:
+            for double in args.double_buffer:
+                for wait in args.max_wait_ms:
+                    for threads in args.server_threads:
+                        label = "central" + (f", {servers} servers" if servers > 1 else "") + (
+                            ", double-buffered" if double else "") + (
+                            f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
+                            f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1
+                            else "")
+                        results[label] = throughput(env, "central", args.actors, args.envs_per_actor, args.seconds,
+                                                    args.warmup, args.publish_interval,
+                                                    ("--max-wait-ms", wait, "--torch-threads", threads), servers,
+                                                    double)
         for mode, r in results.items():
             ratio = r["steps_per_s"] / results["local"]["steps_per_s"]
             batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
             wait = "" if r["batch_wait_ms"] is None else f"{r['batch_wait_ms']:.2f}"
             cpu = "" if r["server_us_per_step"] is None else f"{r['server_us_per_step']:.1f}"
-            print(f"{env:<22}{mode:<24}{r['steps_per_s']:>9.0f}{ratio:>15.2f}{r['params_bytes_per_s']:>22,.0f}"
+            print(f"{env:<22}{mode:<34}{r['steps_per_s']:>9.0f}{ratio:>15.2f}{r['params_bytes_per_s']:>22,.0f}"
                   f"{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}{cpu:>20}", flush=True)
 
 
@@ -266,6 +276,9 @@ def main() -> None:
     parser.add_argument("--publish-interval", type=float, default=0.25, help="seconds between params versions")
     parser.add_argument("--max-wait-ms", default="2", help="the server's max_wait_ms; comma-separated: a row each")
     parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")
+    parser.add_argument("--servers", default="1,2", help="inference servers; comma-separated: a row each")
+    parser.add_argument("--double-buffer", default="off,on",
+                        help="actors double-buffered: off, on, or off,on (a row each)")
     args = parser.parse_args()
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
@@ -275,6 +288,8 @@ def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     args.max_wait_ms = [w.strip() for w in args.max_wait_ms.split(",") if w.strip()]
     args.server_threads = [t.strip() for t in args.server_threads.split(",") if t.strip()]
+    args.servers = [int(n) for n in args.servers.split(",") if n.strip()]
+    args.double_buffer = [{"off": False, "on": True}[d.strip()] for d in args.double_buffer.split(",") if d.strip()]
     only = {o.strip() for o in args.only.split(",")}
     if "throughput" in only:
         print_throughput([e.strip() for e in args.envs.split(",") if e.strip()], args)
