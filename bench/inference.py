@@ -21,7 +21,8 @@ Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA'
   rtt         one actor's round trip (request out, actions back) to a server in another process, p50 and
               p99 over ``--round-trips``: CartPole with one env (the smallest request) and MinAtar with 8.
 
-A ratio is taken within one run. Nothing else should run meanwhile (two cores).
+A ratio is taken within one run (with ``--repeat N``, the medians of N turns through every row). Nothing
+else should run meanwhile (two cores).
 """
 
 from __future__ import annotations
@@ -201,8 +202,7 @@ def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
     print(f"{'env':<22}{'mode':<34}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
           f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}{'server CPU us/step':>20}")
     for env in envs:
-        results = {"local": throughput(env, "local", args.actors, args.envs_per_actor, args.seconds, args.warmup,
-                                       args.publish_interval)}
+        rows: dict[str, tuple[str, tuple[str, ...], int, bool]] = {"local": ("local", (), 1, False)}
         for servers in args.servers:
             for double in args.double_buffer:
                 for wait in args.max_wait_ms:
@@ -212,17 +212,27 @@ def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
                             f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
                             f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1
                             else "")
-                        results[label] = throughput(env, "central", args.actors, args.envs_per_actor, args.seconds,
-                                                    args.warmup, args.publish_interval,
-                                                    ("--max-wait-ms", wait, "--torch-threads", threads), servers,
-                                                    double)
-        for mode, r in results.items():
-            ratio = r["steps_per_s"] / results["local"]["steps_per_s"]
+                        rows[label] = ("central", ("--max-wait-ms", wait, "--torch-threads", threads), servers, double)
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in rows}
+        for _ in range(args.repeat):  # every row once, then again: a drift of the machine touches them all alike
+            for label, (mode, server_args, servers, double) in rows.items():
+                runs[label].append(throughput(env, mode, args.actors, args.envs_per_actor, args.seconds, args.warmup,
+                                              args.publish_interval, server_args, servers, double))
+        local = float(np.median([r["steps_per_s"] for r in runs["local"]]))
+        for label, found in runs.items():
+            r = {key: _median([run[key] for run in found]) for key in found[0]}
+            spread = (f" ({min(x['steps_per_s'] for x in found):.0f}-{max(x['steps_per_s'] for x in found):.0f})"
+                      if len(found) > 1 else "")
             batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
             wait = "" if r["batch_wait_ms"] is None else f"{r['batch_wait_ms']:.2f}"
             cpu = "" if r["server_us_per_step"] is None else f"{r['server_us_per_step']:.1f}"
-            print(f"{env:<22}{mode:<34}{r['steps_per_s']:>9.0f}{ratio:>15.2f}{r['params_bytes_per_s']:>22,.0f}"
-                  f"{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}{cpu:>20}", flush=True)
+            print(f"{env:<22}{label:<34}{r['steps_per_s']:>9.0f}{r['steps_per_s'] / local:>15.2f}"
+                  f"{r['params_bytes_per_s']:>22,.0f}{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}{cpu:>20}"
+                  f"{spread}", flush=True)
+
+
+def _median(values: list[Any]) -> Any:
+    return None if values[0] is None else float(np.median(values))
 
 
 def round_trips(env: str, envs: int, count: int) -> tuple[float, float]:
@@ -277,6 +287,8 @@ def main() -> None:
     parser.add_argument("--max-wait-ms", default="2", help="the server's max_wait_ms; comma-separated: a row each")
     parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")
     parser.add_argument("--servers", default="1,2", help="inference servers; comma-separated: a row each")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure every row this many times, in turn; print the medians (and the range)")
     parser.add_argument("--double-buffer", default="off,on",
                         help="actors double-buffered: off, on, or off,on (a row each)")
     args = parser.parse_args()

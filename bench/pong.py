@@ -3,6 +3,7 @@
     python bench/pong.py                      # a GPU box: the scale preset trains Pong (target >= 18)
     python bench/pong.py --budget 100000      # a CPU box: sync and async PPO, 2 actors x 8 envs, side by side
     python bench/pong.py --budget 100000 --peer   # and Sample Factory's PPO and APPO, same settings, one run
+    python bench/pong.py --central 2,db       # and async PPO with central inference: 2 servers, double-buffered
 
 One command for each (``--compile``, ``--bf16``: the learner options ``bench/gpu.py`` measures, off unless
 given). ``ALE/Pong-v5`` with srl's Atari preprocessing (docs/pixels.md: 30 no-op starts,
@@ -64,6 +65,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -142,18 +144,25 @@ def has_cuda() -> bool:
 
 
 def srl_run(sync: bool, actors: int, envs: int, budget: int, eval_episodes: int, seed: int,
-            timeout: float | None, **learner: bool) -> Result:
-    """One srl run: ``train_distribution`` of PPO (``sync``) on an embedded Redis, local processes; ``learner``:
+            timeout: float | None, central: tuple[int, bool] | None = None, **learner: bool) -> Result:
+    """One srl run: ``train_distribution`` of PPO (``sync``) on an embedded Redis, local processes; ``central``:
+    (servers, double_buffer) of central inference (async only), None for local inference; ``learner``:
     ``RLConfig``'s learner options (``torch_compile``, ``autocast_bf16``)."""
     config = ppo.Config(sync=sync, envs_per_actor=envs, seed=seed, **learner)
     runner = srl.Runner(ENV, config)
     name = f"srl {'sync PPO' if sync else 'async PPO'}"
+    inference: dict[str, Any] = {}
+    if central is not None:
+        servers, double = central
+        name += f", central x{servers}" + (" db" if double else "")
+        inference = {"inference": "central", "inference_servers": servers, "double_buffer": double,
+                     "inference_options": {"max_wait_ms": 0.0}}
     print(f"{name}: {actors} actors x {envs} envs, {budget:,} agent steps ...", flush=True)
     with start_embedded_redis() as server, GpuUtilization() as gpu:
         params = server.parameters.replace(task_name=f"pong-{'sync' if sync else 'async'}")
         started = time.perf_counter()
         runner.train_distribution(params, actor_num=actors, max_steps=budget, timeout=timeout,
-                                  progress_interval=30.0, local_processes=True)
+                                  progress_interval=30.0, local_processes=True, **inference)
         wall = time.perf_counter() - started
         board = Board(params.connect(), params.task_name)
         snapshot, status = BoardSnapshot.read(board, actors), board.get_status()
@@ -271,6 +280,9 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="the learner's passes under bf16 autocast (autocast_bf16)")
     parser.add_argument("--sf-python", default=None, help="a Python with sample-factory (default: "
                         "$SRL_SF_PYTHON, else .venv-sf/bin/python)")
+    parser.add_argument("--central", default=None, metavar="SERVERS[,db]",
+                        help="also run async PPO with central inference on SERVERS servers (',db': actors "
+                        "double-buffered), e.g. 2,db; async PPO with local inference is run beside it")
     args = parser.parse_args()
     cuda = has_cuda()
     budget = args.budget or (GPU_BUDGET if cuda else CPU_BUDGET)
@@ -287,7 +299,18 @@ def main() -> None:
         if python is None:
             parser.error("--peer: no Python with sample-factory found (--sf-python, $SRL_SF_PYTHON or "
                          ".venv-sf/bin/python); install it as this script's docstring says, or leave --peer out")
+    central = None
+    if args.central is not None:
+        parts = args.central.split(",")
+        if not parts[0].isdigit() or int(parts[0]) < 1 or parts[1:] not in ([], ["db"]):
+            parser.error(f"--central: expected SERVERS or SERVERS,db (e.g. 2,db), found {args.central!r}")
+        central = (int(parts[0]), parts[1:] == ["db"])
+        if "async" not in modes:
+            modes.append("async")  # sync PPO's actors act in lockstep: central inference is for async PPO
     results: list[Result] = []
+    if central is not None:
+        results.append(srl_run(False, actors, args.envs, budget, episodes, args.seed, timeout, central,
+                               torch_compile=args.compile, autocast_bf16=args.bf16))
     for mode in modes:
         results.append(srl_run(mode == "sync", actors, args.envs, budget, episodes, args.seed, timeout,
                                torch_compile=args.compile, autocast_bf16=args.bf16))
