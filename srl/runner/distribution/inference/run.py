@@ -256,7 +256,7 @@ class InferenceRun:
     def _stats(self, rate: float) -> InferenceStats:
         means = self.batcher.take_means()
         return InferenceStats(
-            uid=self.options.uid, sessions=len({s.slot for s in list(self._sessions.values())}),
+            uid=self.options.uid, sessions=len({s.slot for s in self.batcher.open_sessions()}),
             agent_steps=means.agent_steps,
             agent_steps_per_s=round(rate, 1), batches=means.batches, batch_envs_mean=means.envs,
             batch_wait_ms_mean=means.wait_ms, params_version=self.parameter.version,

@@ -117,9 +117,11 @@ class InferenceOptions(NodeOptions):
     name when it listens on every interface)"""
     max_batch_envs: int = 0
     """most envs one forward pass acts for (0: every env of every actor)"""
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0
     """longest a request waits for others to join its batch (a batch goes at once when every connected
-    actor has a request in it, or it is full)"""
+    actor has a request in it, or it is full). 0: a batch is what came while the last one was acted for, as
+    Sample Factory's policy workers take it (here, 4 actors x 32 MinAtar envs: 0.66 of local inference's steps/s
+    against 0.56 at 2 ms, the medians of 3 turns of ``bench/inference.py``)"""
     batch_size: int = 256
     """transitions per message sent to the queue (segments go as soon as they are complete)"""
     batch_max_age: float = 1.0
