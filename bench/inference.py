@@ -284,7 +284,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--publish-interval", type=float, default=0.25, help="seconds between params versions")
-    parser.add_argument("--max-wait-ms", default="2", help="the server's max_wait_ms; comma-separated: a row each")
+    parser.add_argument("--max-wait-ms", default="0", help="the server's max_wait_ms; comma-separated: a row each")
     parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")
     parser.add_argument("--servers", default="1,2", help="inference servers; comma-separated: a row each")
     parser.add_argument("--repeat", type=int, default=1,
