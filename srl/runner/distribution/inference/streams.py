@@ -141,7 +141,7 @@ class ActorStreams:
                 connection: ServerConnection = key.data
                 if events & selectors.EVENT_WRITE:
                     self._flush(connection)
-                if events & selectors.EVENT_READ and not connection.closed:
+                if events & selectors.EVENT_READ and not connection.closed and not connection.closing:
                     self._read(connection)
         now = time.monotonic()
         if now >= self._tidy_at:
@@ -284,10 +284,16 @@ class ActorStreams:
             self._watch(connection)
 
     def _watch(self, connection: ServerConnection) -> None:
-        """Select the connection for writing only while it has something to write."""
+        """Select the connection for writing only while it has something to write, and for reading only while
+        it is not being closed (what a refused actor sends after is not read); one closing with nothing left
+        to write is closed."""
         if connection.closed:
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.wants_write else 0)
+        if connection.closing and not connection.wants_write:
+            self._drop(connection)
+            return
+        events = (selectors.EVENT_WRITE if connection.wants_write else 0) | (
+            0 if connection.closing else selectors.EVENT_READ)
         with contextlib.suppress(KeyError, ValueError):
             if self._selector.get_key(connection).events != events:
                 self._selector.modify(connection, events, connection)
