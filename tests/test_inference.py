@@ -6,8 +6,10 @@ talk to it with the actor's own ``InferenceClient``; the end-to-end tests run re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -367,7 +369,6 @@ def test_a_forged_request_is_refused_and_counted_and_the_server_goes_on(serve_ta
 def test_a_huge_request_is_cut_off_before_it_is_read(serve_task: Any) -> None:
     """A frame declared longer than the task's largest request is refused from its head alone (its bytes are
     never read, so a forger cannot make the server hold them); counted; the server goes on."""
-    import socket
     import struct
 
     served = serve_task(_impala(), actor_num=2)
@@ -390,7 +391,6 @@ def test_a_huge_request_is_cut_off_before_it_is_read(serve_task: Any) -> None:
 def test_a_client_of_another_protocol_is_told_so(serve_task: Any) -> None:
     """A peer that does not open with srl's hello (an older node speaking gRPC, a port scanner) is refused
     with what this server speaks; the server goes on."""
-    import socket
 
     served = serve_task(_impala(), actor_num=1)
     host, _, port = served.run.address.rpartition(":")
@@ -761,31 +761,46 @@ def test_an_actor_killed_mid_episode_is_replaced_and_the_run_finishes(redis_url:
     assert log.count("connected for slot 0") >= 2  # and the standby connected in its place
 
 
+@contextlib.contextmanager
+def _silent_server(board: Board, uid: str) -> Iterator[None]:
+    """A server that holds the inference lease as ``uid`` and says where it listens, takes connections and never
+    answers (stuck, paused, or cut off with its connections open)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    try:
+        assert board.claim_lease("inference", uid, 60_000)
+        assert board.set_inference_address(uid, f"127.0.0.1:{listener.getsockname()[1]}", False)
+        yield
+    finally:
+        listener.close()
+        for sock in accepted:
+            sock.close()
+
+
+def _acting(board: Board, stop: StopFlag) -> tuple[InferenceClient, threading.Thread, list[BaseException]]:
+    """An actor's client of 2 CartPole envs acting once in a thread of its own; what its act raised."""
+    client = InferenceClient(board, env_spec(EnvConfig("CartPole-v1")), 2, 0, "actor-x.0", task_tag(""),
+                             Codec(task=board.task_name), stop)
+    raised: list[BaseException] = []
+
+    def act() -> None:
+        try:
+            client.act(np.zeros((2, 4), np.float32))
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    return client, thread, raised
+
+
 def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Board) -> None:
     """A server that never answers (stuck, or not yet given params) cannot hold an actor past its task's
     end: stopping the run ends the wait at once."""
-    import socket
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
-    acceptor.start()
-    try:
-        assert board.claim_lease("inference", "stuck-server", 60_000)
-        assert board.set_inference_address("stuck-server", f"127.0.0.1:{listener.getsockname()[1]}", False)
-        spec = env_spec(EnvConfig("CartPole-v1"))
+    with _silent_server(board, "stuck-server"):
         stop = StopFlag()
-        client = InferenceClient(board, spec, 2, 0, "actor-x.0", task_tag(""), Codec(task=board.task_name), stop)
-        raised: list[BaseException] = []
-
-        def act() -> None:
-            try:
-                client.act(np.zeros((2, 4), np.float32))
-            except BaseException as e:
-                raised.append(e)
-
-        thread = threading.Thread(target=act, daemon=True)
-        thread.start()
+        client, thread, raised = _acting(board, stop)
         thread.join(0.3)
         assert thread.is_alive()  # waiting for the reply that does not come
         stop.set("the task ended")
@@ -793,42 +808,19 @@ def test_an_actor_waiting_for_a_reply_stops_at_once_when_its_run_stops(board: Bo
         assert not thread.is_alive(), "the actor still waits for its reply after its run stopped"
         assert len(raised) == 1 and isinstance(raised[0], InferenceLostError) and "stopping" in str(raised[0])
         client.close()
-    finally:
-        listener.close()
-        for sock in accepted:
-            sock.close()
 
 
-def test_an_actor_whose_server_went_silent_and_lost_its_lease_goes_to_the_one_named_now(board: Board) -> None:
+def test_an_actor_whose_server_went_silent_and_lost_its_lease_goes_to_the_one_named_now(
+    board: Board, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server that stops answering (paused, its host gone: the connection stays open) is waited for while
     it holds the inference lease (a full queue holds replies back); once another holds it, the actor's wait
     ends, and its next act connects to the server the board names then."""
-    import socket
-
     from srl.runner.distribution.actor import inference_client
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
-    acceptor.start()
-    silence = inference_client.SILENCE_CHECK_S
-    inference_client.SILENCE_CHECK_S = 0.2
-    try:
-        assert board.claim_lease("inference", "paused-server", 60_000)
-        assert board.set_inference_address("paused-server", f"127.0.0.1:{listener.getsockname()[1]}", False)
-        spec = env_spec(EnvConfig("CartPole-v1"))
-        client = InferenceClient(board, spec, 2, 0, "actor-x.0", task_tag(""), Codec(task=board.task_name),
-                                 StopFlag())
-        raised: list[BaseException] = []
-
-        def act() -> None:
-            try:
-                client.act(np.zeros((2, 4), np.float32))
-            except BaseException as e:
-                raised.append(e)
-
-        thread = threading.Thread(target=act, daemon=True)
-        thread.start()
+    monkeypatch.setattr(inference_client, "SILENCE_CHECK_S", 0.2)
+    with _silent_server(board, "paused-server"):
+        client, thread, raised = _acting(board, StopFlag())
         thread.join(1.5)
         assert thread.is_alive()  # silent, but it holds the lease: the actor waits
         board.release_lease("inference", "paused-server")  # its lease lapsed; a standby takes it
@@ -837,11 +829,6 @@ def test_an_actor_whose_server_went_silent_and_lost_its_lease_goes_to_the_one_na
         assert not thread.is_alive(), "the actor still waits on a server that lost its lease"
         assert len(raised) == 1 and isinstance(raised[0], InferenceLostError) and "silent" in str(raised[0])
         client.close()
-    finally:
-        inference_client.SILENCE_CHECK_S = silence
-        listener.close()
-        for sock in accepted:
-            sock.close()
 
 
 def test_a_lost_life_ends_the_workers_episode_without_a_new_one(serve_task: Any) -> None:
