@@ -831,6 +831,59 @@ def test_an_actor_whose_server_went_silent_and_lost_its_lease_goes_to_the_one_na
         client.close()
 
 
+def test_a_request_the_server_does_not_read_waits_as_long_as_the_server_holds_its_lease() -> None:
+    """A server whose queue is full reads no request (backpressure): the actor's send waits, past any socket
+    timeout, until the run stops or the server no longer holds its lease."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    try:
+        link = ClientLink("127.0.0.1", listener.getsockname()[1], False, None, 2**26)
+        serving = threading.Event()
+        serving.set()
+        raised: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                link.send(bytes(2**25), lambda: None, serving.is_set, 0.2)  # far more than the socket buffers
+            except BaseException as e:
+                raised.append(e)
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(1.5)
+        assert thread.is_alive() and not raised  # still waiting: the server holds its lease
+        serving.clear()
+        thread.join(5.0)
+        assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], TimeoutError)
+        link.close()
+    finally:
+        listener.close()
+        for sock in accepted:
+            sock.close()
+
+
+def test_a_failure_serving_one_connection_ends_that_connection_not_the_server(serve_task: Any) -> None:
+    served = serve_task(_impala(), actor_num=2)
+    good = served.client(0)
+    _step(good, _obs(served), 2)
+    make_worker = served.run.streams.make_worker
+
+    def failing(key: int, session: int) -> Worker:
+        if key == 1:
+            raise RuntimeError("a worker this server cannot build")
+        return make_worker(key, session)
+
+    served.run.streams.make_worker = failing
+    unlucky = served.client(1)
+    with pytest.raises(InferenceLostError, match=r"UNAVAILABLE.*the server failed serving this actor"):
+        unlucky.act(_obs(served))
+    assert served.thread.is_alive() and len(_step(good, _obs(served), 2)) == 2
+    assert served.run.refused == 0  # the server's fault, not a bad request
+    good.close()
+    unlucky.close()
+
+
 def test_a_lost_life_ends_the_workers_episode_without_a_new_one(serve_task: Any) -> None:
     """Atari's training signal: a lost life is a terminal step for the worker while the game goes on (no
     reset), as Rollout tells a local worker; the server acts on."""

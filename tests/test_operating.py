@@ -111,6 +111,10 @@ def test_every_node_refuses_a_task_of_more_actors_than_central_inference_serves(
     with pytest.raises(TaskConfigError, match=rf"at most {MAX_CENTRAL_ACTORS} actors .*got actor_num="):
         build_task(json.dumps({**config, "actor_num": MAX_CENTRAL_ACTORS + 1}))
     assert build_task(json.dumps({**config, "inference": "local", "actor_num": 5000})).actor_num == 5000
+    halved = {**config, "double_buffer": True}  # two connections an actor
+    assert build_task(json.dumps({**halved, "actor_num": MAX_CENTRAL_ACTORS // 2})).halves == 2
+    with pytest.raises(TaskConfigError, match=rf"at most {MAX_CENTRAL_ACTORS // 2} actors .*two when double-buffered"):
+        build_task(json.dumps({**halved, "actor_num": MAX_CENTRAL_ACTORS // 2 + 1}))
 
 
 def test_bad_arguments_on_an_embedded_redis_start_nothing() -> None:

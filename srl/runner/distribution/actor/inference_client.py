@@ -123,7 +123,7 @@ class InferenceClient(Worker):
         if link is None or self.stop.is_set():
             raise InferenceLostError(f"stopping: {self.stop.reason}")
         try:
-            self._call(link.send, self._request(obs))
+            self._call(link.send, self._request(obs), self._stop_reason, self._still_serving, SILENCE_CHECK_S)
         except BaseException:
             self.lost()
             raise
@@ -138,7 +138,7 @@ class InferenceClient(Worker):
             self._sent = None
             return
         try:
-            self._call(link.send, self._request(obs))
+            self._call(link.send, self._request(obs), self._stop_reason, self._still_serving, SILENCE_CHECK_S)
         except InferenceLostError as e:
             self._sent = (obs, link, e)
             return

@@ -284,7 +284,7 @@ def summary_text(snapshot: BoardSnapshot, status: TaskStatus, elapsed: float, qu
     else:
         lines.append("  trainer: never reported")
     for k, i in reports.servers.items():
-        label = inference_lease(k) if len(reports.servers) > 1 else "inference"
+        label = inference_lease(k) if status.inference_servers > 1 else "inference"
         lines.append(f"  {label} {i.uid or '?'}: {i.agent_steps} actions in {i.batches} batches, "
                      f"{i.sent_batches} batches of rows sent, {i.refused_requests} request(s) refused, "
                      f"stalled {i.backpressure_wait_s}s")

@@ -39,13 +39,15 @@ import time
 from typing import Any, Literal
 
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from srl.base.env import (
     allowed_env_modules,
     env_spec,
 )
 from srl.base.rl import Parameter, Worker, seed_everything
-from srl.runner.distribution.board.board import Board, BoardDataError, Heartbeat, inference_lease
+from srl.runner.distribution.board.board import BOARD_AWAY, Board, BoardDataError, Heartbeat, inference_lease
 from srl.runner.distribution.inference.batcher import Batcher, Outbox
 from srl.runner.distribution.inference.session import Session
 from srl.runner.distribution.inference.streams import ActorStreams
@@ -113,8 +115,12 @@ class InferenceRun:
         self.batcher = Batcher(self.parameter, self.envs // task.halves, self.max_batch,
                                batch_rows(task, options.batch_size),
                                options, self.stop, self._outbox)
+        # the loop checks a new connection's slot lease on a client of its own whose commands give up within a
+        # second: a slow or refusing board must not hold every actor's actions for a socket timeout
+        lease_board = Board(redis_params.connect(socket_timeout=1.0, socket_connect_timeout=1.0,
+                                                 retry=Retry(NoBackoff(), 0)), board.task_name).bound(board.task_id)
         self.streams = ActorStreams(board, task, options, self.spec, self.batcher, self._make_worker, self.stop,
-                                    self.counters)
+                                    self.counters, lease_board)
         self.task_tag = task_tag(board.task_id)
         self.rows = RowSender(
             open_queue(queue_params, namespace=redis_params.task_name, role="producer", redis_params=redis_params),
@@ -208,6 +214,7 @@ class InferenceRun:
 
     def in_order(self, answer: Heartbeat) -> None:
         self._check_actor_leases()
+        self._log_events()
         if answer.params_version > 0 and answer.params_version != self.latest_version:  # the head, read with it
             self._fetch_params()
 
@@ -224,6 +231,14 @@ class InferenceRun:
         version = 0 if head is None else head[1]
         if version > 0 and version != self.latest_version:
             self._fetch_params()
+
+    def _log_events(self) -> None:
+        """Put the loop's refusals on the board's event log (the loop hands them over: it never waits on the
+        board for a log line)."""
+        while self.streams.events:
+            text = self.streams.events.popleft()
+            with contextlib.suppress(*BOARD_AWAY):
+                self.board.log_event(text, level="WARNING", source=self.options.uid)
 
     def _check_actor_leases(self) -> None:
         """Free the state of actors whose slot lease lapsed (a process killed, or paused past its TTL)."""

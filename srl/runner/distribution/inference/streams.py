@@ -21,6 +21,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -46,6 +47,10 @@ FIRST_REQUEST_S = 10.0
 must not hold a place)"""
 TIDY_S = 0.02
 """how often the loop looks at every connection when nothing asked it to (a first request late, a close slow)"""
+ACCEPT_PAUSE_S = 1.0
+"""seconds the server stops listening after it could not take a connection (out of file descriptors)"""
+UNSENT_LIMIT = 1 << 20
+"""bytes of replies a connection may leave unread before the server stops reading its requests"""
 CLOSE_S = 1.0
 """seconds a connection being refused has to take its last frame before it is closed anyway"""
 MAX_STREAMS = MAX_CENTRAL_ACTORS + 4
@@ -62,7 +67,8 @@ class ActorStreams:
     with actors of two halves the slot's half, ``slot * 2 + half``)."""
 
     def __init__(self, board: Board, task: TaskSpec, options: InferenceOptions, spec: EnvSpec, batcher: Batcher,
-                 make_worker: Callable[[int, int], Worker], stop: StopFlag, counters: CounterDeltas) -> None:
+                 make_worker: Callable[[int, int], Worker], stop: StopFlag, counters: CounterDeltas,
+                 lease_board: Board | None = None) -> None:
         self.board = board
         self.task = task
         self.options = options
@@ -82,6 +88,13 @@ class ActorStreams:
         self.max_connections = min(MAX_STREAMS * self.halves, task.actor_num * self.halves + 4)
         self.refused = 0
         self._event_log = Throttle()
+        self._accept_log = Throttle()
+        self._failure_log = Throttle()
+        self.events: deque[str] = deque(maxlen=16)
+        """refusals to put on the board's event log: the board thread writes them (``InferenceRun``)"""
+        self.lease_board = lease_board or board
+        """the board the loop checks an actor's slot lease on (a client whose commands give up soon)"""
+        self._listen_again_at = 0.0
         self._stream_counts: dict[int, int] = {}
         self._connections: set[ServerConnection] = set()
         self._tidy_at = 0.0
@@ -144,6 +157,9 @@ class ActorStreams:
                 if events & selectors.EVENT_READ and not connection.closed and not connection.closing:
                     self._read(connection)
         now = time.monotonic()
+        if self._listen_again_at and now >= self._listen_again_at and self._listener is not None:
+            self._listen_again_at = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
         if now >= self._tidy_at:
             self._tidy_at = now + TIDY_S
             self._tidy()
@@ -171,7 +187,23 @@ class ActorStreams:
             except PeerGone:
                 self._drop(connection)
                 continue
+            except Exception as e:  # an action the reply cannot carry: this server's fault, this connection's end
+                self._failed(connection, e)
+                continue
             self._watch(connection)
+
+    def _failed(self, connection: ServerConnection, error: Exception) -> None:
+        """What went wrong here serving one connection ends that connection (UNAVAILABLE: the actor reconnects),
+        said with its traceback once per interval, never the server."""
+        if self._failure_log.ready():
+            logger.error("serving %s failed: %s: %s", connection.peer, type(error).__name__, short(error),
+                         exc_info=error)
+        session: Session | None = connection.session
+        if session is not None:
+            session.closed.set()
+        connection.refuse(Status.UNAVAILABLE, f"the server failed serving this actor: {type(error).__name__}")
+        self._tidy_at = 0.0
+        self._watch(connection)
 
     def stop_serving(self, grace: float | None) -> None:
         """End every connection (telling each actor why) and stop listening."""
@@ -201,11 +233,21 @@ class ActorStreams:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:
-                logger.warning("cannot accept a connection: %s", e)
+            except OSError as e:  # out of file descriptors, say: stop listening a second (the listener stays
+                # readable, and the loop would spin on it), then take connections again
+                if self._accept_log.ready():
+                    logger.warning("cannot accept a connection: %s; not listening for %g s", e, ACCEPT_PAUSE_S)
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(self._listener)
+                self._listen_again_at = time.monotonic() + ACCEPT_PAUSE_S
                 return
             peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-            connection = ServerConnection(sock, peer, self.max_request_bytes, self._tls_context)
+            try:
+                connection = ServerConnection(sock, peer, self.max_request_bytes, self._tls_context)
+            except (OSError, ValueError) as e:  # a peer that reset before it was taken: it is gone
+                sock.close()
+                logger.debug("a connection from %s went before it was taken: %s", peer, e)
+                continue
             self._connections.add(connection)
             self._selector.register(connection, selectors.EVENT_READ, connection)
             if len(self._connections) > self.max_connections:
@@ -213,6 +255,12 @@ class ActorStreams:
                                      f"{self.task.actor_num} actors already", Status.UNAVAILABLE), connection, None)
 
     def _read(self, connection: ServerConnection) -> None:
+        try:
+            self._take_requests(connection)
+        except Exception as e:  # this server's fault with this connection, not the actor's: it alone ends
+            self._failed(connection, e)
+
+    def _take_requests(self, connection: ServerConnection) -> None:
         session: Session | None = connection.session
         try:
             payloads = connection.receive()
@@ -242,8 +290,8 @@ class ActorStreams:
         slot, half = divmod(key, self.halves)
         if not 0 <= slot < self.task.actor_num:
             raise Refused(f"slot {slot} is not one of the task's {self.task.actor_num}")
-        try:
-            holder, _ = self.board.lease_holder(f"actor:{slot}")
+        try:  # on the loop's own client, whose commands give up soon: a slow board holds no one's actions long
+            holder, _ = self.lease_board.lease_holder(f"actor:{slot}")
         except BOARD_AWAY as e:
             raise Refused(f"cannot check the actor's lease now ({short(e)})", Status.UNAVAILABLE) from None
         if holder != uid:
@@ -285,15 +333,16 @@ class ActorStreams:
 
     def _watch(self, connection: ServerConnection) -> None:
         """Select the connection for writing only while it has something to write, and for reading only while
-        it is not being closed (what a refused actor sends after is not read); one closing with nothing left
-        to write is closed."""
+        it is not being closed (what a refused actor sends after is not read) and takes its replies (one that
+        sends requests without reading replies stops being read before they pile up); one closing with nothing
+        left to write is closed."""
         if connection.closed:
             return
         if connection.closing and not connection.wants_write:
             self._drop(connection)
             return
-        events = (selectors.EVENT_WRITE if connection.wants_write else 0) | (
-            0 if connection.closing else selectors.EVENT_READ)
+        reading = not connection.closing and connection.unsent <= UNSENT_LIMIT
+        events = (selectors.EVENT_WRITE if connection.wants_write else 0) | (selectors.EVENT_READ if reading else 0)
         with contextlib.suppress(KeyError, ValueError):
             if self._selector.get_key(connection).events != events:
                 self._selector.modify(connection, events, connection)
@@ -315,9 +364,8 @@ class ActorStreams:
         if self._event_log.ready():  # once per interval: a flood of bad requests must not flood the log or board
             logger.warning("refused a request from %s at %s: %s (%d refused so far)", who, connection.peer,
                            short(error), self.refused)
-            with contextlib.suppress(*BOARD_AWAY):
-                self.board.log_event(f"inference refused a request from {who}: {short(error, 300)}",
-                                     level="WARNING", source=self.options.uid)
+            self.events.append(f"inference refused a request from {who}: {short(error, 300)}")  # the board thread
+            # writes it: the loop never waits on the board for a log line
         if session is not None:
             session.closed.set()
         connection.refuse(error.code, short(error, 400))

@@ -200,11 +200,12 @@ def check_central(rl_config: RLConfig, actor_num: int, double_buffer: bool = Fal
     if double_buffer and (rl_config.envs_per_actor < 2 or rl_config.envs_per_actor % 2):
         raise TaskConfigError(f"double_buffer halves each actor's envs: envs_per_actor must be even, found "
                               f"{rl_config.envs_per_actor}")
-    if actor_num > MAX_CENTRAL_ACTORS:
+    most = MAX_CENTRAL_ACTORS // 2 if double_buffer else MAX_CENTRAL_ACTORS
+    if actor_num > most:
         raise TaskConfigError(
-            f"central inference serves at most {MAX_CENTRAL_ACTORS} actors (its server holds a connection for "
-            f"each), got actor_num={actor_num}; run fewer actors with more envs each (envs_per_actor), "
-            "or inference='local'"
+            f"central inference serves at most {most} actors (its server holds a connection for each"
+            f"{', two when double-buffered' if double_buffer else ''}), got actor_num={actor_num}; run fewer "
+            "actors with more envs each (envs_per_actor), or inference='local'"
         )
     if rl_config.data_path().sync:
         raise TaskConfigError(

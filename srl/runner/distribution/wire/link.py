@@ -144,6 +144,11 @@ class ServerConnection:
     def wants_write(self) -> bool:
         return bool(self._out) or self._want_write
 
+    @property
+    def unsent(self) -> int:
+        """Bytes queued for the peer that the socket has not taken yet."""
+        return len(self._out)
+
     def receive(self) -> list[bytes]:
         if self.handshaking and not self._handshake():
             return []
@@ -235,6 +240,9 @@ class ServerConnection:
             return
         self.closing = True
         self.closing_since = time.monotonic()
+        if self.handshaking:  # nothing can be said before TLS is up: the connection just closes
+            self._out.clear()
+            return
         try:
             self.send(refusal_frame(status, reason))
         except PeerGone:
@@ -276,16 +284,26 @@ class ClientLink:
     def round_trip(self, request: bytes, stop_reason: Callable[[], str | None],
                    still_serving: Callable[[], bool], check_after: float) -> bytes:
         """The reply to ``request``: ``send`` then ``receive``."""
-        self.send(request)
+        self.send(request, stop_reason, still_serving, check_after)
         return self.receive(stop_reason, still_serving, check_after)
 
-    def send(self, request: bytes) -> None:
-        """Send a request (PeerGone: the connection broke)."""
-        self.sock.settimeout(CONNECT_TIMEOUT_S)
-        try:
-            self.sock.sendall(frame(KIND_BATCH, request))
-        except OSError as e:
-            raise PeerGone(f"cannot send to the server: {e}") from None
+    def send(self, request: bytes, stop_reason: Callable[[], str | None], still_serving: Callable[[], bool],
+             check_after: float) -> None:
+        """Send a request, waiting as ``receive`` does while the server reads nothing (its queue full, it holds
+        its replies and reads no request: backpressure). Raises PeerGone, or TimeoutError once
+        ``still_serving`` says no."""
+        data = memoryview(frame(KIND_BATCH, request))
+        waited = _Waiting(stop_reason, still_serving, check_after)
+        self.sock.settimeout(POLL_S)
+        while data:
+            try:
+                sent = self.sock.send(data)
+            except TimeoutError:
+                waited.check()
+                continue
+            except (OSError, ValueError) as e:
+                raise PeerGone(self._broke(stop_reason, e, "cannot send to the server")) from None
+            data = data[sent:]
 
     def receive(self, stop_reason: Callable[[], str | None], still_serving: Callable[[], bool],
                 check_after: float) -> bytes:
@@ -305,36 +323,32 @@ class ClientLink:
     def _read(self, n: int, stop_reason: Callable[[], str | None], still_serving: Callable[[], bool],
               check_after: float) -> bytes:
         data = bytearray()
-        started = time.monotonic()
-        checked = started
+        waited = _Waiting(stop_reason, still_serving, check_after)
         self.sock.settimeout(POLL_S)
         while len(data) < n:
             try:
                 chunk = self.sock.recv(n - len(data))
             except TimeoutError:
-                if stop_reason() is not None:
-                    raise PeerGone(f"stopping: {stop_reason()}") from None
-                now = time.monotonic()
-                if now - started >= check_after and now - checked >= check_after:
-                    checked = now
-                    if not still_serving():
-                        raise TimeoutError(f"no reply for {now - started:.0f} s and the server no longer holds its "
-                                           "lease") from None
+                waited.check()
                 continue
-            except OSError as e:
-                raise PeerGone(f"stopping: {stop_reason()}" if self._cancelled and stop_reason() is not None
-                               else f"connection broke: {e}") from None
+            except (OSError, ValueError) as e:  # ValueError: a TLS socket shut down by ``cancel`` mid-read
+                raise PeerGone(self._broke(stop_reason, e, "connection broke")) from None
             if not chunk:
                 reason = stop_reason() if self._cancelled else None
                 raise PeerGone(f"stopping: {reason}" if reason is not None else "the server closed the connection")
             data += chunk
         return bytes(data)
 
+    def _broke(self, stop_reason: Callable[[], str | None], error: Exception, what: str) -> str:
+        reason = stop_reason() if self._cancelled else None
+        return f"stopping: {reason}" if reason is not None else f"{what}: {error}"
+
     def cancel(self) -> None:
-        """End a wait under way (from another thread)."""
+        """End a wait under way (from another thread): the TCP socket's own shutdown, below any TLS layer, so a
+        read under way returns at once."""
         self._cancelled = True
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -343,3 +357,26 @@ class ClientLink:
             self.sock.close()
         except OSError:
             pass
+
+
+class _Waiting:
+    """A wait for the server, looked at every ``POLL_S``: over once the run stops (PeerGone), or once, past
+    ``check_after`` seconds and every as many after, ``still_serving()`` says no (TimeoutError)."""
+
+    def __init__(self, stop_reason: Callable[[], str | None], still_serving: Callable[[], bool],
+                 check_after: float) -> None:
+        self.stop_reason = stop_reason
+        self.still_serving = still_serving
+        self.check_after = check_after
+        self.started = self.checked = time.monotonic()
+
+    def check(self) -> None:
+        reason = self.stop_reason()
+        if reason is not None:
+            raise PeerGone(f"stopping: {reason}")
+        now = time.monotonic()
+        if now - self.started >= self.check_after and now - self.checked >= self.check_after:
+            self.checked = now
+            if not self.still_serving():
+                raise TimeoutError(f"no answer for {now - self.started:.0f} s and the server no longer holds its "
+                                   "lease")
