@@ -6,7 +6,7 @@
 ``trainer_run_forever`` and ``inference_run_forever`` (central inference) serve
 tasks, with ``ActorOptions``, ``TrainerOptions`` and ``InferenceOptions``;
 ``Runner.train_distribution`` submits one. The three are imported when first
-used (they load torch, the inference server grpc; ``srl status`` does not).
+used (they load torch; ``srl status`` does not).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ from srl.runner.distribution.wire.codec import (
 from srl.runner.distribution.wire.inference import InferenceLostError
 from srl.runner.progress import ensure_logging
 
-if TYPE_CHECKING:  # grpc is loaded by an actor of central inference only (it runs threads from its import on)
+if TYPE_CHECKING:  # central inference's parts are loaded by an actor of central inference only
     from srl.runner.distribution.actor.halves import Halves
     from srl.runner.distribution.actor.inference_client import InferenceClient
 
