@@ -111,3 +111,62 @@ def test_the_finish_takes_the_same_steps_in_the_same_order_for_an_end_and_a_canc
                               shared[4]]
     else:
         assert fake.steps == shared
+
+
+class _Clock:
+    """A clock that moves only when the code under test pauses."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pause(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_totals_wait_for_a_senders_count_that_lands_after_the_end() -> None:
+    """A sender cut off from the board (its lease lapsed) counts its last send once the board answers again,
+    after the task ended: the client reads the counters again until the senders' counts cover what arrived."""
+    reads = [{"sent_batches": 11.0, "received_batches": 12.0}] * 3 + [{"sent_batches": 12.0, "received_batches": 12.0}]
+    taken: list[dict[str, float]] = []
+
+    def read() -> dict[str, float]:
+        taken.append(reads[min(len(taken), len(reads) - 1)])
+        return taken[-1]
+
+    clock = _Clock()
+    counters = train.settle_counters(read, wait_s=10.0, clock=clock, pause=clock.pause)
+    assert counters["sent_batches"] == 12.0 and len(taken) == 4
+
+
+def test_the_totals_wait_no_longer_than_their_budget_for_counts_that_never_come() -> None:
+    clock = _Clock()
+    reads: list[int] = []
+    surplus = {"sent_batches": 5.0, "received_batches": 5.0, "refused_batches": 1.0}  # a killed sender's last
+
+    def read() -> dict[str, float]:
+        reads.append(1)
+        return surplus
+
+    assert train.settle_counters(read, wait_s=2.0, clock=clock, pause=clock.pause) is surplus
+    assert 2.0 <= clock.now < 2.2 and len(reads) >= 20
+
+
+@pytest.mark.parametrize("counters", [
+    {"sent_batches": 12.0, "received_batches": 12.0},
+    {"sent_batches": 12.0, "received_batches": 9.0},  # still queued
+    {"sent_batches": 12.0, "received_batches": 13.0, "given_back_batches": 1.0},  # read again, queued
+])
+def test_balanced_or_queued_totals_are_read_once(counters: dict[str, float]) -> None:
+    reads: list[int] = []
+
+    def read() -> dict[str, float]:
+        reads.append(1)
+        return counters
+
+    def pause(seconds: float) -> None:
+        raise AssertionError("waited for counts that were all in")
+
+    assert train.settle_counters(read, pause=pause) is counters and len(reads) == 1

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ from srl.runner.distribution.client.weights import (
 )
 from srl.runner.distribution.node.retry import Throttle, with_retry
 from srl.runner.distribution.queues import describe_queue
+from srl.runner.distribution.sending.in_flight import batches_given_back, batches_refused
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, TaskConfigError, check_central
 from srl.runner.distribution.wire.codec import Codec, short
@@ -62,6 +64,10 @@ SETTLE_S = 30.0
 (a node keeps its lease while a broker confirms its last batches, which outlasts a short broker restart)"""
 SETTLE_NOTE_S = 2.0
 """after END, when the client says which nodes it still waits for"""
+LATE_COUNTS_S = 10.0
+"""once every lease is free, how long the client waits for counts still on their way while more batches arrived
+than the senders counted as sent: a sender whose lease lapsed in an outage of the board (it stopped, or waits to
+take it back) counts what it sent once the board answers again, which may be after the task ended"""
 
 
 class TaskFailedError(RuntimeError):
@@ -392,9 +398,35 @@ def _note_totals(run: ClientRun) -> None:
             logger.info("waiting up to %.0fs for %s to report their last counts and let go", SETTLE_S,
                         ", ".join(held))
         time.sleep(0.05)
-    counters = with_retry(board.get_counters, "reading the run's counters", max_wait=10)
+    counters = settle_counters(lambda: with_retry(board.get_counters, "reading the run's counters", max_wait=10))
     run.runner.env_steps += int(counters.get("env_steps", 0))
     run.runner.episodes += int(counters.get("episodes", 0))
+
+
+def unreported_sends(counters: dict[str, float]) -> int:
+    """Batches taken off the queue (received, refused) beyond those the senders counted as sent: counts of sends
+    still on their way (or of a killed sender, never to come)."""
+    taken = counters.get("received_batches", 0) - batches_given_back(counters) + batches_refused(counters)
+    return max(0, int(taken - counters.get("sent_batches", 0)))
+
+
+def settle_counters(read: Callable[[], dict[str, float]], wait_s: float = LATE_COUNTS_S,
+                    clock: Callable[[], float] = time.monotonic, pause: Callable[[float], None] = time.sleep
+                    ) -> dict[str, float]:
+    """The run's counters once the senders' late counts are in: read again, for up to ``wait_s``, while
+    more batches were taken off the queue than counted as sent (:func:`unreported_sends`); the last read
+    after that (the summary then names the surplus)."""
+    counters = read()
+    if not unreported_sends(counters):
+        return counters
+    logger.info("%d batch(es) arrived that no sender has counted as sent yet: waiting up to %.0fs for their "
+                "counts (a sender cut off from the board counts them once it answers again)",
+                unreported_sends(counters), wait_s)
+    deadline = clock() + wait_s
+    while unreported_sends(counters) and clock() < deadline:
+        pause(0.1)
+        counters = read()
+    return counters
 
 
 def _keep_last_checkpoint(board: Board, checkpoints: BoardCheckpoints, clear: bool) -> None:
