@@ -866,7 +866,7 @@ def test_end_of_run_summary_names_each_node_and_ignores_malformed_stats(board: B
     assert "1 NOT ACCOUNTED FOR" in summary_lines(board, status, elapsed=10.0, queued=0)[1]
     assert "1 still queued or in flight (this broker does not tell" in summary_lines(board, status, 10.0)[1]
     over = summary_lines(board, status, elapsed=10.0, queued=3)[1]  # 2 counted, still queued: a trainer died
-    assert "2 more than the actors counted as sent" in over and "a trainer died between counting" in over, over
+    assert "2 more than the senders counted as sent" in over and "a trainer died between counting" in over, over
 
 
 def test_a_surplus_up_to_the_batches_republished_after_a_lost_connection_is_named_as_copies(board: Board) -> None:
@@ -881,12 +881,12 @@ def test_a_surplus_up_to_the_batches_republished_after_a_lost_connection_is_name
     status = board.get_status()
     assert status is not None
     copies = summary_lines(board, status, elapsed=10.0, queued=4)[1]
-    assert copies == ("  batches: sent 30, received 28 + refused 0 + still queued 4: 2 more than the actors counted "
+    assert copies == ("  batches: sent 30, received 28 + refused 0 + still queued 4: 2 more than the senders counted "
                       "as sent: 2 batch(es) were published again after a broker connection was lost before the "
                       "broker confirmed them, and the broker holds a copy of those it had taken (at-least-once: the "
                       "trainer drops a copy it reads as a duplicate)"), copies
     beyond = summary_lines(board, status, elapsed=10.0, queued=5)[1]
-    assert "3 more than the actors counted as sent (an actor stopped" in beyond, beyond
+    assert "3 more than the senders counted as sent (an actor or an inference server stopped" in beyond, beyond
     assert summary_lines(board, status, elapsed=10.0, queued=2)[1].endswith(": all accounted for")
 
 

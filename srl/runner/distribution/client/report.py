@@ -321,8 +321,8 @@ def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
         if rest >= 0:
             return (f"batches: sent {sent} = {got} + refused {refused} + {rest} still queued or in flight (this "
                     "broker does not tell its queue's depth)")
-        return (f"batches: sent {sent}, {got} + refused {refused}: {-rest} more arrived than the actors counted as "
-                "sent (an actor stopped before reporting its last sends)")
+        return (f"batches: sent {sent}, {got} + refused {refused}: {-rest} more arrived than the senders counted as "
+                "sent (an actor or an inference server stopped before its last sends were counted)")
     missing = sent - received - refused - queued
     if missing == 0:
         return f"batches: sent {sent} = {got} + refused {refused} + still queued {queued}: all accounted for"
@@ -331,13 +331,13 @@ def _batch_accounts(counters: dict[str, float], queued: int | None) -> str:
     republished = int(counters.get("republished_batches", 0))
     if -missing <= republished:
         return (f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {-missing} more than the "
-                f"actors counted as sent: {republished} batch(es) were published again after a broker connection "
+                f"senders counted as sent: {republished} batch(es) were published again after a broker connection "
                 "was lost before the broker confirmed them, and the broker holds a copy of those it had taken "
                 "(at-least-once: the trainer drops a copy it reads as a duplicate)")
     return (f"batches: sent {sent}, {got} + refused {refused} + still queued {queued}: {-missing} more than the "
-            "actors counted as sent (an actor stopped before reporting its last sends, or a trainer died between "
-            "counting a read and acking it: those batches count as received and as still queued until the next "
-            "trainer takes them again)")
+            "senders counted as sent (an actor or an inference server stopped before its last sends were counted, "
+            "or a trainer died between counting a read and acking it: those batches count as received and as "
+            "still queued until the next trainer takes them again)")
 
 
 def queue_depth(queue_params: Any, redis_params: RedisParameters) -> int | None:
