@@ -48,7 +48,7 @@ from srl.runner.distribution.client.weights import (
 )
 from srl.runner.distribution.node.retry import Throttle, with_retry
 from srl.runner.distribution.queues import describe_queue
-from srl.runner.distribution.sending.in_flight import batches_given_back, batches_refused
+from srl.runner.distribution.sending.in_flight import batches_in_flight
 from srl.runner.distribution.settings.redis_parameters import RedisParameters
 from srl.runner.distribution.settings.task import TASK_GONE, TASK_REPLACED, TaskConfigError, check_central
 from srl.runner.distribution.wire.codec import Codec, short
@@ -404,10 +404,9 @@ def _note_totals(run: ClientRun) -> None:
 
 
 def unreported_sends(counters: dict[str, float]) -> int:
-    """Batches taken off the queue (received, refused) beyond those the senders counted as sent: counts of sends
-    still on their way (or of a killed sender, never to come)."""
-    taken = counters.get("received_batches", 0) - batches_given_back(counters) + batches_refused(counters)
-    return max(0, int(taken - counters.get("sent_batches", 0)))
+    """Batches taken off the queue beyond those the senders counted as sent (the in-flight count below 0):
+    counts of sends still on their way (or of a killed sender, never to come)."""
+    return max(0, int(-batches_in_flight(counters)))
 
 
 def settle_counters(read: Callable[[], dict[str, float]], wait_s: float = LATE_COUNTS_S,
@@ -417,11 +416,10 @@ def settle_counters(read: Callable[[], dict[str, float]], wait_s: float = LATE_C
     more batches were taken off the queue than counted as sent (:func:`unreported_sends`); the last read
     after that (the summary then names the surplus)."""
     counters = read()
-    if not unreported_sends(counters):
+    if not (unreported := unreported_sends(counters)):
         return counters
     logger.info("%d batch(es) arrived that no sender has counted as sent yet: waiting up to %.0fs for their "
-                "counts (a sender cut off from the board counts them once it answers again)",
-                unreported_sends(counters), wait_s)
+                "counts (a sender cut off from the board counts them once it answers again)", unreported, wait_s)
     deadline = clock() + wait_s
     while unreported_sends(counters) and clock() < deadline:
         pause(0.1)
