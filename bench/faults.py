@@ -77,6 +77,7 @@ from tests.nodes import (  # noqa: E402
     ClientThread,
     Node,
     board_for,
+    kill_all,
     lease_holder_pid,
     sigkill,
     tiny_config,
@@ -688,8 +689,7 @@ def run_cell_at(cell: Cell, seed: int, stretch: int, scaled: bool = True) -> Res
             (run.work / "bench-error.txt").write_text(traceback.format_exc())  # kept with the logs below
         finally:
             (run.work / "client.log").write_text("\n".join(run.client_lines) + "\n")
-            for node in run.nodes:
-                node.stop()
+            kill_all(run.nodes)
             if run.client_process is not None and run.client_process.poll() is None:
                 run.client_process.kill()
                 run.client_process.wait()

@@ -7,7 +7,6 @@ board, a process's exit) with a deadline, never by a blind sleep.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import srl
 from srl.algorithms import dqn
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board.board import Board
+from tests import forkserver
 
 FAST_NODE = ["--lease-ttl", "2", "--heartbeat-interval", "0.3", "--task-poll-interval", "0.2"]
 FAST_ACTOR = [*FAST_NODE, "--batch-size", "64", "--batch-max-age", "0.2", "--params-poll-interval", "0.2"]
@@ -77,12 +77,17 @@ class Node:
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         args = FAST_ACTOR if role == "actor" else FAST_TRAINER
         node_args = [role, "--url", redis_url, "--task-name", task_name, *args, *extra]
-        cmd = ([sys.executable, "-c", GATED_NODE, *node_args] if gated
-               else [sys.executable, "-m", "srl.cli", *node_args])
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.PIPE if gated else None,
-                                     env={**os.environ, **(env or {})})  # SIGINT: conftest.py
+        self.proc: subprocess.Popen[bytes] | forkserver.ForkedProcess
+        if forkserver.enabled():  # python -m srl.cli without its imports' seconds (tests/forkserver.py)
+            self.proc = forkserver.ForkServer.get().spawn(node_args, {**os.environ, **(env or {})}, self._log,
+                                                          GATED_NODE if gated else None)
+        else:
+            cmd = ([sys.executable, "-c", GATED_NODE, *node_args] if gated
+                   else [sys.executable, "-m", "srl.cli", *node_args])
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.PIPE if gated else None,
+                                         env={**os.environ, **(env or {})})  # SIGINT: conftest.py
 
     def open_gate(self) -> None:
         """Let a ``gated`` node run (it waits for a line on its stdin)."""
@@ -104,18 +109,24 @@ class Node:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:  # a gate never opened: it exits
+        self.begin_stop()
+        self.finish_stop()
+
+    def begin_stop(self) -> None:
+        """Ask the node to exit as Ctrl-C would (a gate never opened: closed, and the node exits)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-        if self.proc.poll() is None:
+        elif self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def finish_stop(self) -> None:
+        """Wait for the node :meth:`begin_stop` asked to exit; SIGKILL it after 10 s."""
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self._log.close()
 
 
@@ -179,8 +190,11 @@ def lease_holder_pid(board: Board, name: str) -> int | None:
 
 
 def kill_all(nodes: list[Node]) -> None:
+    """Stop every node: all asked at once, then each waited for (their exits overlap)."""
     for node in nodes:
-        node.stop()
+        node.begin_stop()
+    for node in nodes:
+        node.finish_stop()
 
 
 def sigkill(pid: int) -> None:
