@@ -49,9 +49,10 @@ def test_a_forked_child_exits_as_the_interpreter_would(server: forkserver.ForkSe
     assert status == 1 and "Traceback" in out and "ValueError: boom" in out
     status, out = run(server, tmp_path, ("import atexit, threading, time\n"
                                          "atexit.register(lambda: print('atexit ran', flush=True))\n"
-                                         "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()"))
+                                         "def late(): time.sleep(0.3); print('thread done')\n"
+                                         "threading.Thread(target=late).start()"))
     assert status == 0 and out.splitlines() == ["thread done", "atexit ran"]  # joined, then atexit
-    status, out = run(server, tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport time\ntime.sleep(30)")
+    status, out = run(server, tmp_path, "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)")
     assert status == -signal.SIGINT and "KeyboardInterrupt" in out  # Python's own exit on an uncaught Ctrl-C
 
 
