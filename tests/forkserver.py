@@ -4,7 +4,8 @@ interpreter would, without the seconds a fresh interpreter spends importing torc
 
 A suite starts a few hundred nodes; on a 2-core machine their imports were minutes of its wall time, and the
 matrix's cells (bench/faults.py) spent half their time importing. ``SRL_TEST_FORKSERVER=0`` starts every node
-as its own ``python -m srl.cli`` instead (tests/test_client_cli.py runs the CLI that way in any case).
+as its own ``python -m srl.cli`` instead (the CLI's own tests, ``_srl`` in tests/test_operating.py, run it
+that way in any case).
 
 What a node sees is what ``python -m srl.cli ARGS`` would give it: its argv, its environment, its working
 directory, its stdin (a pipe for a gated node) and its stdout/stderr (the node's log) as fds 0-2, SIGINT
@@ -32,7 +33,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ("srl.cli", "srl.algorithms.dqn", "srl.algorithms.ppo", "srl.algorithms.impala", "srl.algorithms.r2d2",
+NODE_MODULE = "srl.cli"
+"""what a node runs as ``__main__`` (``python -m srl.cli``)"""
+
+PRELOAD = (NODE_MODULE, "srl.algorithms.dqn", "srl.algorithms.ppo", "srl.algorithms.impala", "srl.algorithms.r2d2",
            "srl.algorithms.sac", "srl.runner.distribution.queues.rabbitmq", "srl.runner.distribution.queues.mqtt",
            "srl.runner.distribution.queues.pubsub", "srl.runner.distribution.queues.redis_stream",
            "gymnasium.envs.classic_control")
@@ -134,7 +138,7 @@ def _run_child(request: dict[str, Any]) -> None:
         sys.path[0] = ""
         exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
     else:
-        module = request["module"]
+        module = NODE_MODULE
         sys.argv = ["", *request["argv"]]
         sys.path[0] = request["cwd"]
         # ``python -m`` runs the module's code as __main__ with no ``srl.cli`` imported: the one PRELOAD imported
@@ -226,7 +230,7 @@ class ForkServer:
         """Fork a node running ``python -m srl.cli argv`` (or ``python -c gated_code argv``) with ``env``, its
         output to the open file ``log``; a gated node's stdin is a pipe (``ForkedProcess.stdin``)."""
         stdin_read, stdin_write = os.pipe() if gated_code is not None else (os.open(os.devnull, os.O_RDONLY), -1)
-        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "module": "srl.cli", "code": gated_code}
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "code": gated_code}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)

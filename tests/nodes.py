@@ -78,16 +78,15 @@ class Node:
         args = FAST_ACTOR if role == "actor" else FAST_TRAINER
         node_args = [role, "--url", redis_url, "--task-name", task_name, *args, *extra]
         self._log = open(self.log_path, "wb")
+        node_env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | forkserver.ForkedProcess
         if forkserver.enabled():  # python -m srl.cli without its imports' seconds (tests/forkserver.py)
-            self.proc = forkserver.ForkServer.get().spawn(node_args, {**os.environ, **(env or {})}, self._log,
-                                                          GATED_NODE if gated else None)
+            self.proc = forkserver.ForkServer.get().spawn(node_args, node_env, self._log, GATED_NODE if gated else None)
         else:
             cmd = ([sys.executable, "-c", GATED_NODE, *node_args] if gated
-                   else [sys.executable, "-m", "srl.cli", *node_args])
+                   else [sys.executable, "-m", forkserver.NODE_MODULE, *node_args])
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.PIPE if gated else None,
-                                         env={**os.environ, **(env or {})})  # SIGINT: conftest.py
+                                         stdin=subprocess.PIPE if gated else None, env=node_env)  # SIGINT: conftest.py
 
     def open_gate(self) -> None:
         """Let a ``gated`` node run (it waits for a line on its stdin)."""
