@@ -13,7 +13,13 @@ raising KeyboardInterrupt, and the interpreter's own exit: atexit handlers, non-
 uncaught exception's traceback, death by SIGINT after an uncaught KeyboardInterrupt. The server is
 single-threaded (a fork copies only the forking thread) and reaps its children, sending each exit status to the
 connection that asked for it: :class:`ForkedProcess` reads it back with the parts of ``subprocess.Popen`` the
-harness uses.
+harness uses. A request that fails (a client gone mid-request, a failed fork) is that request's alone: the
+server says so on its own stderr (``ForkServer.stderr_path``, quoted in the harness's errors) and serves the
+next. When the harness goes, the server SIGKILLs the nodes still running and exits.
+
+A node's environment is its request's, set before its code runs; what the interpreter itself read at its start
+(``PYTHONHASHSEED``, ``PYTHONPATH``) or a library at its import (``OMP_NUM_THREADS`` for torch) is the server's.
+No test sets those for a node; one that must starts it with ``SRL_TEST_FORKSERVER=0``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import gc
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +51,10 @@ PRELOAD = (NODE_MODULE, "srl.algorithms.dqn", "srl.algorithms.ppo", "srl.algorit
 imports itself, as any Python would)"""
 
 REAP_INTERVAL_S = 0.02
+REQUEST_TIMEOUT_S = 10.0
+SPAWN_TIMEOUT_S = 60.0
+"""how long a spawn waits for the server to take its request and answer with the node's pid"""
+"""how long the server waits for a request's bytes before it gives that request up (and serves the next)"""
 
 
 def enabled() -> bool:
@@ -53,7 +64,8 @@ def enabled() -> bool:
 # ------------------------------------------------------------------------------------------- the server
 def _serve(path: str) -> dict[str, Any] | None:
     """Serve fork requests on the unix socket ``path`` until the parent closes our stdin. Returns (in a forked
-    child only) the request the child is to run; the server itself returns None when it is done."""
+    child only) the request the child is to run; the server itself returns None when it is done, its nodes
+    SIGKILLed (a node still running when its harness is gone is a leak: it would load the machine's next run)."""
     import importlib
 
     for name in PRELOAD:
@@ -61,6 +73,9 @@ def _serve(path: str) -> dict[str, Any] | None:
             importlib.import_module(name)
         except ImportError:  # an optional queue library not installed: the nodes that need it say so
             pass
+    if threading.active_count() != 1:  # a fork copies only the forking thread: another one's locks stay held
+        raise RuntimeError(f"an import started a thread ({threading.enumerate()}): forks of this process are "
+                           "unsafe; run the tests with SRL_TEST_FORKSERVER=0")
     # what the imports made lives as long as any node: out of the collector's sight, a fork shares its pages
     # (a collection writes to every object it visits) and a node's exit skips a second of collecting them
     gc.freeze()
@@ -69,10 +84,24 @@ def _serve(path: str) -> dict[str, Any] | None:
     listener.listen(64)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
+    server = os.getpid()
+    children: dict[int, socket.socket] = {}
+    try:
+        return _serve_requests(listener, children)
+    finally:
+        if os.getpid() == server:
+            for pid in children:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in children:  # reaped here: not zombies left to an init that may not reap
+                with contextlib.suppress(OSError):
+                    os.waitpid(pid, 0)
+
+
+def _serve_requests(listener: socket.socket, children: dict[int, socket.socket]) -> dict[str, Any] | None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(sys.stdin, selectors.EVENT_READ, "parent")
-    children: dict[int, socket.socket] = {}
     while True:
         for key, _ in selector.select(REAP_INTERVAL_S):
             if key.data == "parent":
@@ -82,21 +111,37 @@ def _serve(path: str) -> dict[str, Any] | None:
                 continue
             conn, _ = listener.accept()
             with conn:
-                request, fds = _receive(conn)
-                pid = os.fork()
-                if pid == 0:
-                    selector.close()
-                    listener.close()
-                    for other in children.values():
-                        other.close()
-                    for target, fd in enumerate(fds):
-                        os.dup2(fd, target)
+                try:  # one request's failure is that request's (its client sees the connection close), not the server's
+                    conn.settimeout(REQUEST_TIMEOUT_S)
+                    request, fds = _receive(conn)
+                    conn.settimeout(None)
+                except (OSError, ValueError) as error:
+                    _say(f"a request refused: {error!r}")
+                    continue
+                try:
+                    pid = os.fork()
+                except OSError as error:
+                    _say(f"fork failed: {error!r}")
+                    for fd in fds:
                         os.close(fd)
+                    continue
+                if pid == 0:
+                    try:
+                        selector.close()
+                        listener.close()
+                        for other in children.values():
+                            other.close()
+                        for target, fd in enumerate(fds):
+                            os.dup2(fd, target)
+                            os.close(fd)
+                    except BaseException:
+                        os._exit(70)  # EX_SOFTWARE: never the server's loop in a child
                     return request
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
-                children[pid] = conn.dup()
+                children[pid] = conn.dup()  # before the pid is sent: a client gone at once still has its node reaped
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"{pid}\n".encode())
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -105,21 +150,31 @@ def _serve(path: str) -> dict[str, Any] | None:
             if pid == 0:
                 break
             conn = children.pop(pid)
-            try:
+            with contextlib.suppress(OSError):
                 conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:
-                pass
             conn.close()
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"fork server: {message}\n")
+    sys.stderr.flush()
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    while not message.endswith(b"\n"):
-        more = conn.recv(1 << 20)
-        if not more:
-            break
-        message += more
-    return json.loads(message), list(fds)
+    try:
+        while not message.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:
+                break
+            message += more
+        if len(fds) != 3:
+            raise ValueError(f"a request carries stdin, stdout and stderr: {len(fds)} fds came")
+        return json.loads(message), list(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _run_child(request: dict[str, Any]) -> None:
@@ -161,9 +216,11 @@ class ForkedProcess:
     """A node forked by the server: what of ``subprocess.Popen`` the harness uses (pid, poll, wait, returncode,
     send_signal, kill, stdin)."""
 
-    def __init__(self, conn: socket.socket, pid: int, stdin: Any, received: bytes = b"") -> None:
+    def __init__(self, conn: socket.socket, pid: int, stdin: Any, received: bytes = b"",
+                 server: ForkServer | None = None) -> None:
         """``received``: what the server sent after the pid (the exit status, where the node was over at once)"""
         self._conn = conn
+        self._server = server
         self.pid = pid
         self.stdin = stdin
         self.returncode: int | None = None
@@ -174,8 +231,9 @@ class ForkedProcess:
         try:
             while b"\n" not in self._buffer:
                 chunk = self._conn.recv(64)
-                if not chunk:  # the server went away before the node did: its status cannot be known
-                    raise RuntimeError(f"the fork server exited before node {self.pid}; see its stderr")
+                if not chunk:  # the server went away before the node did (and SIGKILLed it): no status to know
+                    raise RuntimeError(f"the fork server exited before node {self.pid}"
+                                       + (self._server.stderr_tail() if self._server else ""))
                 self._buffer += chunk
         except (TimeoutError, BlockingIOError):
             return
@@ -196,7 +254,9 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            # reaped by the server, its status not read yet: gone, as Popen takes a pid it reaped in the same gap
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -211,13 +271,24 @@ class ForkServer:
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="srl-forkserver-")
         self.path = str(Path(self._dir) / "s")
-        self.proc = subprocess.Popen([sys.executable, "-c", "import tests.forkserver as f; f.main()", self.path],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     cwd=Path(__file__).resolve().parents[1])
+        self.stderr_path = Path(self._dir) / "stderr.log"  # its own: not whichever test's output pytest captures
+        with open(self.stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen([sys.executable, "-c", "import tests.forkserver as f; f.main()", self.path],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                         cwd=Path(__file__).resolve().parents[1])
         assert self.proc.stdout is not None
         if self.proc.stdout.readline() != b"ready\n":
-            raise RuntimeError(f"the test harness's fork server did not start (exit {self.proc.wait()})")
+            raise RuntimeError(f"the test harness's fork server did not start (exit {self.proc.wait()})"
+                               + self.stderr_tail())
         atexit.register(self.close)
+
+    def stderr_tail(self) -> str:
+        """The end of the server's stderr, for an error that the server's state explains ("" when it said nothing)."""
+        try:
+            said = self.stderr_path.read_text(errors="replace")[-3000:].strip()
+        except OSError:
+            return ""
+        return f"; its stderr ({self.stderr_path}) ends:\n{said}" if said else ""
 
     @classmethod
     def get(cls) -> ForkServer:
@@ -233,19 +304,28 @@ class ForkServer:
         request = {"argv": argv, "env": env, "cwd": os.getcwd(), "code": gated_code}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(self.path)
-            socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [stdin_read, log.fileno(), log.fileno()])
-        finally:
-            os.close(stdin_read)
-        received = b""
-        while b"\n" not in received:
-            chunk = conn.recv(64)
-            if not chunk:
-                raise RuntimeError("the test harness's fork server closed the connection before it forked")
-            received += chunk
+            try:
+                conn.settimeout(SPAWN_TIMEOUT_S)
+                conn.connect(self.path)
+                socket.send_fds(conn, [json.dumps(request).encode() + b"\n"],
+                                [stdin_read, log.fileno(), log.fileno()])
+            finally:
+                os.close(stdin_read)
+            received = b""
+            while b"\n" not in received:
+                chunk = conn.recv(64)
+                if not chunk:
+                    raise RuntimeError("the test harness's fork server closed the connection before it forked"
+                                       + self.stderr_tail())
+                received += chunk
+        except BaseException:  # nothing of a node that never was stays open (a gate's write end would hold it)
+            conn.close()
+            if stdin_write >= 0:
+                os.close(stdin_write)
+            raise
         pid, rest = received.split(b"\n", 1)
         stdin = open(stdin_write, "wb", buffering=0) if stdin_write >= 0 else None
-        return ForkedProcess(conn, int(pid), stdin, rest)
+        return ForkedProcess(conn, int(pid), stdin, rest, self)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -255,6 +335,4 @@ class ForkServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-            os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)

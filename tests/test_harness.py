@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,52 @@ def test_a_forked_child_has_its_own_argv_environment_directory_and_random_number
     second = run(server, tmp_path, code, "a", "--b", env={"SRL_HARNESS_X": "one"})
     assert first[0] == second[0] == 0
     assert first[1].splitlines()[0] == f"['a', '--b'] one {tmp_path}"
-    assert first[1].splitlines()[1] != second[1].splitlines()[1]  # forks of one process, not one seed
+    python_random, numpy_random = zip(*(out.splitlines()[1].split() for _, out in (first, second)), strict=True)
+    assert python_random[0] != python_random[1]  # forks of one process, not one seed: Python's own generator
+    assert numpy_random[0] != numpy_random[1]  # and numpy's global one, which a fork alone would share
+
+
+def test_a_forked_child_holds_only_its_own_stdin_stdout_and_stderr(server: forkserver.ForkServer,
+                                                                   tmp_path: Path) -> None:
+    """No socket or pipe of the server (nor another node's) stays open in a node: a reader of one would never
+    see its end, and a node would hold the server's listener."""
+    status, out = run(server, tmp_path, "import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))")
+    assert status == 0
+    assert eval(out.splitlines()[-1]) in ([0, 1, 2], [0, 1, 2, 3])  # 3: listdir's own handle on /proc/self/fd
+
+
+def test_a_signalled_child_reports_the_signal_as_popen_does(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    with open(tmp_path / "out.log", "wb") as log:
+        proc = server.spawn([], dict(os.environ), log, "import sys, time\nsys.stdin.read()\ntime.sleep(60)")
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM
+        proc.send_signal(signal.SIGTERM)  # over: nothing to signal, and no error (as Popen)
+        proc.kill()
+
+
+def test_a_broken_request_is_refused_and_the_server_serves_the_next(server: forkserver.ForkServer,
+                                                                    tmp_path: Path) -> None:
+    for junk in (b"", b"not json\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(server.path)
+            conn.sendall(junk)
+            conn.shutdown(socket.SHUT_WR)
+            assert conn.recv(64) == b""  # refused: closed without a pid
+    assert run(server, tmp_path, "print('served')") == (0, "served\n")
+    assert "a request refused" in server.stderr_path.read_text()
+
+
+def test_the_server_takes_its_nodes_with_it_when_the_harness_goes(tmp_path: Path) -> None:
+    own = forkserver.ForkServer()  # not the suite's: this one is closed here
+    with open(tmp_path / "out.log", "wb") as log:
+        left = own.spawn([], dict(os.environ), log, "import sys, time\nsys.stdin.close()\ntime.sleep(600)")
+    own.close()
+    assert own.proc.returncode == 0
+    with pytest.raises(RuntimeError, match="exited before node"):
+        left.wait(30)
+    with pytest.raises(ProcessLookupError):  # SIGKILLed and reaped by the server as it went
+        os.kill(left.pid, 0)
 
 
 def test_a_forked_child_exits_as_the_interpreter_would(server: forkserver.ForkServer, tmp_path: Path) -> None:
