@@ -52,9 +52,9 @@ imports itself, as any Python would)"""
 
 REAP_INTERVAL_S = 0.02
 REQUEST_TIMEOUT_S = 10.0
+"""how long the server waits for a request's bytes before it gives that request up (and serves the next)"""
 SPAWN_TIMEOUT_S = 60.0
 """how long a spawn waits for the server to take its request and answer with the node's pid"""
-"""how long the server waits for a request's bytes before it gives that request up (and serves the next)"""
 
 
 def enabled() -> bool:
@@ -216,8 +216,7 @@ class ForkedProcess:
     """A node forked by the server: what of ``subprocess.Popen`` the harness uses (pid, poll, wait, returncode,
     send_signal, kill, stdin)."""
 
-    def __init__(self, conn: socket.socket, pid: int, stdin: Any, received: bytes = b"",
-                 server: ForkServer | None = None) -> None:
+    def __init__(self, server: ForkServer, conn: socket.socket, pid: int, stdin: Any, received: bytes) -> None:
         """``received``: what the server sent after the pid (the exit status, where the node was over at once)"""
         self._conn = conn
         self._server = server
@@ -232,8 +231,7 @@ class ForkedProcess:
             while b"\n" not in self._buffer:
                 chunk = self._conn.recv(64)
                 if not chunk:  # the server went away before the node did (and SIGKILLed it): no status to know
-                    raise RuntimeError(f"the fork server exited before node {self.pid}"
-                                       + (self._server.stderr_tail() if self._server else ""))
+                    raise RuntimeError(f"the fork server exited before node {self.pid}" + self._server.stderr_tail())
                 self._buffer += chunk
         except (TimeoutError, BlockingIOError):
             return
@@ -325,7 +323,7 @@ class ForkServer:
             raise
         pid, rest = received.split(b"\n", 1)
         stdin = open(stdin_write, "wb", buffering=0) if stdin_write >= 0 else None
-        return ForkedProcess(conn, int(pid), stdin, rest, self)
+        return ForkedProcess(self, conn, int(pid), stdin, rest)
 
     def close(self) -> None:
         if self.proc.poll() is None:

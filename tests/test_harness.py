@@ -49,9 +49,9 @@ def test_a_forked_child_holds_only_its_own_stdin_stdout_and_stderr(server: forks
                                                                    tmp_path: Path) -> None:
     """No socket or pipe of the server (nor another node's) stays open in a node: a reader of one would never
     see its end, and a node would hold the server's listener."""
-    status, out = run(server, tmp_path, "import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))")
+    status, out = run(server, tmp_path, "import os\nprint(*sorted(int(fd) for fd in os.listdir('/proc/self/fd')))")
     assert status == 0
-    assert eval(out.splitlines()[-1]) in ([0, 1, 2], [0, 1, 2, 3])  # 3: listdir's own handle on /proc/self/fd
+    assert out.split() in (["0", "1", "2"], ["0", "1", "2", "3"])  # 3: listdir's own handle on /proc/self/fd
 
 
 def test_a_signalled_child_reports_the_signal_as_popen_does(server: forkserver.ForkServer, tmp_path: Path) -> None:
@@ -62,6 +62,8 @@ def test_a_signalled_child_reports_the_signal_as_popen_does(server: forkserver.F
         assert proc.wait(30) == -signal.SIGTERM
         proc.send_signal(signal.SIGTERM)  # over: nothing to signal, and no error (as Popen)
         proc.kill()
+        assert proc.stdin is not None
+        proc.stdin.close()
 
 
 def test_a_broken_request_is_refused_and_the_server_serves_the_next(server: forkserver.ForkServer,
@@ -80,6 +82,8 @@ def test_the_server_takes_its_nodes_with_it_when_the_harness_goes(tmp_path: Path
     own = forkserver.ForkServer()  # not the suite's: this one is closed here
     with open(tmp_path / "out.log", "wb") as log:
         left = own.spawn([], dict(os.environ), log, "import sys, time\nsys.stdin.close()\ntime.sleep(600)")
+    assert left.stdin is not None
+    left.stdin.close()  # the gate's write end: the node has closed its read end and sleeps on
     own.close()
     assert own.proc.returncode == 0
     with pytest.raises(RuntimeError, match="exited before node"):
