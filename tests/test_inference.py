@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -30,7 +31,7 @@ from srl.runner.distribution.board.board import Board, TaskState, inference_leas
 from srl.runner.distribution.inference.run import InferenceRun
 from srl.runner.distribution.node.stop import StopFlag
 from srl.runner.distribution.queues import open_queue
-from srl.runner.distribution.settings.options import InferenceOptions
+from srl.runner.distribution.settings.options import ActorOptions, InferenceOptions
 from srl.runner.distribution.settings.task import TaskSpec, build_task
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, task_tag
 from srl.runner.distribution.wire.inference import InferenceLostError, InferenceRefusedError
@@ -629,11 +630,25 @@ def _central_run(nodes: list[Any], redis_url: str, namespace: str, tmp_path: Any
     return server, board, client
 
 
+def _thread_nices(pid: int) -> dict[int, int]:
+    """Each thread's nice in a process (/proc, field 19 of stat), by thread id (the main thread's is the pid)."""
+    nices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
+    return nices
+
+
 def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, namespace: str,
                                                               nodes: list[Any], tmp_path: Any) -> None:
     """SIGKILL the server mid-run: the standby takes the lease, actors reconnect and restart their
     episodes, the run finishes, and nothing queued is lost (sent = received at the end)."""
     first, board, client = _central_run(nodes, redis_url, namespace, tmp_path, 2, _impala())
+    for slot in range(2):  # each actor's acting thread yields the CPU to the server; its board threads keep theirs
+        actor = lease_holder_pid(board, f"actor:{slot}")
+        assert actor is not None
+        nices = _thread_nices(actor)
+        assert nices[actor] == ActorOptions().central_nice and min(nices.values()) == 0, nices
     pid = lease_holder_pid(board, "inference")
     assert pid == first.proc.pid
     start(nodes, "inference", redis_url, namespace, tmp_path, *INFERENCE_ARGS)  # the standby

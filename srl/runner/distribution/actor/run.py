@@ -40,6 +40,7 @@ from srl.runner.distribution.actor.params import ActorParams
 from srl.runner.distribution.actor.params_cache import ParamsCache, default_directory, private_directory
 from srl.runner.distribution.board.board import Board, Heartbeat
 from srl.runner.distribution.node.liveness import Beat, BoardWork, LeaseGuard, Liveness
+from srl.runner.distribution.node.priority import lower_priority
 from srl.runner.distribution.node.retry import Throttle
 from srl.runner.distribution.node.serve import (
     BUDGET_BEAT_S,
@@ -339,6 +340,9 @@ class ActorRun:
                     self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
         batch_started = time.monotonic()
         self.waits.started = time.monotonic()
+        # the acting thread only (the board's threads, started above, keep their share)
+        restore_priority = lower_priority(opts.central_nice if self.inference is not None else 0,
+                                          "an actor of central inference yields the CPU to its server")
         try:
             if params is not None:
                 params.wait_for(0, "first")  # act with the trainer's weights from the first step
@@ -379,6 +383,7 @@ class ActorRun:
                     if path.sync and sent_version is not None and params is not None:  # lockstep: new params next
                         params.wait_for(sent_version, "sync")
         finally:
+            restore_priority()
             self.stop.set("actor stopping")
             if params is not None:
                 params.poll_now.set()
