@@ -154,7 +154,8 @@ def net_out(client: redis.Redis) -> int:
 
 
 def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warmup: float, publish_interval: float,
-               server_args: tuple[str, ...] = (), servers: int = 1, double_buffer: bool = False) -> dict[str, Any]:
+               server_args: tuple[str, ...] = (), servers: int = 1, double_buffer: bool = False,
+               actor_args: tuple[str, ...] = ()) -> dict[str, Any]:
     config = impala.Config(envs_per_actor=envs)
     task = Task(env, config, actors, mode, publish_interval, servers, double_buffer)
     procs: list[subprocess.Popen[bytes]] = []
@@ -162,7 +163,7 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
         if mode == "central":
             procs += [start_node("inference", task, "--listen", "127.0.0.1:0", *server_args) for _ in range(servers)]
         server_pids = [p.pid for p in procs]
-        procs += [start_node("actor", task) for _ in range(actors)]
+        procs += [start_node("actor", task, *actor_args) for _ in range(actors)]
         deadline = time.monotonic() + 120
         while actor_totals(task.board, actors) is None:
             if time.monotonic() > deadline:
@@ -197,27 +198,31 @@ def throughput(env: str, mode: str, actors: int, envs: int, seconds: float, warm
 def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
     print(f"\nagent steps/s, {args.actors} actors x {args.envs_per_actor} envs, IMPALA as it comes, "
           f"{args.seconds:g} s each after {args.warmup:g} s warm-up (server: max_wait_ms "
-          f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)}; a params version every "
+          f"{', '.join(args.max_wait_ms)}, torch_threads {', '.join(args.server_threads)}; actors' central_nice "
+          f"{', '.join(args.central_nice)}; a params version every "
           f"{args.publish_interval:g} s)")
-    print(f"{'env':<22}{'mode':<34}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
+    print(f"{'env':<22}{'mode':<44}{'steps/s':>9}{'central/local':>15}{'params B/s to actors':>22}"
           f"{'Redis out B/s':>15}{'envs/batch':>12}{'wait ms':>9}{'server CPU us/step':>20}")
     for env in envs:
-        rows: dict[str, tuple[str, tuple[str, ...], int, bool]] = {"local": ("local", (), 1, False)}
+        rows: dict[str, tuple[str, tuple[str, ...], int, bool, tuple[str, ...]]] = {
+            "local": ("local", (), 1, False, ())}
         for servers in args.servers:
             for double in args.double_buffer:
                 for wait in args.max_wait_ms:
                     for threads in args.server_threads:
-                        label = "central" + (f", {servers} servers" if servers > 1 else "") + (
-                            ", double-buffered" if double else "") + (
-                            f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
-                            f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1
-                            else "")
-                        rows[label] = ("central", ("--max-wait-ms", wait, "--torch-threads", threads), servers, double)
+                        for nice in args.central_nice:
+                            label = "central" + (f", {servers} servers" if servers > 1 else "") + (
+                                ", double-buffered" if double else "") + (
+                                f", wait {wait} ms" if len(args.max_wait_ms) > 1 else "") + (
+                                f", {threads} thread{'s' if threads != '1' else ''}" if len(args.server_threads) > 1
+                                else "") + (f", actors' nice {nice}" if len(args.central_nice) > 1 else "")
+                            rows[label] = ("central", ("--max-wait-ms", wait, "--torch-threads", threads), servers,
+                                           double, ("--central-nice", nice))
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label in rows}
         for _ in range(args.repeat):  # every row once, then again: a drift of the machine touches them all alike
-            for label, (mode, server_args, servers, double) in rows.items():
+            for label, (mode, server_args, servers, double, actor_args) in rows.items():
                 runs[label].append(throughput(env, mode, args.actors, args.envs_per_actor, args.seconds, args.warmup,
-                                              args.publish_interval, server_args, servers, double))
+                                              args.publish_interval, server_args, servers, double, actor_args))
         local = float(np.median([r["steps_per_s"] for r in runs["local"]]))
         for label, found in runs.items():
             r = {key: _median([run[key] for run in found]) for key in found[0]}
@@ -226,7 +231,7 @@ def print_throughput(envs: list[str], args: argparse.Namespace) -> None:
             batch = "" if r["batch_envs"] is None else f"{r['batch_envs']:.1f}"
             wait = "" if r["batch_wait_ms"] is None else f"{r['batch_wait_ms']:.2f}"
             cpu = "" if r["server_us_per_step"] is None else f"{r['server_us_per_step']:.1f}"
-            print(f"{env:<22}{label:<34}{r['steps_per_s']:>9.0f}{r['steps_per_s'] / local:>15.2f}"
+            print(f"{env:<22}{label:<44}{r['steps_per_s']:>9.0f}{r['steps_per_s'] / local:>15.2f}"
                   f"{r['params_bytes_per_s']:>22,.0f}{r['redis_out_per_s']:>15,.0f}{batch:>12}{wait:>9}{cpu:>20}"
                   f"{spread}", flush=True)
 
@@ -286,6 +291,9 @@ def main() -> None:
     parser.add_argument("--publish-interval", type=float, default=0.25, help="seconds between params versions")
     parser.add_argument("--max-wait-ms", default="0", help="the server's max_wait_ms; comma-separated: a row each")
     parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")
+    parser.add_argument("--central-nice", default="10",
+                        help="the central actors' central_nice (their CPU priority below the server's); "
+                             "comma-separated: a row each")
     parser.add_argument("--servers", default="1,2", help="inference servers; comma-separated: a row each")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure every row this many times, in turn; print the medians (and the range)")
@@ -301,6 +309,7 @@ def main() -> None:
     args.max_wait_ms = [w.strip() for w in args.max_wait_ms.split(",") if w.strip()]
     args.server_threads = [t.strip() for t in args.server_threads.split(",") if t.strip()]
     args.servers = [int(n) for n in args.servers.split(",") if n.strip()]
+    args.central_nice = [n.strip() for n in args.central_nice.split(",") if n.strip()]
     args.double_buffer = [{"off": False, "on": True}[d.strip()] for d in args.double_buffer.split(",") if d.strip()]
     only = {o.strip() for o in args.only.split(",")}
     if "throughput" in only:
