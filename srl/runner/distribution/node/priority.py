@@ -7,9 +7,10 @@ priority the process may not take back, is logged and the node goes on).
 
 Why: with central inference on a machine of few cores, the actors and their server share the cores, and the
 kernel gives each runnable process the same share. The server is the one stage every actor waits on; while
-it waits for a core, every actor soon waits for it, and cores go idle (on a 2-core machine, 4 actors of a
-MinAtar task and their server: 1.65 cores busy, central ÷ local 0.57; with the actors at nice 10 the server
-takes the core it needs, 1.9 busy, 0.79; ``docs/benchmarks.md``, "The server's share of the CPU").
+it waits for a core, every actor soon waits for it, and cores go idle (on a 2-core machine, the
+server of 4 actors x 32 MinAtar envs at nice 0 ran on 0.65 of a core and 1.65 cores were busy; with 4 x 8 and
+the actors at nice 10 it took 0.94 of one. Central ÷ local rose from 0.67 to 0.70 at 4 x 8 envs and from 0.65
+to 0.72 at 4 x 32, each pair in one run: ``docs/benchmarks.md``, "The server's share of the CPU").
 """
 
 from __future__ import annotations

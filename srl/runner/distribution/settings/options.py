@@ -99,8 +99,8 @@ class ActorOptions(NodeOptions):
     central_nice: int = 10
     """with central inference: how much the acting thread lowers its CPU priority (Unix nice), so that on a
     machine it shares with its inference server, the server, which every actor waits on, gets the core it
-    needs (0: keep it; an actor on a machine of its own loses nothing by it). 2-core machine, 4 actors x 8
-    MinAtar envs: central / local 0.57 at 0, 0.72 at 10 (docs/benchmarks.md)"""
+    needs (0: keep it; an actor on a machine of its own loses nothing by it). 2-core machine, 4 actors x 32
+    MinAtar envs, one run: central / local 0.65 at 0, 0.72 at 10 (docs/benchmarks.md)"""
 
     def validate(self) -> None:
         super().validate()
