@@ -3,6 +3,7 @@
     python bench/inference.py                              # every table
     python bench/inference.py --only throughput --seconds 30
     python bench/inference.py --only rtt
+    python bench/inference.py --only batching              # the act path alone, in this process
     python bench/inference.py --envs MinAtar/Breakout-v1   # one env only
 
 Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA's config as it comes):
@@ -20,6 +21,11 @@ Tables (needs Redis on 127.0.0.1:6379; nodes are real ``srl`` processes; IMPALA'
               CNN) and on Pong frames (the Nature CNN).
   rtt         one actor's round trip (request out, actions back) to a server in another process, p50 and
               p99 over ``--round-trips``: CartPole with one env (the smallest request) and MinAtar with 8.
+  batching    what batching buys the server, nothing else running in the way: the CPU time per env step of
+              its act path (each worker's policy inputs, one forward pass over their joined envs, the split,
+              each worker's actions and observations) for W workers x E envs in this process, one torch
+              thread, no network, no other process. W = 1 is what a local actor runs; W = ``--actors`` is a
+              server's batch when every actor's request is in it. Needs no Redis.
 
 A ratio is taken within one run (with ``--repeat N``, the medians of N turns through every row). Nothing
 else should run meanwhile (two cores).
@@ -279,9 +285,54 @@ def print_rtt(args: argparse.Namespace) -> None:
         print(f"{env:<22}{envs:>5}{1000 * p50:>9.3f}{1000 * p99:>9.3f}", flush=True)
 
 
+def act_path_us(env: str, workers: int, envs: int, seconds: float = 2.0) -> float:
+    """CPU microseconds per env step of the server's act path for ``workers`` x ``envs`` (see ``batching``)."""
+    from srl.base.rl import join_policy_io, split_policy_io
+
+    config = impala.Config(envs_per_actor=envs)
+    spec = srl.Runner(env, config).spec
+    parameter = config.make_parameter(spec, "cpu")
+    group = [config.make_worker(spec, parameter, i, workers, i) for i in range(workers)]
+    obs = np.zeros((envs, *spec.obs_shape), spec.obs_dtype)  # a stack of equal frames slides as frames sent once need
+    reward, no = np.zeros(envs, np.float32), np.zeros(envs, bool)
+    for worker in group:
+        worker.training = True
+        worker.reset(np.arange(envs), obs)
+
+    def turn() -> None:
+        with torch.inference_mode():
+            outputs = group[0].policy(join_policy_io([worker.policy_inputs(obs) for worker in group]))
+            for worker, part in zip(group, split_policy_io(outputs, [envs] * workers), strict=True):
+                worker.act_with(obs, part)
+                worker.observe(reward, obs, no, no)
+
+    for _ in range(10):
+        turn()
+    turns, started, deadline = 0, time.thread_time(), time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        turn()
+        turns += 1
+    return (time.thread_time() - started) / (turns * workers * envs) * 1e6
+
+
+def print_batching(envs: list[str], args: argparse.Namespace) -> None:
+    sizes = sorted({1, args.actors})
+    per_actor = sorted({8, 32, args.envs_per_actor})
+    print("\nthe server's act path alone, CPU us per env step (this process, one torch thread; IMPALA as it comes)")
+    print(f"{'env':<22}{'workers x envs':>16}{'us/step':>10}{'x of 1 worker':>15}")
+    for env in envs:
+        for e in per_actor:
+            alone = None
+            for w in sizes:
+                us = act_path_us(env, w, e)
+                alone = us if alone is None else alone
+                print(f"{env:<22}{f'{w} x {e}':>16}{us:>10.1f}{alone / us:>15.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="throughput,rtt", help="comma-separated: throughput, rtt")
+    parser.add_argument("--only", default="throughput,rtt,batching",
+                        help="comma-separated: throughput, rtt, batching")
     parser.add_argument("--envs", default=",".join(ENVS), help="comma-separated env ids for throughput")
     parser.add_argument("--actors", type=int, default=4)
     parser.add_argument("--envs-per-actor", type=int, default=8)
@@ -300,8 +351,10 @@ def main() -> None:
     parser.add_argument("--double-buffer", default="off,on",
                         help="actors double-buffered: off, on, or off,on (a row each)")
     args = parser.parse_args()
+    only = {o.strip() for o in args.only.split(",")}
     try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+        if only - {"batching"}:
+            redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
     except redis.RedisError:
         sys.exit(f"needs Redis on {REDIS_URL} (scripts/services.sh start)")
     torch.set_num_threads(1)
@@ -311,11 +364,12 @@ def main() -> None:
     args.servers = [int(n) for n in args.servers.split(",") if n.strip()]
     args.central_nice = [n.strip() for n in args.central_nice.split(",") if n.strip()]
     args.double_buffer = [{"off": False, "on": True}[d.strip()] for d in args.double_buffer.split(",") if d.strip()]
-    only = {o.strip() for o in args.only.split(",")}
     if "throughput" in only:
         print_throughput([e.strip() for e in args.envs.split(",") if e.strip()], args)
     if "rtt" in only:
         print_rtt(args)
+    if "batching" in only:
+        print_batching([e.strip() for e in args.envs.split(",") if e.strip()], args)
 
 
 if __name__ == "__main__":
