@@ -324,7 +324,7 @@ def print_batching(envs: list[str], args: argparse.Namespace) -> None:
         for e in per_actor:
             alone = None
             for w in sizes:
-                us = act_path_us(env, w, e)
+                us = act_path_us(env, w, e, args.act_seconds)
                 alone = us if alone is None else alone
                 print(f"{env:<22}{f'{w} x {e}':>16}{us:>10.1f}{alone / us:>15.2f}", flush=True)
 
@@ -339,6 +339,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--round-trips", type=int, default=3000)
+    parser.add_argument("--act-seconds", type=float, default=2.0, help="seconds each batching row is timed")
     parser.add_argument("--publish-interval", type=float, default=0.25, help="seconds between params versions")
     parser.add_argument("--max-wait-ms", default="0", help="the server's max_wait_ms; comma-separated: a row each")
     parser.add_argument("--server-threads", default="1", help="the server's torch_threads; comma-separated: a row each")

@@ -11,10 +11,13 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -992,3 +995,16 @@ def test_a_learner_bound_asynchronous_central_run_refuses_no_row_as_stale(
     assert counters.get("stale_rows", 0) == 0, (counters, reports.trainer, actor.output()[-3000:])
     assert reports.trainer.lag_max <= 6
     assert reports.actors[0].rate_limited_s > 0, reports.actors[0]  # it waited for the learner
+
+
+def test_bench_inference_times_the_servers_act_path_by_workers_and_envs() -> None:
+    """``bench/inference.py --only batching`` runs in one command, without Redis, a row per workers x envs."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "inference.py"
+    done = subprocess.run([sys.executable, str(bench), "--only", "batching", "--envs", "MinAtar/Breakout-v1",
+                           "--actors", "2", "--envs-per-actor", "4", "--act-seconds", "0.1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("MinAtar/Breakout-v1")]
+    assert [" ".join(row[1:4]) for row in rows] == [f"{w} x {e}" for e in (4, 8, 32) for w in (1, 2)], done.stdout
+    assert all(float(row[4]) > 0 for row in rows), done.stdout
+    assert [row[5] for row in rows[::2]] == ["1.00"] * 3, done.stdout
