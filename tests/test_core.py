@@ -301,10 +301,10 @@ def test_apex_epsilon_schedule() -> None:
 def test_apex_epsilon_spans_every_env_of_every_actor(module: Any) -> None:
     """An actor stepping E envs explores as E actors would: the schedule runs over actors x envs, and a lone
     actor with several envs has a near-greedy env beside exploring ones, not one ε for all."""
-    config = module.Config(envs_per_actor=4)
+    config = module.Config(envs_per_actor=4, apex_epsilon=0.4)  # R2D2's is its family's preset otherwise
     schedule = [0.4 ** (1 + 7 * i / 7) for i in range(8)]
     np.testing.assert_allclose(np.concatenate([config.actor_epsilon(a, 2) for a in range(2)]), schedule)
-    np.testing.assert_allclose(module.Config(envs_per_actor=2).actor_epsilon(0, 1), [0.4, 0.4**8])
+    np.testing.assert_allclose(module.Config(envs_per_actor=2, apex_epsilon=0.4).actor_epsilon(0, 1), [0.4, 0.4**8])
 
 
 def test_dqn_explores_with_two_apex_epsilons_in_one_process_by_default() -> None:

@@ -337,12 +337,26 @@ def test_r2d2_as_it_comes_takes_its_family_preset_and_a_field_set_wins(caplog: p
         vectors = r2d2.Config().settled(EnvConfig("CartPole-v1"))
     assert vectors.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("vectors")]
     assert "vectors preset" in caplog.text and "lr 0.001" in caplog.text
+    assert vectors.apex_epsilon == 0.6 and "apex_epsilon 0.6" in caplog.text
     grids = r2d2.Config().settled(EnvConfig("MinAtar/Breakout-v1"))
     assert grids.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("grids")]
+    assert grids.apex_epsilon == 0.4  # Ape-X's, as for images
     assert r2d2.Config(lr=3e-3).settled(EnvConfig("CartPole-v1")).lr == 3e-3
+    assert r2d2.Config(apex_epsilon=0.3).settled(EnvConfig("CartPole-v1")).apex_epsilon == 0.3
     config = r2d2.Config()
     config.settled(EnvConfig("CartPole-v1"))
-    assert config.lr is None  # settled is a copy: one config serves several envs
+    assert config.lr is None and config.apex_epsilon is None  # settled is a copy: one config serves several envs
+
+
+def test_r2d2_workers_explore_with_their_familys_apex_epsilon_unsettled_or_not() -> None:
+    """A worker made from a config left at its presets explores with its env's family's ε (one process, a
+    hand-started actor and a server all make theirs from the spec); a config not resolved says what to do."""
+    spec = env_spec(EnvConfig(CARTPOLE))
+    config = r2d2.Config(envs_per_actor=2)
+    worker = config.make_worker(spec, config.make_parameter(spec, CPU), 0, 1, 0)
+    np.testing.assert_allclose(worker.epsilon, [0.6, 0.6**8])
+    with pytest.raises(ValueError, match="apex_epsilon is None"):
+        config.actor_epsilon(0, 1)
 
 
 @pytest.mark.parametrize(("max_steps", "max_train_count", "period"), [

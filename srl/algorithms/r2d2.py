@@ -80,6 +80,7 @@ logger = logging.getLogger("srl.r2d2")
 # (Atari, 10^10 frames); docs/memory.md, "R2D2's settings", says which envs chose the others and measures them.
 PRESETS: dict[str, tuple[Any, Any, Any]] = {
     "lr": (1e-3, 1e-4, 1e-4),
+    "apex_epsilon": (0.6, 0.4, 0.4),
 }
 FAMILIES = ("vectors", "grids", "images")
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -146,8 +147,9 @@ class Config(RLConfig):
     epsilon: float = 0.1
     """exploration rate of a lone env (one process or one actor, stepping one env); several envs follow Ape-X's
     schedule (one ε for all of them: set ``apex_epsilon`` to it and ``apex_alpha`` to 0)"""
-    apex_epsilon: float = 0.4
-    """Ape-X base ε: env i of N > 1 (every actor's envs) explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1))"""
+    apex_epsilon: float | None = None
+    """Ape-X base ε: env i of N > 1 (every actor's envs) explores with apex_epsilon ** (1 + apex_alpha * i / (N - 1));
+    None: the preset of the env's family (``PRESETS``: 0.6 for vectors, Ape-X's 0.4 for grids and images)"""
     apex_alpha: float = 7.0
     """Ape-X exponent spread across the envs"""
     test_epsilon: float = 0.0
@@ -184,7 +186,8 @@ class Config(RLConfig):
             check_int("target_update_interval", self.target_update_interval, 1, 2**62)
         check_number("priority_eta", self.priority_eta, 0.0, 1.0)
         for name in ("epsilon", "apex_epsilon", "test_epsilon"):
-            check_number(name, getattr(self, name), 0.0, 1.0)
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), 0.0, 1.0)
         check_number("apex_alpha", self.apex_alpha, 0.0, 1000.0)
         check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
         check_int("publish_every", self.publish_every, 1, 1 << 30)
@@ -235,7 +238,11 @@ class Config(RLConfig):
         return self.sequence_length - self.overlap
 
     def actor_epsilon(self, actor_index: int, actor_num: int) -> np.ndarray:
-        """ε of each env of actor ``actor_index`` of ``actor_num`` (Ape-X's schedule over all their envs)."""
+        """ε of each env of actor ``actor_index`` of ``actor_num`` (Ape-X's schedule over all their envs); a config
+        whose ``apex_epsilon`` is left to its family's preset must be ``resolved`` for an env first."""
+        if self.apex_epsilon is None:
+            raise ValueError("apex_epsilon is None (its family's preset): resolve the config for an env first "
+                             "(Config.resolved(spec)), or set apex_epsilon")
         return env_epsilons(self.epsilon, self.apex_epsilon, self.apex_alpha, actor_index, actor_num,
                             self.envs_per_actor)
 
@@ -270,7 +277,8 @@ class Config(RLConfig):
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
     ) -> R2D2Worker:
         assert isinstance(parameter, R2D2Parameter)
-        return R2D2Worker(self, parameter, self.actor_epsilon(actor_index, actor_num), self.envs_per_actor, seed)
+        config = self.resolved(spec)
+        return R2D2Worker(config, parameter, config.actor_epsilon(actor_index, actor_num), self.envs_per_actor, seed)
 
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> Memory:
         return self.memory.build(seed=self.seed, schema=self.schema(spec))
