@@ -338,11 +338,8 @@ class ActorRun:
         stats = ", ".join(f"{k}={v:.4g}" for k, v in self.worker.stats().items())
         logger.info("actor %s holds slot %d of %d (%d env(s)%s); env %s", opts.uid, self.slot, self.task.actor_num,
                     self.rollout.num_envs, f", {stats}" if stats else "", self.task.env_config)
-        batch_started = time.monotonic()
-        self.waits.started = time.monotonic()
-        # the acting thread only (the board's threads, started above, keep their share)
-        restore_priority = lower_priority(opts.central_nice if self.inference is not None else 0,
-                                          "an actor of central inference yields the CPU to its server")
+        batch_started = self.waits.started = time.monotonic()
+        restore_priority = lower_priority(opts.central_nice if self.inference is not None else 0, "yield to the server")
         try:
             if params is not None:
                 params.wait_for(0, "first")  # act with the trainer's weights from the first step
