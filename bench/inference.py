@@ -322,10 +322,10 @@ def print_batching(envs: list[str], args: argparse.Namespace) -> None:
     print(f"{'env':<22}{'workers x envs':>16}{'us/step':>10}{'x of 1 worker':>15}")
     for env in envs:
         for e in per_actor:
-            alone = None
+            alone = 0.0  # one worker's, the first row
             for w in sizes:
                 us = act_path_us(env, w, e, args.act_seconds)
-                alone = us if alone is None else alone
+                alone = alone or us
                 print(f"{env:<22}{f'{w} x {e}':>16}{us:>10.1f}{alone / us:>15.2f}", flush=True)
 
 
@@ -365,12 +365,13 @@ def main() -> None:
     args.servers = [int(n) for n in args.servers.split(",") if n.strip()]
     args.central_nice = [n.strip() for n in args.central_nice.split(",") if n.strip()]
     args.double_buffer = [{"off": False, "on": True}[d.strip()] for d in args.double_buffer.split(",") if d.strip()]
+    envs = [e.strip() for e in args.envs.split(",") if e.strip()]
     if "throughput" in only:
-        print_throughput([e.strip() for e in args.envs.split(",") if e.strip()], args)
+        print_throughput(envs, args)
     if "rtt" in only:
         print_rtt(args)
     if "batching" in only:
-        print_batching([e.strip() for e in args.envs.split(",") if e.strip()], args)
+        print_batching(envs, args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ board, a process's exit) with a deadline, never by a blind sleep.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -194,6 +195,15 @@ def kill_all(nodes: list[Node]) -> None:
         node.begin_stop()
     for node in nodes:
         node.finish_stop()
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread's nice in a process (/proc, field 19 of stat), by thread id (the main thread's is the pid)."""
+    nices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
+    return nices
 
 
 def sigkill(pid: int) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from srl.runner.distribution.settings.task import TaskSpec, build_task
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, task_tag
 from srl.runner.distribution.wire.inference import InferenceLostError, InferenceRefusedError
 from srl.runner.distribution.wire.link import HELLO, ClientLink, Refusal, Status
-from tests.nodes import ClientThread, board_for, lease_holder_pid, sigkill, start, wait_for
+from tests.nodes import ClientThread, board_for, lease_holder_pid, sigkill, start, thread_nices, wait_for
 
 
 def _impala(**changes: Any) -> impala.Config:
@@ -633,15 +632,6 @@ def _central_run(nodes: list[Any], redis_url: str, namespace: str, tmp_path: Any
     return server, board, client
 
 
-def _thread_nices(pid: int) -> dict[int, int]:
-    """Each thread's nice in a process (/proc, field 19 of stat), by thread id (the main thread's is the pid)."""
-    nices = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
-            nices[int(tid)] = int(f.read().rpartition(")")[2].split()[16])
-    return nices
-
-
 def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, namespace: str,
                                                               nodes: list[Any], tmp_path: Any) -> None:
     """SIGKILL the server mid-run: the standby takes the lease, actors reconnect and restart their
@@ -650,7 +640,7 @@ def test_a_standby_server_takes_over_when_the_server_is_killed(redis_url: str, n
     for slot in range(2):  # each actor's acting thread yields the CPU to the server; its board threads keep theirs
         actor = lease_holder_pid(board, f"actor:{slot}")
         assert actor is not None
-        nices = _thread_nices(actor)
+        nices = thread_nices(actor)
         assert nices[actor] == ActorOptions().central_nice and min(nices.values()) == 0, nices
     pid = lease_holder_pid(board, "inference")
     assert pid == first.proc.pid

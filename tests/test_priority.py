@@ -10,14 +10,14 @@ import pytest
 
 from srl.runner.distribution.node.priority import lower_priority
 from srl.runner.distribution.settings.options import ActorOptions
+from tests.nodes import thread_nices
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 
 
 def thread_nice(tid: int) -> int:
-    """A thread's nice as the kernel holds it (/proc, field 19 of stat)."""
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[16])
+    """A thread of this process's nice as the kernel holds it."""
+    return thread_nices(os.getpid())[tid]
 
 
 def test_the_calling_thread_yields_and_the_threads_already_running_keep_their_share() -> None:

@@ -37,11 +37,12 @@ def lower_priority(by: int, why: str) -> Callable[[], None]:
     who = _thread_id()
     try:
         before = os.getpriority(os.PRIO_PROCESS, who)
-        os.setpriority(os.PRIO_PROCESS, who, min(19, before + by))
+        after = min(19, before + by)
+        os.setpriority(os.PRIO_PROCESS, who, after)
     except OSError as e:
         logger.info("could not lower this node's CPU priority (%s): %s", why, e)
         return lambda: None
-    logger.debug("nice %d -> %d (%s)", before, min(19, before + by), why)
+    logger.debug("nice %d -> %d (%s)", before, after, why)
 
     def restore() -> None:
         if _thread_id() != who and who != 0:
@@ -49,7 +50,6 @@ def lower_priority(by: int, why: str) -> Callable[[], None]:
         try:
             os.setpriority(os.PRIO_PROCESS, who, before)
         except OSError:  # lowering a nice needs CAP_SYS_NICE: the thread keeps the raised one
-            logger.debug("this thread keeps nice %d (putting back %d needs privileges)", min(19, before + by),
-                         before)
+            logger.debug("this thread keeps nice %d (putting back %d needs privileges)", after, before)
 
     return restore
