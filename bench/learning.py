@@ -148,6 +148,7 @@ def appo() -> ppo.Config:
 
 CARTPOLE_NOVEL = "srl/CartPoleNoVel-v1"
 PENDULUM_NOVEL = "srl/PendulumNoVel-v1"
+ACROBOT_NOVEL = "srl/AcrobotNoVel-v1"
 MINATAR_BREAKOUT = "MinAtar/Breakout-v1"
 RANDOM_MINATAR_BREAKOUT = 0.41
 """the mean return of uniform random actions on MinAtar Breakout-v1 (300 episodes, seeds 0..299)"""
@@ -272,6 +273,11 @@ CASES = {case.name: case for case in [
     Case("impala-invdoublependulum", "InvertedDoublePendulum-v5", impala.Config, "steps:1000000", (), 9000.0,
          "steps:20000", needs="mujoco"),
     Case("impala-hopper", "Hopper-v5", impala.Config, "steps:1000000", (), 1000.0, "steps:20000", needs="mujoco"),
+    # where the recurrent presets are chosen: Acrobot without its velocities, not judged there
+    Case("ppo-lstm-default-acrobotnovel", ACROBOT_NOVEL, ppo_lstm_default, "steps:200000", (), -100.0,
+         "steps:20000"),
+    Case("ppo-lstm-acrobotnovel", ACROBOT_NOVEL, ppo_lstm, "steps:200000", (), -100.0, "steps:20000"),
+    Case("impala-lstm-acrobotnovel", ACROBOT_NOVEL, impala_lstm, "steps:300000", (), -100.0, "steps:20000"),
     Case("dqn-minatar-default", MINATAR_BREAKOUT, dqn.Config, "steps:2000000",
          (Reference("MinAtar paper DQN learning curve (Young & Tian 2019, fig. 2)", "5M"),), 10.0, "steps:20000",
          needs="minatar", floor=5 * RANDOM_MINATAR_BREAKOUT),

@@ -49,7 +49,8 @@ def rows_of(config: object, env: str, want: int, envs: int = 3) -> tuple[object,
 
 
 # ------------------------------------------------------------------ the envs
-@pytest.mark.parametrize(("env", "hidden"), [(CARTPOLE, (1, 3)), (PENDULUM, (2,))])
+@pytest.mark.parametrize(("env", "hidden"), [(CARTPOLE, (1, 3)), (PENDULUM, (2,)),
+                                           ("srl/AcrobotNoVel-v1", (4, 5))])
 def test_the_partially_observed_envs_hide_their_velocities(env: str, hidden: tuple[int, ...]) -> None:
     made = EnvConfig(env).make()
     obs, _ = made.reset(seed=3)

@@ -5,7 +5,9 @@ Baselines3 Zoo's ``MaskVelocityWrapper``: the shape stays, the velocities read 0
 registers, ``srl/CartPoleNoVel-v1`` (CartPole-v1 without the cart's and the pole's velocities, entries 1
 and 3) and ``srl/PendulumNoVel-v1`` (Pendulum-v1 without the angular velocity, entry 2): the Zoo's
 ``CartPoleNoVel-v1`` and ``PendulumNoVel-v1``, on which a policy needs memory, as one frame tells the
-position but not where it is going. ``register_partial_envs`` is called when an ``srl/`` id is first
+position but not where it is going; and ``srl/AcrobotNoVel-v1`` (Acrobot-v1 without its two angular
+velocities, entries 4 and 5), a third on which recurrent presets are chosen so that they are not judged
+on the envs they were chosen on. ``register_partial_envs`` is called when an ``srl/`` id is first
 made (``preprocessing.register_known_envs``). Must never: import anything a name chose.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 MASKED_VELOCITIES: dict[str, tuple[str, tuple[int, ...]]] = {
     "srl/CartPoleNoVel-v1": ("CartPole-v1", (1, 3)),
     "srl/PendulumNoVel-v1": ("Pendulum-v1", (2,)),
+    "srl/AcrobotNoVel-v1": ("Acrobot-v1", (4, 5)),
 }
 """srl's id -> (the env it hides velocities of, the observation entries that are velocities)"""
 
