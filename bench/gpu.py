@@ -67,6 +67,7 @@ from srl.algorithms import dqn, impala, ppo, r2d2, sac
 from srl.base.rl import RLConfig, Worker
 from srl.base.rollout import Rollout
 from srl.rl import ahead
+from srl.rl.blocks import MLPBlockConfig
 
 ENV = "Pendulum-v1"
 SECTIONS = ("dqn", "ppo", "impala", "r2d2", "sac", "inference", "compute")
@@ -139,7 +140,7 @@ def segment_rates(algorithm: str, device: str, hidden: tuple[int, ...], seconds:
         "impala": lambda: impala.Config(seed=0, device=device, torch_threads=threads),
         "r2d2": lambda: r2d2.Config(seed=0, device=device, torch_threads=threads, warmup_size=64),
     }[algorithm]()
-    config.hidden_block.set_mlp(hidden)
+    config.hidden_block = MLPBlockConfig(hidden)  # PPO's and IMPALA's is None (a preset) until set
     worker, update = segment_learner("CartPole-v1", config, max(8, config.envs_per_actor))
     obs = np.random.default_rng(0).normal(size=(config.envs_per_actor, 4)).astype(np.float32)  # CartPole's
     return calls_per_second(lambda: worker.act(obs), device, seconds), calls_per_second(update, device, seconds)

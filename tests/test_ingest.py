@@ -473,9 +473,9 @@ def ppo_trainer(redis_url: str, namespace: str, max_steps: int) -> tuple[Board, 
     """The trainer's run (epoch 1, uid ``t1``) of a sync PPO task on Pendulum (its rewards normalized, its
     learning rate and clip range annealed over ``max_steps``) on a fresh board."""
     from srl.algorithms import ppo
+    from srl.rl.blocks import MLPBlockConfig
 
-    config = ppo.Config(seed=0, envs_per_actor=1, segment_length=16)
-    config.hidden_block.set_mlp((16, 16))
+    config = ppo.Config(seed=0, envs_per_actor=1, segment_length=16, hidden_block=MLPBlockConfig((16, 16)))
     runner = srl.Runner("Pendulum-v1", config)
     params = RedisParameters(url=redis_url, task_name=namespace)
     board = Board(params.connect(), namespace)

@@ -15,6 +15,7 @@ from srl.algorithms import ppo
 from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.rl.actor_critic import SegmentWorker
+from srl.rl.blocks import MLPBlockConfig
 from srl.runner.distribution.wire.codec import BatchHeader, Codec
 
 
@@ -187,6 +188,29 @@ def test_presets_follow_the_action_family() -> None:
     assert (discrete.gamma, discrete.normalize_obs) == (0.98, False)
     assert (continuous.gamma, continuous.normalize_obs, continuous.minibatches) == (0.9, True, 32)
     assert ppo.Config(gamma=0.99).resolved(env_spec(EnvConfig("Pendulum-v1"))).gamma == 0.99  # a set field wins
+
+
+def test_a_recurrent_config_takes_its_own_presets_where_they_differ(caplog: pytest.LogCaptureFixture) -> None:
+    """Over Discrete vectors a recurrent config takes RL Zoo ppo_lstm's network (one ReLU layer of 64 per head)
+    with observations normalized; feed-forward keeps two tanh layers of 64 and raw observations; a field set
+    wins; the run says which preset it took."""
+    novel = env_spec(EnvConfig("srl/CartPoleNoVel-v1"))
+    recurrent, feed_forward = ppo.Config(recurrent="lstm").resolved(novel), ppo.Config().resolved(novel)
+    assert recurrent.hidden_block == MLPBlockConfig((64,), "relu") and recurrent.normalize_obs is True
+    assert feed_forward.hidden_block == MLPBlockConfig((64, 64), "tanh") and feed_forward.normalize_obs is False
+    net = recurrent.make_parameter(novel, torch.device("cpu")).net
+    assert [m.out_features for m in net.actor_body.modules() if isinstance(m, torch.nn.Linear)] == [64]
+    pendulum = ppo.Config(recurrent="lstm").resolved(env_spec(EnvConfig("srl/PendulumNoVel-v1")))
+    assert pendulum.hidden_block == MLPBlockConfig((64, 64), "tanh")  # Box keeps its own preset
+    mine = MLPBlockConfig((32,), "tanh")
+    set_by_hand = ppo.Config(recurrent="lstm", hidden_block=mine, normalize_obs=False).resolved(novel)
+    assert (set_by_hand.hidden_block, set_by_hand.normalize_obs) == (mine, False)
+    assert recurrent.hidden_block is not ppo.Config(recurrent="lstm").resolved(novel).hidden_block  # each a copy
+    assert set(ppo.RECURRENT_PRESETS) <= set(ppo.PRESETS)  # a run's line names every field a preset set
+    with caplog.at_level("INFO", logger="srl.ppo"):
+        ppo.Config(recurrent="lstm").settled(EnvConfig("srl/CartPoleNoVel-v1"))
+    assert "the recurrent discrete preset for 'srl/CartPoleNoVel-v1'" in caplog.text, caplog.text
+    assert "normalize_obs True" in caplog.text and "hidden_block 64 relu" in caplog.text, caplog.text
 
 
 def test_presets_tell_atari_images_from_small_grids() -> None:

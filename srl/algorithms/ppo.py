@@ -46,6 +46,8 @@ from srl.base.rl import (
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
     ACTION_FAMILIES,
+    MLP_64_64_TANH,
+    MLP_64_RELU,
     ActorCriticParameter,
     FamilyPresets,
     LinearAnneal,
@@ -79,6 +81,15 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "ent_coef": (0.0, 0.0, 0.01, 0.01),
     "normalize_obs": (False, True, False, False),
     "normalize_reward": (False, True, False, False),
+    "hidden_block": (MLP_64_64_TANH,) * 4,
+}
+# A recurrent config's own columns, where they differ: over Discrete vectors RL Zoo's ppo_lstm network for the
+# NoVel envs (one ReLU layer of 64 per head before the cell) with observations normalized; chosen on
+# srl/AcrobotNoVel-v1, judged on srl/CartPoleNoVel-v1 (docs/benchmarks.md, "Recurrent presets"). Box keeps its
+# own (PendulumNoVel meets its target with it); images and grids go through their CNN.
+RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
+    "normalize_obs": (True, True, False, False),
+    "hidden_block": (MLP_64_RELU, MLP_64_64_TANH, MLP_64_64_TANH, MLP_64_64_TANH),
 }
 FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -90,12 +101,14 @@ class Config(FamilyPresets, RLConfig):
 
     algorithm: ClassVar[str] = "ppo"
     presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
+    recurrent_presets: ClassVar[dict[str, tuple[Any, ...]]] = RECURRENT_PRESETS
     saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128}
 
     envs_per_actor: int = 8
     """envs each actor (and Runner.train) steps at once; one segment per env per update"""
-    hidden_block: MLPBlockConfig = field(default_factory=lambda: MLPBlockConfig((64, 64), "tanh"))
-    """the layers of the policy and of the value network over vector observations (separate, as in CleanRL)"""
+    hidden_block: MLPBlockConfig | None = None
+    """the layers of the policy and of the value network over vector observations (separate, as in CleanRL;
+    preset: two tanh layers of 64, and one ReLU layer of 64 for a recurrent config over Discrete actions)"""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors
     and a CNN both heads share for images"""
@@ -139,7 +152,8 @@ class Config(FamilyPresets, RLConfig):
     recurrent_size: int = 128
     """units of the recurrent cell"""
     normalize_obs: bool | None = None
-    """normalize observations by running mean and std (preset: off Discrete, on Box); the statistics
+    """normalize observations by running mean and std (preset: off Discrete, on Box and for a recurrent
+    config); the statistics
     travel with the params, so actors normalize as the trainer does"""
     normalize_reward: bool | None = None
     """scale rewards by the running std of the discounted return (preset: off Discrete, on Box)"""
@@ -155,7 +169,8 @@ class Config(FamilyPresets, RLConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.hidden_block.validate()
+        if self.hidden_block is not None:
+            self.hidden_block.validate()
         self.encoder.validate()
         check_recurrent(self.recurrent, self.recurrent_size)
         if self.segment_length is not None:

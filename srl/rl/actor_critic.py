@@ -36,6 +36,7 @@ segment from it (``evaluate_sequence``, ``bootstrapped_values``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -71,9 +72,9 @@ VALUE_BOUND = 1e9
 
 
 class ActorCriticSettings(Protocol):
-    """What the shared pieces read from an algorithm's config."""
+    """What the shared pieces read from an algorithm's config (resolved: no preset field left at None)."""
 
-    hidden_block: MLPBlockConfig
+    hidden_block: MLPBlockConfig | None
     encoder: EncoderConfig
     normalize_obs: bool | None
     store_frames_once: bool
@@ -283,6 +284,11 @@ class LinearAnneal:
         return 1.0
 
 
+MLP_64_64_TANH = MLPBlockConfig((64, 64), "tanh")
+"""PPO's and IMPALA's ``hidden_block`` preset: CleanRL's two tanh layers of 64 per head (``resolved`` copies it)"""
+MLP_64_RELU = MLPBlockConfig((64,), "relu")
+"""their recurrent preset over Discrete vectors: RL Zoo ppo_lstm's one ReLU layer of 64 per head"""
+
 ACTION_FAMILIES = ("discrete", "box", "images", "grids")
 """the preset families of an actor-critic config: Discrete / MultiDiscrete and Box over vectors, images, and grids
 (images under the Nature CNN's smallest side, as MinAtar's)"""
@@ -293,11 +299,14 @@ P = TypeVar("P", bound="FamilyPresets")
 
 class FamilyPresets:
     """What PPO's and IMPALA's configs share: ``presets`` gives each field a config may leave at None one value per
-    family of ``ACTION_FAMILIES``; ``resolved`` sets them where the config is used, ``settled`` says which."""
+    family of ``ACTION_FAMILIES``; ``resolved`` sets them where the config is used, ``settled`` says which.
+    A recurrent config (``recurrent`` set) takes ``recurrent_presets`` where that gives a field its own columns."""
 
     presets: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    recurrent_presets: ClassVar[dict[str, tuple[Any, ...]]] = {}
     algorithm: ClassVar[str]
     encoder: EncoderConfig
+    recurrent: str | None
 
     def family(self, spec: EnvSpec) -> str:
         """The preset family of ``spec``: its images, small or not, else its action space."""
@@ -305,10 +314,16 @@ class FamilyPresets:
             return "grids" if self.encoder.small_image(spec) else "images"
         return "box" if isinstance(spec.actions, BoxActions) else "discrete"
 
+    def preset_columns(self) -> dict[str, tuple[Any, ...]]:
+        """Each preset field's values by family: ``presets``, with ``recurrent_presets`` over them when the
+        config is recurrent."""
+        return self.presets if self.recurrent is None else {**self.presets, **self.recurrent_presets}
+
     def resolved(self: P, spec: EnvSpec) -> P:
         """A copy with every ``None`` field set to the preset of ``spec``'s family (``family``)."""
         column = ACTION_FAMILIES.index(self.family(spec))
-        changes = {name: preset[column] for name, preset in self.presets.items() if getattr(self, name) is None}
+        changes = {name: copy.deepcopy(preset[column]) for name, preset in self.preset_columns().items()
+                   if getattr(self, name) is None}
         return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
 
     def settled(self: P, env_config: EnvConfig) -> P:
@@ -318,8 +333,9 @@ class FamilyPresets:
         if left:
             spec = env_spec(env_config)
             resolved = self.resolved(spec)
+            family = self.family(spec) if self.recurrent is None else f"recurrent {self.family(spec)}"
             logging.getLogger(f"srl.{self.algorithm}").info(
-                "%s", preset_note(self, self.family(spec), env_config.id,  # type: ignore[arg-type]
+                "%s", preset_note(self, family, env_config.id,  # type: ignore[arg-type]
                                   {name: getattr(resolved, name) for name in left}))
         return self
 
@@ -371,17 +387,19 @@ class ActorCritic(nn.Module):
         # by their encoder instead, so the (unused) statistics keep one entry
         self.obs_rms = RunningMeanStd((1,) if spec.image else spec.obs_shape)
         self.shared: nn.Module | None = None
+        block = config.hidden_block
+        assert block is not None, "the config is resolved (its presets set) before a network is built"
         if config.encoder.check(spec) == "mlp":
-            self.critic_body, size = config.encoder.build(spec, config.hidden_block)
+            self.critic_body, size = config.encoder.build(spec, block)
             if config.recurrent is None:
                 self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
-            self.actor_body, size = config.encoder.build(spec, config.hidden_block)
+            self.actor_body, size = config.encoder.build(spec, block)
             for body in (self.critic_body, self.actor_body):
                 for layer in body.modules():
                     if isinstance(layer, nn.Linear):
                         layer_init(layer)
         else:
-            self.shared, size = config.encoder.build(spec, config.hidden_block)
+            self.shared, size = config.encoder.build(spec, block)
             orthogonal_init(self.shared)
             self.critic_body = self.actor_body = nn.Identity()
         self.recurrent = config.recurrent

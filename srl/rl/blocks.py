@@ -33,6 +33,10 @@ class MLPBlockConfig(Settings):
     layer_norm: bool = False
     """normalize each hidden layer's pre-activations (Linear -> LayerNorm -> activation)"""
 
+    def __str__(self) -> str:
+        """``64x64 tanh``: the layers and their activation, as a run's preset line says them."""
+        return f"{'x'.join(map(str, self.layer_sizes))} {self.activation}" + (" layer_norm" if self.layer_norm else "")
+
     def set_mlp(self, layer_sizes: tuple[int, ...] = (64, 64), activation: str = "relu") -> None:
         self.layer_sizes = tuple(int(s) for s in layer_sizes)
         self.activation = activation
