@@ -74,7 +74,8 @@ VALUE_BOUND = 1e9
 class ActorCriticSettings(Protocol):
     """What the shared pieces read from an algorithm's config (resolved: no preset field left at None)."""
 
-    hidden_block: MLPBlockConfig | None
+    @property
+    def hidden_block(self) -> MLPBlockConfig | None: ...  # PPO's None until resolved; IMPALA's always set
     encoder: EncoderConfig
     normalize_obs: bool | None
     store_frames_once: bool
