@@ -112,7 +112,8 @@ def ppo_lstm() -> ppo.Config:
 
 
 def ppo_lstm_default() -> ppo.Config:
-    """``ppo.Config(recurrent="lstm")`` as it comes: two tanh layers of 64 per head, no normalization."""
+    """``ppo.Config(recurrent="lstm")`` as it comes: over Discrete vectors the recurrent preset (the network and
+    normalization of ``ppo_lstm``), over Box the Box preset with two tanh layers of 64 per head."""
     return ppo.Config(recurrent="lstm")
 
 

@@ -18,11 +18,10 @@ import numpy as np
 import srl
 from srl.algorithms import impala, ppo, r2d2
 from srl.base.rl import RLConfig
-from srl.rl.blocks import MLPBlockConfig
 from srl.runner.distribution import RedisParameters
 
 CONFIGS: dict[str, tuple[RLConfig, int]] = {
-    "ppo": (ppo.Config(recurrent="lstm", normalize_obs=True, hidden_block=MLPBlockConfig((64,), "relu")), 100_000),
+    "ppo": (ppo.Config(recurrent="lstm"), 100_000),  # over Discrete vectors: RL Zoo ppo_lstm's network, a preset
     "impala": (impala.Config(recurrent="lstm"), 300_000),
     "r2d2": (r2d2.Config(lr=5e-4, target_update_interval=500), 300_000),
 }
