@@ -153,8 +153,7 @@ class Config(FamilyPresets, RLConfig):
     """units of the recurrent cell"""
     normalize_obs: bool | None = None
     """normalize observations by running mean and std (preset: off Discrete, on Box and for a recurrent
-    config); the statistics
-    travel with the params, so actors normalize as the trainer does"""
+    config); the statistics travel with the params, so actors normalize as the trainer does"""
     normalize_reward: bool | None = None
     """scale rewards by the running std of the discounted return (preset: off Discrete, on Box)"""
     sync: bool = True

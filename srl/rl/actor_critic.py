@@ -286,9 +286,9 @@ class LinearAnneal:
 
 
 MLP_64_64_TANH = MLPBlockConfig((64, 64), "tanh")
-"""PPO's and IMPALA's ``hidden_block`` preset: CleanRL's two tanh layers of 64 per head (``resolved`` copies it)"""
+"""PPO's ``hidden_block`` preset (IMPALA's default is the same): CleanRL's two tanh layers of 64 per head"""
 MLP_64_RELU = MLPBlockConfig((64,), "relu")
-"""their recurrent preset over Discrete vectors: RL Zoo ppo_lstm's one ReLU layer of 64 per head"""
+"""PPO's recurrent preset over Discrete vectors: RL Zoo ppo_lstm's one ReLU layer of 64 per head"""
 
 ACTION_FAMILIES = ("discrete", "box", "images", "grids")
 """the preset families of an actor-critic config: Discrete / MultiDiscrete and Box over vectors, images, and grids
@@ -333,10 +333,10 @@ class FamilyPresets:
         left = [name for name in self.presets if getattr(self, name) is None]
         if left:
             spec = env_spec(env_config)
-            resolved = self.resolved(spec)
-            family = self.family(spec) if self.recurrent is None else f"recurrent {self.family(spec)}"
+            resolved, family = self.resolved(spec), self.family(spec)
+            said = family if self.recurrent is None else f"recurrent {family}"
             logging.getLogger(f"srl.{self.algorithm}").info(
-                "%s", preset_note(self, family, env_config.id,  # type: ignore[arg-type]
+                "%s", preset_note(self, said, env_config.id,  # type: ignore[arg-type]
                                   {name: getattr(resolved, name) for name in left}))
         return self
 
