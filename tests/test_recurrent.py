@@ -239,6 +239,19 @@ def test_a_time_limit_bootstraps_from_the_state_after_the_step(algorithm: str) -
     assert recorded[1] == 0.0
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "impala", "r2d2"])
+def test_evaluating_fewer_episodes_than_an_actor_has_envs_keeps_one_state_per_env_run(algorithm: str) -> None:
+    # evaluate steps min(envs_per_actor, max_episodes) envs: the worker's states must be as many
+    config = {
+        "ppo": ppo.Config(recurrent="lstm", envs_per_actor=4, segment_length=8, epochs=1, seed=1),
+        "impala": impala.Config(recurrent="gru", envs_per_actor=4, segment_length=8, batch_segments=2, seed=1),
+        "r2d2": small_r2d2(envs_per_actor=4),
+    }[algorithm]
+    scores = srl.Runner(CARTPOLE, config).evaluate(max_episodes=3, seed=7)
+    assert len(scores) == 3
+    assert all(score >= 1.0 for score in scores)
+
+
 # ------------------------------------------------------------------ one process: learn, save, resume
 @pytest.mark.parametrize("algorithm", ["ppo", "appo", "impala", "r2d2"])
 def test_a_recurrent_checkpoint_restores_and_resumes(algorithm: str, tmp_path: Path) -> None:

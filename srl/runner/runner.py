@@ -8,6 +8,7 @@ distribution client.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -312,6 +313,8 @@ class Runner:
             seed = config.seed + 10_000
         num_envs = min(config.envs_per_actor, max_episodes)
         targets = [(max_episodes + i) // num_envs for i in range(num_envs)]
+        if num_envs != config.envs_per_actor:  # a worker of as many envs (a recurrent one keeps a state each)
+            config = dataclasses.replace(config, envs_per_actor=num_envs)
         worker = config.make_worker(self.spec, self.parameter, 0, 1, seed)
         worker.training = False
         done = [0] * num_envs
