@@ -206,11 +206,12 @@ def test_a_recurrent_config_takes_its_own_presets_where_they_differ(caplog: pyte
     set_by_hand = ppo.Config(recurrent="lstm", hidden_block=mine, normalize_obs=False).resolved(novel)
     assert (set_by_hand.hidden_block, set_by_hand.normalize_obs) == (mine, False)
     assert recurrent.hidden_block is not ppo.Config(recurrent="lstm").resolved(novel).hidden_block  # each a copy
-    assert set(ppo.RECURRENT_PRESETS) <= set(ppo.PRESETS)  # a run's line names every field a preset set
     with caplog.at_level("INFO", logger="srl.ppo"):
         ppo.Config(recurrent="lstm").settled(EnvConfig("srl/CartPoleNoVel-v1"))
     assert "the recurrent discrete preset for 'srl/CartPoleNoVel-v1'" in caplog.text, caplog.text
     assert "normalize_obs True" in caplog.text and "hidden_block 64 relu" in caplog.text, caplog.text
+    for name in ppo.RECURRENT_PRESETS:  # a run's line names every field a preset set, recurrent ones too
+        assert f" {name} " in caplog.text, (name, caplog.text)
 
 
 def test_presets_tell_atari_images_from_small_grids() -> None:

@@ -80,14 +80,18 @@ def test_the_state_is_reset_only_for_the_env_whose_episode_starts(config: object
     torch.testing.assert_close(worker._h[[0, 2]], before[[0, 2]])
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(("kind", "cell_first"), [("lstm", False), ("gru", False), ("lstm", True)])
 @pytest.mark.parametrize("algorithm", ["ppo", "impala"])
-def test_a_learner_unrolling_the_stored_state_reproduces_what_the_actor_computed(algorithm: str, kind: str) -> None:
+def test_a_learner_unrolling_the_stored_state_reproduces_what_the_actor_computed(algorithm: str, kind: str,
+                                                                                cell_first: bool) -> None:
     """The values and log-probabilities the actor recorded step by step come back from one unroll of each
-    segment from its stored state, resets inside the segments included."""
+    segment from its stored state, resets inside the segments included; with the cells first as well (they
+    read the observations, the hidden layers come after them)."""
     module = ppo if algorithm == "ppo" else impala
-    config = module.Config(recurrent=kind, envs_per_actor=3, segment_length=16, seed=1)
+    config = module.Config(recurrent=kind, cell_first=cell_first, envs_per_actor=3, segment_length=16, seed=1)
     parameter, rows = rows_of(config, CARTPOLE, 12)
+    cell_inputs = {core.rnn.input_size for core in parameter.net.cores}  # type: ignore[attr-defined]
+    assert cell_inputs == ({env_spec(EnvConfig(CARTPOLE)).obs_shape[0]} if cell_first else {64})
     assert rows["state_reset"][:, 1:].any(), "no episode ended inside a segment: the test would not see resets"
     h, c, resets = segment_states(rows, CPU)
     assert (c is None) == (kind == "gru")

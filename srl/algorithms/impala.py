@@ -72,8 +72,8 @@ class Config(FamilyPresets, RLConfig):
 
     algorithm: ClassVar[str] = "impala"
     presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
-    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "adam_eps": 1e-8,
-                                              "clip_ratio": None, "normalize_reward": False}
+    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "cell_first": False,
+                                              "adam_eps": 1e-8, "clip_ratio": None, "normalize_reward": False}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
@@ -89,6 +89,9 @@ class Config(FamilyPresets, RLConfig):
     per env and send it with each segment; the learner unrolls it over the segment from that state"""
     recurrent_size: int = 128
     """units of the recurrent cell"""
+    cell_first: bool = False
+    """over vectors with ``recurrent``: the cells read the observations and ``hidden_block`` comes after each
+    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's)"""
     normalize_obs: bool | None = None
     """normalize observations by running statistics (updated by the learner, published with the params;
     preset: off Discrete, on Box)"""

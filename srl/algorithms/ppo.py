@@ -90,6 +90,7 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
 RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "normalize_obs": (True, True, False, False),
     "hidden_block": (MLP_64_RELU, MLP_64_64_TANH, MLP_64_64_TANH, MLP_64_64_TANH),
+    "cell_first": (False, False, False, False),
 }
 FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -102,7 +103,7 @@ class Config(FamilyPresets, RLConfig):
     algorithm: ClassVar[str] = "ppo"
     presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
     recurrent_presets: ClassVar[dict[str, tuple[Any, ...]]] = RECURRENT_PRESETS
-    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128}
+    saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "cell_first": False}
 
     envs_per_actor: int = 8
     """envs each actor (and Runner.train) steps at once; one segment per env per update"""
@@ -151,6 +152,9 @@ class Config(FamilyPresets, RLConfig):
     segments, truncated backpropagation through time within each)"""
     recurrent_size: int = 128
     """units of the recurrent cell"""
+    cell_first: bool | None = None
+    """over vectors with ``recurrent``: the cells read the observations and ``hidden_block`` comes after each
+    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). Preset: False"""
     normalize_obs: bool | None = None
     """normalize observations by running mean and std (preset: off Discrete, on Box and for a recurrent
     config); the statistics travel with the params, so actors normalize as the trainer does"""

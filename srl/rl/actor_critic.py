@@ -81,6 +81,8 @@ class ActorCriticSettings(Protocol):
     store_frames_once: bool
     recurrent: str | None
     recurrent_size: int
+    @property
+    def cell_first(self) -> bool | None: ...  # PPO's None until resolved (and for a feed-forward config)
 
 
 def segment_frames(config: ActorCriticSettings, spec: EnvSpec) -> int:
@@ -330,7 +332,7 @@ class FamilyPresets:
     def settled(self: P, env_config: EnvConfig) -> P:
         """Itself: the fields left at None stay None (``resolved`` sets them where the config is used); it says
         which preset they take."""
-        left = [name for name in self.presets if getattr(self, name) is None]
+        left = [name for name in self.preset_columns() if getattr(self, name) is None]
         if left:
             spec = env_spec(env_config)
             resolved, family = self.resolved(spec), self.family(spec)
@@ -379,7 +381,9 @@ class ReturnScaledLearner(Learner):
 class ActorCritic(nn.Module):
     """Separate policy and value MLPs over vectors (CleanRL's ``Agent``); over images one encoder (a CNN)
     that both heads share (CleanRL's ``ppo_atari.py``). With ``recurrent``, a cell between the encoder and
-    the heads (CleanRL's ``ppo_atari_lstm.py``): actors ``step`` it, learners ``unroll`` it over segments."""
+    the heads (CleanRL's ``ppo_atari_lstm.py``), or with ``cell_first`` over vectors a cell that reads the
+    observations before each head's MLP (SB3-contrib's ``RecurrentPPO``): actors ``step`` it, learners
+    ``unroll`` it over segments."""
 
     def __init__(self, config: ActorCriticSettings, spec: EnvSpec) -> None:
         super().__init__()
@@ -390,7 +394,17 @@ class ActorCritic(nn.Module):
         self.shared: nn.Module | None = None
         block = config.hidden_block
         assert block is not None, "the config is resolved (its presets set) before a network is built"
-        if config.encoder.check(spec) == "mlp":
+        vectors = config.encoder.check(spec) == "mlp"
+        cell_first = vectors and config.recurrent is not None and bool(config.cell_first)
+        # cell_first: over vectors the cells read the observations and each head's hidden_block comes after
+        # its cell (SB3-contrib RecurrentPPO's order); otherwise the blocks come before the cells (CleanRL's)
+        self.critic_body: nn.Module
+        self.actor_body: nn.Module
+        self.critic_head: nn.Module
+        if cell_first:
+            self.critic_body = self.actor_body = nn.Identity()
+            size = spec.obs_shape[0]
+        elif vectors:
             self.critic_body, size = config.encoder.build(spec, block)
             if config.recurrent is None:
                 self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
@@ -411,7 +425,9 @@ class ActorCritic(nn.Module):
             for _ in range(1 if self.shared is not None else 2):
                 self.cores.append(RecurrentCore(config.recurrent, size, config.recurrent_size))
             size = config.recurrent_size
-        if self.shared is not None or config.recurrent is not None:
+        if cell_first:
+            self.critic_head = self._after_cell(block, size, 1, std=1.0)
+        elif self.shared is not None or config.recurrent is not None:
             self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
         actions = spec.actions
         self.continuous = isinstance(actions, BoxActions)
@@ -422,7 +438,17 @@ class ActorCritic(nn.Module):
         else:
             self.splits = [int(np.prod(actions.shape))]
             self.logstd = nn.Parameter(torch.zeros(1, self.splits[0]))
-        self.actor_head = layer_init(nn.Linear(size, sum(self.splits)), std=0.01)
+        self.actor_head = (self._after_cell(block, size, sum(self.splits), std=0.01) if cell_first
+                           else layer_init(nn.Linear(size, sum(self.splits)), std=0.01))
+
+    @staticmethod
+    def _after_cell(block: MLPBlockConfig, size: int, outputs: int, std: float) -> nn.Module:
+        """A head that ends in ``block`` then a linear layer of ``outputs`` over a cell's ``size`` features."""
+        body, features = block.build(size)
+        for layer in body.modules():
+            if isinstance(layer, nn.Linear):
+                layer_init(layer)
+        return nn.Sequential(body, layer_init(nn.Linear(features, outputs), std=std))
 
     def encoders(self) -> list[nn.Module]:
         """The modules that turn observations into features (what ``torch_compile`` compiles): the shared CNN,
