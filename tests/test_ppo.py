@@ -191,17 +191,19 @@ def test_presets_follow_the_action_family() -> None:
 
 
 def test_a_recurrent_config_takes_its_own_presets_where_they_differ(caplog: pytest.LogCaptureFixture) -> None:
-    """Over Discrete vectors a recurrent config takes RL Zoo ppo_lstm's network (one ReLU layer of 64 per head)
-    with observations normalized; feed-forward keeps two tanh layers of 64 and raw observations; a field set
-    wins; the run says which preset it took."""
+    """Over Discrete vectors a recurrent config takes RL Zoo ppo_lstm's network (the cells read the observations,
+    then one ReLU layer of 64 per head) with observations normalized; feed-forward keeps two tanh layers of 64
+    and raw observations; a field set wins; the run says which preset it took."""
     novel = env_spec(EnvConfig("srl/CartPoleNoVel-v1"))
     recurrent, feed_forward = ppo.Config(recurrent="lstm").resolved(novel), ppo.Config().resolved(novel)
     assert recurrent.hidden_block == MLPBlockConfig((64,), "relu") and recurrent.normalize_obs is True
     assert feed_forward.hidden_block == MLPBlockConfig((64, 64), "tanh") and feed_forward.normalize_obs is False
     net = recurrent.make_parameter(novel, torch.device("cpu")).net
-    assert [m.out_features for m in net.actor_body.modules() if isinstance(m, torch.nn.Linear)] == [64]
+    assert recurrent.cell_first is True and {core.rnn.input_size for core in net.cores} == {4}  # the observation
+    assert [m.out_features for m in net.actor_head.modules() if isinstance(m, torch.nn.Linear)] == [64, 2]
     pendulum = ppo.Config(recurrent="lstm").resolved(env_spec(EnvConfig("srl/PendulumNoVel-v1")))
     assert pendulum.hidden_block == MLPBlockConfig((64, 64), "tanh")  # Box keeps its own preset
+    assert pendulum.cell_first is False
     mine = MLPBlockConfig((32,), "tanh")
     set_by_hand = ppo.Config(recurrent="lstm", hidden_block=mine, normalize_obs=False).resolved(novel)
     assert (set_by_hand.hidden_block, set_by_hand.normalize_obs) == (mine, False)
@@ -210,6 +212,7 @@ def test_a_recurrent_config_takes_its_own_presets_where_they_differ(caplog: pyte
         ppo.Config(recurrent="lstm").settled(EnvConfig("srl/CartPoleNoVel-v1"))
     assert "the recurrent discrete preset for 'srl/CartPoleNoVel-v1'" in caplog.text, caplog.text
     assert "normalize_obs True" in caplog.text and "hidden_block 64 relu" in caplog.text, caplog.text
+    assert "cell_first True" in caplog.text, caplog.text
     for name in ppo.RECURRENT_PRESETS:  # a run's line names every field a preset set, recurrent ones too
         assert f" {name} " in caplog.text, (name, caplog.text)
 

@@ -90,7 +90,7 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
 RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "normalize_obs": (True, True, False, False),
     "hidden_block": (MLP_64_RELU, MLP_64_64_TANH, MLP_64_64_TANH, MLP_64_64_TANH),
-    "cell_first": (False, False, False, False),
+    "cell_first": (True, False, False, False),
 }
 FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -154,7 +154,8 @@ class Config(FamilyPresets, RLConfig):
     """units of the recurrent cell"""
     cell_first: bool | None = None
     """over vectors with ``recurrent``: the cells read the observations and ``hidden_block`` comes after each
-    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). Preset: False"""
+    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). Preset: True
+    Discrete (RL Zoo ppo_lstm's network), False otherwise"""
     normalize_obs: bool | None = None
     """normalize observations by running mean and std (preset: off Discrete, on Box and for a recurrent
     config); the statistics travel with the params, so actors normalize as the trainer does"""
