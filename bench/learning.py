@@ -105,15 +105,19 @@ def dqn_minatar() -> dqn.Config:
 
 
 def ppo_lstm() -> ppo.Config:
-    """Recurrent PPO as RL Zoo's ppo_lstm runs the NoVel envs: an LSTM per head (128 units here, 64 there)
-    after one ReLU layer of 64, observations normalized; the rest ``ppo.Config()``'s Discrete preset (the
-    Zoo's CartPoleNoVel settings: 32 steps x 8 envs, 20 epochs, lr 1e-3 annealed)."""
-    return ppo.Config(recurrent="lstm", normalize_obs=True, hidden_block=MLPBlockConfig((64,), "relu"))
+    """Recurrent PPO with RL Zoo ppo_lstm's layers for the NoVel envs in the order srl first had them: an LSTM
+    per head (128 units here, 64 there) after one ReLU layer of 64 (the Zoo's cell reads the observations
+    and its layer comes after: ``cell_first``, the preset now), observations normalized; the rest
+    ``ppo.Config()``'s Discrete preset (the Zoo's CartPoleNoVel settings: 32 steps x 8 envs, 20 epochs, lr
+    1e-3 annealed). Every field set, so its rows in the docs reproduce whatever the presets are."""
+    return ppo.Config(recurrent="lstm", normalize_obs=True, hidden_block=MLPBlockConfig((64,), "relu"),
+                      cell_first=False)
 
 
 def ppo_lstm_default() -> ppo.Config:
-    """``ppo.Config(recurrent="lstm")`` as it comes: over Discrete vectors the recurrent preset (the network and
-    normalization of ``ppo_lstm``), over Box the Box preset with two tanh layers of 64 per head."""
+    """``ppo.Config(recurrent="lstm")`` as it comes: over Discrete vectors the recurrent preset (RL Zoo
+    ppo_lstm's network: the cells read the normalized observations, one ReLU layer of 64 after each), over
+    Box the Box preset with two tanh layers of 64 per head before the cells."""
     return ppo.Config(recurrent="lstm")
 
 
