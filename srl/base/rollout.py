@@ -108,7 +108,7 @@ class Rollout:
         built_for = getattr(worker, "num_envs", num_envs)
         if getattr(worker, "training", False) and built_for != num_envs:
             # a training worker keeps per-env state (n-step windows, segments, ε): it must step as many envs
-            # as it was built for; an evaluating one (training False) may step fewer, as Runner.evaluate does
+            # as it was built for; an evaluating one (training False) may step fewer
             raise ValueError(
                 f"this {type(worker).__name__} was built for {built_for} env(s) but the Rollout steps {num_envs}: "
                 f"pass num_envs=config.envs_per_actor ({built_for}), or set envs_per_actor={num_envs} before "

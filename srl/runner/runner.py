@@ -304,8 +304,8 @@ class Runner:
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, max_episodes: int = 10, seed: int | None = None) -> list[float]:
         """Total reward of each of ``max_episodes`` episodes, acting greedily (DQN: ``test_epsilon``;
-        PPO: the mean action). Runs ``min(envs_per_actor, max_episodes)`` envs at once, each for a
-        fixed share of the episodes, so the result does not favour short episodes."""
+        PPO: the mean action). Runs ``min(envs_per_actor, max_episodes)`` envs at once (a worker of as many),
+        each for a fixed share of the episodes, so the result does not favour short episodes."""
         if max_episodes < 1:
             raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
         config = self.rl_config
@@ -313,9 +313,7 @@ class Runner:
             seed = config.seed + 10_000
         num_envs = min(config.envs_per_actor, max_episodes)
         targets = [(max_episodes + i) // num_envs for i in range(num_envs)]
-        if num_envs != config.envs_per_actor:  # a worker of as many envs (a recurrent one keeps a state each)
-            config = dataclasses.replace(config, envs_per_actor=num_envs)
-        worker = config.make_worker(self.spec, self.parameter, 0, 1, seed)
+        worker = dataclasses.replace(config, envs_per_actor=num_envs).make_worker(self.spec, self.parameter, 0, 1, seed)
         worker.training = False
         done = [0] * num_envs
         rewards: list[list[float]] = [[] for _ in range(num_envs)]
