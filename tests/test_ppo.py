@@ -201,6 +201,8 @@ def test_a_recurrent_config_takes_its_own_presets_where_they_differ(caplog: pyte
     net = recurrent.make_parameter(novel, torch.device("cpu")).net
     assert recurrent.cell_first is True and {core.rnn.input_size for core in net.cores} == {4}  # the observation
     assert [m.out_features for m in net.actor_head.modules() if isinstance(m, torch.nn.Linear)] == [64, 2]
+    encoders = net.encoders()  # what torch_compile compiles: the MLPs after the cells
+    assert [[m.out_features for m in e.modules() if isinstance(m, torch.nn.Linear)] for e in encoders] == [[64]] * 2
     pendulum = ppo.Config(recurrent="lstm").resolved(env_spec(EnvConfig("srl/PendulumNoVel-v1")))
     assert pendulum.hidden_block == MLPBlockConfig((64, 64), "tanh")  # Box keeps its own preset
     assert pendulum.cell_first is False

@@ -320,7 +320,8 @@ def torch_from_arrays(modules: dict[str, torch.nn.Module], arrays: dict[str, np.
             if tuple(arrays[key].shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"parameter {key!r} has shape {tuple(arrays[key].shape)}, this network expects "
-                    f"{tuple(tensor.shape)}: the hidden layers or env differ"
+                    f"{tuple(tensor.shape)}: the hidden layers, the recurrent cell (recurrent_size, cell_first) or the "
+                    "env differ"
                 )
             state[name] = torch.as_tensor(np.array(arrays[key]), dtype=tensor.dtype)
         states.append((module, state))

@@ -452,8 +452,12 @@ class ActorCritic(nn.Module):
 
     def encoders(self) -> list[nn.Module]:
         """The modules that turn observations into features (what ``torch_compile`` compiles): the shared CNN,
-        or the actor's and the critic's MLP."""
-        return [self.shared] if self.shared is not None else [self.actor_body, self.critic_body]
+        or the actor's and the critic's MLP (with ``cell_first``, the MLPs in the heads after the cells)."""
+        if self.shared is not None:
+            return [self.shared]
+        if isinstance(self.actor_body, nn.Identity):  # cell_first: each head is (its MLP, its output layer)
+            return [module[0] for module in (self.actor_head, self.critic_head) if isinstance(module, nn.Sequential)]
+        return [self.actor_body, self.critic_body]
 
     def prepare(self, obs: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
