@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -395,9 +395,9 @@ class ActorCritic(nn.Module):
         block = config.hidden_block
         assert block is not None, "the config is resolved (its presets set) before a network is built"
         vectors = config.encoder.check(spec) == "mlp"
-        cell_first = vectors and config.recurrent is not None and bool(config.cell_first)
-        # cell_first: over vectors the cells read the observations and each head's hidden_block comes after
-        # its cell (SB3-contrib RecurrentPPO's order); otherwise the blocks come before the cells (CleanRL's)
+        self.cell_first = cell_first = vectors and config.recurrent is not None and bool(config.cell_first)
+        """over vectors the cells read the observations and each head's hidden_block comes after its cell
+        (SB3-contrib RecurrentPPO's order); otherwise the blocks come before the cells (CleanRL's)"""
         self.critic_body: nn.Module
         self.actor_body: nn.Module
         self.critic_head: nn.Module
@@ -409,10 +409,8 @@ class ActorCritic(nn.Module):
             if config.recurrent is None:
                 self.critic_head = layer_init(nn.Linear(size, 1), std=1.0)
             self.actor_body, size = config.encoder.build(spec, block)
-            for body in (self.critic_body, self.actor_body):
-                for layer in body.modules():
-                    if isinstance(layer, nn.Linear):
-                        layer_init(layer)
+            orthogonal_init(self.critic_body)
+            orthogonal_init(self.actor_body)
         else:
             self.shared, size = config.encoder.build(spec, block)
             orthogonal_init(self.shared)
@@ -445,9 +443,7 @@ class ActorCritic(nn.Module):
     def _after_cell(block: MLPBlockConfig, size: int, outputs: int, std: float) -> nn.Module:
         """A head that ends in ``block`` then a linear layer of ``outputs`` over a cell's ``size`` features."""
         body, features = block.build(size)
-        for layer in body.modules():
-            if isinstance(layer, nn.Linear):
-                layer_init(layer)
+        orthogonal_init(body)
         return nn.Sequential(body, layer_init(nn.Linear(features, outputs), std=std))
 
     def encoders(self) -> list[nn.Module]:
@@ -455,8 +451,8 @@ class ActorCritic(nn.Module):
         or the actor's and the critic's MLP (with ``cell_first``, the MLPs in the heads after the cells)."""
         if self.shared is not None:
             return [self.shared]
-        if isinstance(self.actor_body, nn.Identity):  # cell_first: each head is (its MLP, its output layer)
-            return [module[0] for module in (self.actor_head, self.critic_head) if isinstance(module, nn.Sequential)]
+        if self.cell_first:  # each head is Sequential(its MLP, its output layer)
+            return [cast(nn.Sequential, head)[0] for head in (self.actor_head, self.critic_head)]
         return [self.actor_body, self.critic_body]
 
     def prepare(self, obs: torch.Tensor) -> torch.Tensor:
