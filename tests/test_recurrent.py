@@ -80,6 +80,21 @@ def test_the_state_is_reset_only_for_the_env_whose_episode_starts(config: object
     torch.testing.assert_close(worker._h[[0, 2]], before[[0, 2]])
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "impala"])
+def test_cell_first_where_it_would_change_nothing_is_refused_with_what_to_do(algorithm: str) -> None:
+    """``cell_first=True`` reorders the cells and the MLP over vectors; a config without a cell, or one whose
+    observations go through a CNN, is told so instead of training a network that ignores the setting."""
+    module = ppo if algorithm == "ppo" else impala
+    with pytest.raises(ValueError, match=r"no cell \(recurrent=None\).*recurrent='lstm'"):
+        srl.Runner("CartPole-v1", module.Config(cell_first=True))
+    pytest.importorskip("ale_py")
+    runner = srl.Runner("ALE/Pong-v5", module.Config(recurrent="lstm", cell_first=True))
+    with pytest.raises(ValueError, match=r"'ALE/Pong-v5' gets the 'nature_cnn' encoder.*leave cell_first unset"):
+        assert runner.spec
+    assert srl.Runner(CARTPOLE, module.Config(recurrent="lstm", cell_first=True)).spec.image is False
+    assert srl.Runner("ALE/Pong-v5", module.Config(recurrent="lstm")).spec.image  # a preset's value is never refused
+
+
 @pytest.mark.parametrize(("kind", "cell_first"), [("lstm", False), ("gru", False), ("lstm", True)])
 @pytest.mark.parametrize("algorithm", ["ppo", "impala"])
 def test_a_learner_unrolling_the_stored_state_reproduces_what_the_actor_computed(algorithm: str, kind: str,

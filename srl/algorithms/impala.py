@@ -43,6 +43,7 @@ from srl.rl.actor_critic import (
     ReturnScaledLearner,
     SegmentWorker,
     check_actions,
+    check_cell_first,
     config_segment_schema,
     segment_observations,
     segment_rewards,
@@ -91,7 +92,8 @@ class Config(FamilyPresets, RLConfig):
     """units of the recurrent cell"""
     cell_first: bool = False
     """over vectors with ``recurrent``: the cells read the observations and ``hidden_block`` comes after each
-    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's)"""
+    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). True elsewhere (no
+    cell, or image observations) is refused"""
     normalize_obs: bool | None = None
     """normalize observations by running statistics (updated by the learner, published with the params;
     preset: off Discrete, on Box)"""
@@ -145,6 +147,7 @@ class Config(FamilyPresets, RLConfig):
         self.hidden_block.validate()
         self.encoder.validate()
         check_recurrent(self.recurrent, self.recurrent_size)
+        check_cell_first(self.cell_first, self.recurrent)
         check_int("segment_length", self.segment_length, 1, 1 << 16)
         check_int("batch_segments", self.batch_segments, 1, 1 << 16)
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
@@ -166,7 +169,7 @@ class Config(FamilyPresets, RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "impala")
-        self.encoder.check(spec)
+        check_cell_first(self.cell_first, self.recurrent, self.encoder.check(spec), spec)
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag,

@@ -55,6 +55,7 @@ from srl.rl.actor_critic import (
     SegmentWorker,
     bootstrapped_values,
     check_actions,
+    check_cell_first,
     config_segment_schema,
     segment_observations,
     segment_rewards,
@@ -155,7 +156,8 @@ class Config(FamilyPresets, RLConfig):
     cell_first: bool | None = None
     """over vectors with ``recurrent``: the cells read the observations and ``hidden_block`` comes after each
     (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). Preset: True
-    Discrete (RL Zoo ppo_lstm's network), False otherwise"""
+    Discrete (RL Zoo ppo_lstm's network), False otherwise; True set elsewhere (no cell, or image observations)
+    is refused"""
     normalize_obs: bool | None = None
     """normalize observations by running mean and std (preset: off Discrete, on Box and for a recurrent
     config); the statistics travel with the params, so actors normalize as the trainer does"""
@@ -177,6 +179,7 @@ class Config(FamilyPresets, RLConfig):
             self.hidden_block.validate()
         self.encoder.validate()
         check_recurrent(self.recurrent, self.recurrent_size)
+        check_cell_first(self.cell_first, self.recurrent)
         if self.segment_length is not None:
             check_int("segment_length", self.segment_length, 1, 1 << 16)
         if self.epochs is not None:
@@ -198,7 +201,7 @@ class Config(FamilyPresets, RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "ppo")
-        self.encoder.check(spec)
+        check_cell_first(self.cell_first, self.recurrent, self.encoder.check(spec), spec)
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=0, sync=self.sync,
