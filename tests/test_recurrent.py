@@ -363,9 +363,7 @@ def dqn_path_unchanged() -> bool:
 
 # ------------------------------------------------------------------ R2D2's presets and budget
 def test_r2d2_as_it_comes_takes_its_family_preset_and_a_field_set_wins(caplog: pytest.LogCaptureFixture) -> None:
-    import minatar.gym
-
-    minatar.gym.register_envs()
+    pytest.importorskip("minatar")
     with caplog.at_level("INFO", logger="srl.r2d2"):
         vectors = r2d2.Config().settled(EnvConfig("CartPole-v1"))
     assert vectors.lr == r2d2.PRESETS["lr"][r2d2.FAMILIES.index("vectors")]
