@@ -166,3 +166,71 @@ def test_scaled_rewards_train_and_their_statistics_travel_with_a_takeover() -> N
     reward, done = np.full((2, 16), -8.0, np.float32), np.zeros((2, 16), bool)
     assert np.array_equal(successor.scale_rewards(reward.copy(), done, 0.99),
                           learner.scale_rewards(reward.copy(), done, 0.99))
+
+
+def one_batch(config: impala.Config, env: str) -> tuple[object, dict[str, np.ndarray]]:
+    """The spec of ``env`` and one batch of ``config.batch_segments`` segments a fresh worker acted there, with
+    the weights ``torch.manual_seed(0)`` gives (as a learner built after the same seed has)."""
+    from srl.base.rollout import Rollout
+
+    spec = env_spec(EnvConfig(env))
+    torch.manual_seed(0)
+    parameter = config.make_parameter(spec, torch.device("cpu"))
+    worker = config.make_worker(spec, parameter, 0, 1, 0)
+    rows: dict[str, np.ndarray] | None = None
+    with Rollout(EnvConfig(env), worker, config.envs_per_actor, seed=0) as rollout:
+        while rows is None:
+            rollout.step()
+            rows = worker.take()
+    assert len(rows["version"]) == config.batch_segments
+    return spec, rows
+
+
+@pytest.mark.parametrize("recurrent", [None, "lstm"])
+def test_epochs_step_on_one_batch_as_the_same_batch_taken_that_many_times_would(recurrent: str | None) -> None:
+    """``epochs=3`` is three gradient steps on one batch, each with π, V and the V-trace targets recomputed
+    from the weights as they are: the weights end where three batches of the same segments take them, and the
+    train count counts the gradient steps."""
+    config = impala.Config(seed=0, envs_per_actor=4, batch_segments=4, segment_length=8, recurrent=recurrent)
+    spec, rows = one_batch(config, "srl/CartPoleNoVel-v1")
+    ends = []
+    for epochs, batches in ((3, 1), (1, 3)):
+        each = impala.Config(seed=0, envs_per_actor=4, batch_segments=4, segment_length=8, recurrent=recurrent,
+                             epochs=epochs)
+        torch.manual_seed(0)
+        parameter = each.make_parameter(spec, torch.device("cpu"))
+        learner = each.make_learner(spec, parameter, each.make_buffer(spec))
+        for _ in range(batches):
+            learner.buffer.add({k: v.copy() for k, v in rows.items()})
+        steps = [learner.train() for _ in range(batches)]
+        assert [s.gradient_steps for s in steps if s is not None] == [epochs] * batches
+        assert learner.train_count == 3 and len(learner.buffer) == 0
+        ends.append(parameter.to_arrays())
+    torch.manual_seed(0)
+    initial = config.make_parameter(spec, torch.device("cpu")).to_arrays()
+    assert not all(np.allclose(ends[0][k], initial[k], atol=1e-4) for k in initial)  # they moved
+    for name in initial:
+        np.testing.assert_allclose(ends[0][name], ends[1][name], atol=1e-6, err_msg=name)
+
+
+def test_norm_adv_centres_each_batch_s_advantages() -> None:
+    """On-policy rows (π = μ) make the policy term −mean(A): zero once the advantages are centred and
+    scaled, and CartPole's rewards of 1 against an untrained critic make it far from zero without."""
+    losses = {}
+    for norm_adv in (False, True):
+        config = impala.Config(seed=0, envs_per_actor=4, batch_segments=4, segment_length=8, norm_adv=norm_adv)
+        spec, rows = one_batch(config, "CartPole-v1")
+        torch.manual_seed(0)
+        parameter = config.make_parameter(spec, torch.device("cpu"))
+        learner = config.make_learner(spec, parameter, config.make_buffer(spec))
+        learner.buffer.add(rows)
+        stats = learner.train()
+        assert stats is not None
+        losses[norm_adv] = stats.policy_loss
+    assert abs(losses[True]) < 1e-5 and abs(losses[False]) > 0.1, losses
+
+
+def test_several_epochs_without_the_clip_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"epochs=4 .*clip_ratio=None.*set clip_ratio"):
+        impala.Config(epochs=4, clip_ratio=None).validate()
+    impala.Config(epochs=4).validate()

@@ -4,8 +4,8 @@ Read top to bottom: ``Config`` (every setting, documented; the data path is
 segments of ``segment_length`` steps with the behaviour policy's
 log-probabilities, each consumed once from a bounded FIFO, params published
 every ``publish_every`` train steps, no version waited for), ``vtrace`` (the
-paper's recursion, six lines), and ``Learner`` (one gradient step per batch of
-segments: V-trace targets with the current network, the policy-gradient term
+paper's recursion, six lines), and ``Learner`` (``epochs`` gradient steps per batch of
+segments, one by default: V-trace targets with the current network, the policy-gradient term
 with the V-trace advantage, PPO-clipped where π has moved away from the acting
 policy, the value loss and the entropy bonus). The
 policy network and the actors' segment worker are the ones PPO uses
@@ -74,7 +74,8 @@ class Config(FamilyPresets, RLConfig):
     algorithm: ClassVar[str] = "impala"
     presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
     saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "cell_first": False,
-                                              "adam_eps": 1e-8, "clip_ratio": None, "normalize_reward": False}
+                                              "adam_eps": 1e-8, "clip_ratio": None, "normalize_reward": False,
+                                              "epochs": 1, "norm_adv": False}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
@@ -102,7 +103,13 @@ class Config(FamilyPresets, RLConfig):
     segment_length: int = 16
     """T: steps per segment (the unroll length)"""
     batch_segments: int = 8
-    """segments per gradient step (each segment is used once: smaller batches, more steps per env step)"""
+    """segments per batch (each batch is taken from the FIFO once: smaller batches, more steps per env step)"""
+    epochs: int = 1
+    """gradient steps on each batch. Each recomputes π, V and the V-trace targets with the weights as they are
+    then, and ``clip_ratio`` bounds how far the steps move π from the acting policy, as APPO's epochs (1: the
+    paper's one pass). Train counts, ``publish_every`` and params versions count gradient steps"""
+    norm_adv: bool = False
+    """centre and scale the V-trace advantages of each gradient step's batch (PPO's ``norm_adv``)"""
     buffer_segments: int = 64
     """the learner's FIFO: when it is full the learner stops reading the queue and actors wait"""
     lr: float = 2e-3
@@ -150,6 +157,11 @@ class Config(FamilyPresets, RLConfig):
         check_cell_first(self.cell_first, self.recurrent)
         check_int("segment_length", self.segment_length, 1, 1 << 16)
         check_int("batch_segments", self.batch_segments, 1, 1 << 16)
+        check_int("epochs", self.epochs, 1, 1000)
+        if self.epochs > 1 and self.clip_ratio is None:
+            raise ValueError(f"epochs={self.epochs} takes several steps on each batch, and with clip_ratio=None "
+                             "nothing bounds how far they move the policy from the one that acted: set clip_ratio "
+                             "(0.1, the default) or epochs=1")
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
         check_int("publish_every", self.publish_every, 1, 1 << 30)
         check_number("lr", self.lr, 0.0, 1.0, low_open=True)
@@ -241,7 +253,7 @@ def policy_term(logprob: torch.Tensor, behaviour: torch.Tensor, advantages: torc
 
 @dataclass
 class IMPALAStats(TrainStats):
-    """One gradient step on a batch of segments."""
+    """A batch of segments: its gradient steps (``epochs``), with the last one's figures."""
 
     policy_loss: float = 0.0
     value_loss: float = 0.0
@@ -288,49 +300,82 @@ class IMPALALearner(ReturnScaledLearner):
         lr = config.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         observations, last_obs = segment_observations(segments, self.parameter.frames)
-        with self.compute.autocast():  # the outputs back to float32 before V-trace and the losses use them
-            if net.recurrent is not None:  # each segment unrolled from the state its actor started it with
-                obs = to_device(observations, dev)
-                h, c, resets = segment_states(segments, dev)
-                logprob, entropy, value, bootstrap = net.evaluate_bootstrapped(
-                    obs, to_device(last_obs, dev), to_device(segments["action"], dev), h, c, resets)
-                bootstrap = bootstrap.detach()
-            else:
-                obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
-                action = to_device(segments["action"].reshape(n * horizon, *segments["action"].shape[2:]), dev)
-                logprob, entropy, value = net.evaluate(obs, action)
-                logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
-                with torch.no_grad():
-                    bootstrap = net.value(to_device(last_obs, dev))
-        logprob, entropy, value, bootstrap = logprob.float(), entropy.float(), value.float(), bootstrap.float()
-        behaviour = to_device(segments["logprob"], dev)
-        scale = self._scaled if config.normalize_reward else None
-        rewards = to_device(segment_rewards(segments, scale), dev)  # the env's and a time limit's bootstrap
-        discounts = config.gamma * (1.0 - to_device(segments["done"], dev).float())
-        with torch.no_grad():
-            log_rhos = logprob.detach() - behaviour
-            vs, advantages = vtrace(log_rhos, discounts, rewards, value.detach(), bootstrap, config.rho_bar,
-                                    config.c_bar, config.vtrace_lambda, rho_weighted=config.clip_ratio is None)
-        policy_loss = policy_term(logprob, behaviour, advantages, config.clip_ratio)
-        value_loss = 0.5 * ((vs - value) ** 2).mean()
-        entropy_mean = entropy.mean()
-        loss = policy_loss + config.baseline_cost * value_loss - config.entropy_cost * entropy_mean
+        if net.recurrent is not None:
+            obs = to_device(observations, dev)
+        else:
+            obs = to_device(observations.reshape(n * horizon, *observations.shape[2:]), dev)
+        batch = _Batch(obs, to_device(last_obs, dev), to_device(segments["action"], dev),
+                       to_device(segments["logprob"], dev),
+                       # the env's rewards (scaled once a batch) and a time limit's bootstrap
+                       to_device(segment_rewards(segments, self._scaled if config.normalize_reward else None), dev),
+                       config.gamma * (1.0 - to_device(segments["done"], dev).float()),
+                       segment_states(segments, dev) if net.recurrent is not None else None)
         steps = 0
-        if torch.isfinite(loss):  # one diverged batch must not poison the weights
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(net.parameters(), config.max_grad_norm)
-            self.optimizer.step()
-            steps = 1
+        for _ in range(config.epochs):
+            numbers, stepped = self._step(batch, n, horizon)
+            steps += stepped
         if self.parameter.net.normalize_obs:
             net.obs_rms.update(obs)
         self.train_count += steps
-        rhos = log_rhos.exp()
-        outside = (rhos - 1.0).abs() > config.clip_ratio if config.clip_ratio is not None else torch.zeros_like(rhos)
-        numbers = torch.stack([loss.detach(), policy_loss.detach(), value_loss.detach(), entropy_mean.detach(),
-                               rhos.mean(), (rhos > config.rho_bar).float().mean(), outside.float().mean()])
         loss_, policy_, value_, entropy_, rho_mean, rho_clipped, clip_fraction = numbers.tolist()  # one host copy
         return IMPALAStats(
             loss=loss_, gradient_steps=steps, policy_loss=policy_, value_loss=value_, entropy=entropy_,
             rho_mean=rho_mean, rho_clipped=rho_clipped, clip_fraction=clip_fraction, lr=lr,
         )
+
+    def _step(self, batch: _Batch, n: int, horizon: int) -> tuple[torch.Tensor, int]:
+        """One gradient step on ``batch``: its statistics (on the device, for one host copy) and 1, or 0 where
+        the loss was not finite and the weights were left as they were."""
+        config, net = self.config, self.parameter.net
+        with self.compute.autocast():  # the outputs back to float32 before V-trace and the losses use them
+            if batch.states is not None:  # each segment unrolled from the state its actor started it with
+                h, c, resets = batch.states
+                logprob, entropy, value, bootstrap = net.evaluate_bootstrapped(
+                    batch.obs, batch.last_obs, batch.action, h, c, resets)
+                bootstrap = bootstrap.detach()
+            else:
+                action = batch.action.reshape(n * horizon, *batch.action.shape[2:])
+                logprob, entropy, value = net.evaluate(batch.obs, action)
+                logprob, entropy, value = logprob.view(n, horizon), entropy.view(n, horizon), value.view(n, horizon)
+                with torch.no_grad():
+                    bootstrap = net.value(batch.last_obs)
+        logprob, entropy, value, bootstrap = logprob.float(), entropy.float(), value.float(), bootstrap.float()
+        with torch.no_grad():
+            log_rhos = logprob.detach() - batch.behaviour
+            vs, advantages = vtrace(log_rhos, batch.discounts, batch.rewards, value.detach(), bootstrap,
+                                    config.rho_bar, config.c_bar, config.vtrace_lambda,
+                                    rho_weighted=config.clip_ratio is None)
+            if config.norm_adv and advantages.numel() > 1:
+                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        policy_loss = policy_term(logprob, batch.behaviour, advantages, config.clip_ratio)
+        value_loss = 0.5 * ((vs - value) ** 2).mean()
+        entropy_mean = entropy.mean()
+        loss = policy_loss + config.baseline_cost * value_loss - config.entropy_cost * entropy_mean
+        stepped = 0
+        if torch.isfinite(loss):  # one diverged batch must not poison the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(net.parameters(), config.max_grad_norm)
+            self.optimizer.step()
+            stepped = 1
+        rhos = log_rhos.exp()
+        outside = (rhos - 1.0).abs() > config.clip_ratio if config.clip_ratio is not None else torch.zeros_like(rhos)
+        return torch.stack([loss.detach(), policy_loss.detach(), value_loss.detach(), entropy_mean.detach(),
+                            rhos.mean(), (rhos > config.rho_bar).float().mean(), outside.float().mean()]), stepped
+
+
+@dataclass
+class _Batch:
+    """A batch of segments on the learner's device, as every gradient step on it reads it."""
+
+    obs: torch.Tensor
+    """``(n, T, *obs)`` for a recurrent network (unrolled per segment), ``(n * T, *obs)`` otherwise"""
+    last_obs: torch.Tensor
+    action: torch.Tensor
+    behaviour: torch.Tensor
+    """log μ(a): the acting policy's log-probabilities"""
+    rewards: torch.Tensor
+    discounts: torch.Tensor
+    """γ (1 - done)"""
+    states: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None
+    """h, c and the resets of a recurrent network's segments"""
