@@ -9,7 +9,8 @@ import torch
 import srl
 from srl.algorithms import impala, ppo
 from srl.base.checkpoint import saved_rl_config
-from srl.base.env import EnvConfig, env_spec
+from srl.base.env import EnvConfig, EnvSpec, env_spec
+from srl.base.rollout import Rollout
 
 
 def test_vtrace_matches_the_recursion_computed_by_hand() -> None:
@@ -168,11 +169,9 @@ def test_scaled_rewards_train_and_their_statistics_travel_with_a_takeover() -> N
                           learner.scale_rewards(reward.copy(), done, 0.99))
 
 
-def one_batch(config: impala.Config, env: str) -> tuple[object, dict[str, np.ndarray]]:
+def one_batch(config: impala.Config, env: str) -> tuple[EnvSpec, dict[str, np.ndarray]]:
     """The spec of ``env`` and one batch of ``config.batch_segments`` segments a fresh worker acted there, with
     the weights ``torch.manual_seed(0)`` gives (as a learner built after the same seed has)."""
-    from srl.base.rollout import Rollout
-
     spec = env_spec(EnvConfig(env))
     torch.manual_seed(0)
     parameter = config.make_parameter(spec, torch.device("cpu"))

@@ -45,6 +45,7 @@ from srl.rl.actor_critic import (
     check_actions,
     check_cell_first,
     config_segment_schema,
+    normalized_advantages,
     segment_observations,
     segment_rewards,
     segment_states,
@@ -181,7 +182,7 @@ class Config(FamilyPresets, RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "impala")
-        check_cell_first(self.cell_first, self.recurrent, self.encoder.check(spec), spec)
+        check_cell_first(self.cell_first, self.recurrent, spec, self.encoder.check(spec))
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag,
@@ -312,7 +313,7 @@ class IMPALALearner(ReturnScaledLearner):
                        segment_states(segments, dev) if net.recurrent is not None else None)
         steps = 0
         for _ in range(config.epochs):
-            numbers, stepped = self._step(batch, n, horizon)
+            numbers, stepped = self._step(batch)
             steps += stepped
         if self.parameter.net.normalize_obs:
             net.obs_rms.update(obs)
@@ -323,10 +324,11 @@ class IMPALALearner(ReturnScaledLearner):
             rho_mean=rho_mean, rho_clipped=rho_clipped, clip_fraction=clip_fraction, lr=lr,
         )
 
-    def _step(self, batch: _Batch, n: int, horizon: int) -> tuple[torch.Tensor, int]:
+    def _step(self, batch: _Batch) -> tuple[torch.Tensor, int]:
         """One gradient step on ``batch``: its statistics (on the device, for one host copy) and 1, or 0 where
         the loss was not finite and the weights were left as they were."""
         config, net = self.config, self.parameter.net
+        n, horizon = batch.rewards.shape
         with self.compute.autocast():  # the outputs back to float32 before V-trace and the losses use them
             if batch.states is not None:  # each segment unrolled from the state its actor started it with
                 h, c, resets = batch.states
@@ -345,8 +347,8 @@ class IMPALALearner(ReturnScaledLearner):
             vs, advantages = vtrace(log_rhos, batch.discounts, batch.rewards, value.detach(), bootstrap,
                                     config.rho_bar, config.c_bar, config.vtrace_lambda,
                                     rho_weighted=config.clip_ratio is None)
-            if config.norm_adv and advantages.numel() > 1:
-                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            if config.norm_adv:
+                advantages = normalized_advantages(advantages)
         policy_loss = policy_term(logprob, batch.behaviour, advantages, config.clip_ratio)
         value_loss = 0.5 * ((vs - value) ** 2).mean()
         entropy_mean = entropy.mean()

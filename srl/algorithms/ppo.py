@@ -57,6 +57,7 @@ from srl.rl.actor_critic import (
     check_actions,
     check_cell_first,
     config_segment_schema,
+    normalized_advantages,
     segment_observations,
     segment_rewards,
     segment_states,
@@ -201,7 +202,7 @@ class Config(FamilyPresets, RLConfig):
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "ppo")
-        check_cell_first(self.cell_first, self.recurrent, self.encoder.check(spec), spec)
+        check_cell_first(self.cell_first, self.recurrent, spec, self.encoder.check(spec))
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=0, sync=self.sync,
@@ -378,8 +379,8 @@ class PPOLearner(ReturnScaledLearner):
                     kl = ((ratio - 1) - log_ratio).mean()
                     clip_fractions.append(((ratio - 1.0).abs() > clip).float().mean())
                 mb_adv = adv[idx]
-                if config.norm_adv and len(idx) > 1:
-                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                if config.norm_adv:
+                    mb_adv = normalized_advantages(mb_adv)
                 pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip, 1 + clip)).mean()
                 if config.clip_vloss:
                     clipped = old_value[idx] + torch.clamp(value - old_value[idx], -clip, clip)

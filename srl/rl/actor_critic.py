@@ -205,20 +205,27 @@ def check_actions(spec: EnvSpec, algorithm: str) -> None:
         raise spec.unsupported(algorithm, "Box actions of one dimension (shape (n,))")
 
 
-def check_cell_first(cell_first: bool | None, recurrent: str | None, kind: str | None = None,
-                     spec: EnvSpec | None = None) -> None:
+def check_cell_first(cell_first: bool | None, recurrent: str | None, spec: EnvSpec | None = None,
+                     kind: str = "mlp") -> None:
     """ValueError where ``cell_first=True`` (a user's: presets set it only where it applies) would change
-    nothing: a config without a cell, or observations that do not go through the ``mlp`` encoder (``kind``, the
-    encoder ``spec`` gets; without it only the config is checked)."""
+    nothing: a config without a cell, or observations of ``spec`` that do not go through the ``mlp`` encoder
+    (``kind``, the encoder ``spec`` gets; without ``spec`` only the config is checked)."""
     if not cell_first:
         return
     if recurrent is None:
         raise ValueError("cell_first=True puts the recurrent cells before the hidden layers, and this config has "
                          "no cell (recurrent=None): set recurrent='lstm' or 'gru', or leave cell_first unset")
-    if kind is not None and kind != "mlp":
-        where = f"{spec.env_id!r} gets" if spec is not None else "this config has"
-        raise ValueError(f"cell_first=True applies to vector observations through the 'mlp' encoder; {where} the "
-                         f"{kind!r} encoder, whose features the cell reads after it: leave cell_first unset")
+    if spec is not None and kind != "mlp":
+        raise ValueError(f"cell_first=True applies to vector observations through the 'mlp' encoder; "
+                         f"{spec.env_id!r} gets the {kind!r} encoder, whose features the cell reads after it: "
+                         "leave cell_first unset")
+
+
+def normalized_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages centred and scaled over the batch (``norm_adv``); one alone is left as it is."""
+    if advantages.numel() <= 1:
+        return advantages
+    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
 
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Linear:
