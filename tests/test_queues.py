@@ -582,6 +582,31 @@ def test_redis_takeover_by_xautoclaim(binary: str, namespace: str) -> None:
         server.cleanup()
 
 
+def test_the_lease_holders_consumer_takes_a_dead_consumers_entries_on_its_first_read(
+    redis_url: str, namespace: str
+) -> None:
+    """The trainer holding the lease is the queue's only rightful reader (any other consumer was fenced off):
+    it takes what a killed trainer read and never acked on its first read, not ``claim_min_idle_s`` later,
+    where a consumer not told so still waits for that idle time."""
+    options = {"claim_min_idle_s": 600.0, "claim_interval_s": 600.0}
+    with open_queue(redis_url, namespace=namespace, role="producer") as producer:
+        producer.put_many([b"p1", b"p2", b"p3"])
+    dead = open_queue(redis_url, namespace=namespace, role="consumer", consumer_name="dead", options=options)
+    assert len(drain(dead, 3)) == 3  # never acked nor closed: it was SIGKILLed
+    with open_queue(redis_url, namespace=namespace, role="consumer", consumer_name="waits",
+                    options=options) as other:
+        assert other.get_many(10, timeout=0.2) == []  # not idle for 600 s yet
+    with open_queue(redis_url, namespace=namespace, role="consumer", consumer_name="holder",
+                    options=options) as holder:
+        holder.take_over()
+        got = holder.get_many(10, timeout=0)
+        assert sorted(m.data for m in got) == [b"p1", b"p2", b"p3"]
+        assert all("redelivered" in m.source for m in got)
+        holder.ack_many(got)
+        assert holder.depth() == 0
+    dead.close()
+
+
 @pytest.mark.parametrize("binary", redis_server_binaries())
 def test_a_redis_read_keeps_no_more_than_the_read_limit(binary: str, namespace: str) -> None:
     """Entries another writer shaped (a payload over the limit, thousands of fields, a large field

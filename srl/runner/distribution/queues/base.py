@@ -181,6 +181,13 @@ class ExperienceQueue(ABC):
         """Send acks a backend holds back (Redis), for a consumer that will not read again soon."""
         return None  # the others send each ack when it is made
 
+    def take_over(self) -> None:
+        """This consumer is the queue's only rightful reader from now on (the trainer holding the lease: any
+        other was fenced off): what other consumers read and never acked comes to it on its next read, where
+        the broker keeps such reads for their consumer (Redis) instead of waiting for them to idle. The other
+        backends give a consumer's unacked reads back themselves when its connection goes."""
+        return None
+
     def depth(self) -> int | None:
         """Messages put but not yet acked, if the broker can tell cheaply; else None."""
         return None

@@ -18,7 +18,9 @@ Features:
     * takeover: on start and every ``claim_interval_s`` a consumer XAUTOCLAIMs
       entries another consumer has held for longer than ``claim_min_idle_s``
       (a dead trainer's batches go to the next one); ``close()`` marks its own
-      unacked entries as long idle so the next consumer takes them at once;
+      unacked entries as long idle so the next consumer takes them at once; a consumer told it is the
+      only rightful reader (``take_over()``: the trainer holding the lease) takes the others' entries
+      on its next read, however briefly idle (a SIGKILLed trainer's reads come at once);
     * batching: ``put_many`` is one pipeline of XADDs, ``get_many`` one
       XREADGROUP COUNT (after the held-back XACK + XDEL, in one pipeline);
     * bounded reads: a consumer's connection parses replies with ``BoundedReplyParser``, which
@@ -144,6 +146,7 @@ class RedisStreamQueue(ExperienceQueue):
         self._read_unanswered = False  # a read was sent and its reply never came (a lost connection)
         self._claim_cursor = b"0-0"
         self._next_claim = 0.0
+        self._claim_idle_ms = self.claim_min_idle_ms  # 0 for one look through: take_over()
         self._closed = False
         self._backlog_by_script = True  # False once the Redis user was refused EVAL or XPENDING
         self._link = StreamConnection(
@@ -295,21 +298,34 @@ class RedisStreamQueue(ExperienceQueue):
     def _claim(self, count: int) -> list[Message]:
         """Take over entries idle for longer than claim_min_idle_s (a dead consumer's), a page at a time."""
         unanswered, self._read_unanswered = self._read_unanswered, True  # its entries become ours: as a read's
+        idle_ms = self._claim_idle_ms
         reply = self._link.with_acks(
-            "XAUTOCLAIM", self.key, self.group, self.consumer, self.claim_min_idle_ms, self._claim_cursor,
-            "COUNT", count)
+            "XAUTOCLAIM", self.key, self.group, self.consumer, idle_ms, self._claim_cursor, "COUNT", count)
         self._read_unanswered = unanswered
         cursor = reply[0] if isinstance(reply, list) and reply else b"0-0"
         self._claim_cursor = cursor if isinstance(cursor, bytes) else b"0-0"
         if self._claim_scan_done:
             self._next_claim = time.monotonic() + self.claim_interval_s
+            self._claim_idle_ms = self.claim_min_idle_ms
         # else: more pages are waiting; claim again on the next call
         messages = self._messages(reply[1] if isinstance(reply, list) and len(reply) > 1 else [],
                                   redelivered=True)
-        if messages:
+        if messages and idle_ms < self.claim_min_idle_ms:
+            logger.warning("%s: took over %d entries other consumers read and never acked (this consumer is the "
+                           "only rightful reader now)", self.source_name, len(messages))
+        elif messages:
             logger.warning("%s: took over %d unacked entries idle for over %.1fs (a consumer died?)",
                            self.source_name, len(messages), self.claim_min_idle_ms / 1000)
         return messages
+
+    def take_over(self) -> None:
+        """The next read first takes every entry other consumers of the group read and never acked, however
+        briefly idle (one look through the pending entries, a page a call); later looks wait for
+        ``claim_min_idle_s`` again."""
+        self._require_consumer()
+        self._claim_cursor = b"0-0"  # from the start: a look under way has passed entries by as too fresh
+        self._claim_idle_ms = 0
+        self._next_claim = 0.0
 
     def _messages(self, entries: Any, *, redelivered: bool) -> list[Message]:
         """Messages from a reply's ``[[id, [field, value, ...]], ...]``; unread ones are handed out refused.

@@ -146,10 +146,13 @@ class TrainerRun:
         self.resumed = self.checkpoints.resume()
 
     def open_consumer(self) -> ExperienceQueue:
-        """The task's experience queue, opened as this trainer's consumer."""
-        return open_queue(self.queue_params, namespace=self.redis_params.task_name, role="consumer",
-                          redis_params=self.redis_params, consumer_name=self.options.uid,
-                          max_read_bytes=self.codec.max_bytes, prefetch=self.options.prefetch)
+        """The task's experience queue, opened as this trainer's consumer: the lease holder's, so what a trainer
+        before it read and never acked (it was killed, or fenced off) comes to it on its first read."""
+        queue = open_queue(self.queue_params, namespace=self.redis_params.task_name, role="consumer",
+                           redis_params=self.redis_params, consumer_name=self.options.uid,
+                           max_read_bytes=self.codec.max_bytes, prefetch=self.options.prefetch)
+        queue.take_over()
+        return queue
 
     # ------------------------------------------------------------ board thread
     def server_now(self) -> float:
