@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from srl.algorithms import impala, ppo
 from srl.base.checkpoint import saved_rl_config
 from srl.base.env import EnvConfig, EnvSpec, env_spec
 from srl.base.rollout import Rollout
+from srl.rl.blocks import MLPBlockConfig
 
 
 def test_vtrace_matches_the_recursion_computed_by_hand() -> None:
@@ -152,6 +155,42 @@ def test_presets_follow_the_action_family_and_a_field_set_wins(caplog: pytest.Lo
     assert saved["normalize_reward"] is False
 
 
+def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_and_the_run_says_so(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Recurrent over Discrete vectors: recurrent PPO's preset (its network, 20 clipped steps a batch of T = 32,
+    advantages centred and scaled, γ 0.98, λ 0.8); recurrent over Box, and feed-forward anywhere, the paper's
+    learner as before; a field set wins; the data path's segment length is the preset's once resolved (actors'
+    pacing counts served segments by it); the run's first line names every value that depends on the family."""
+    novel = env_spec(EnvConfig("srl/CartPoleNoVel-v1"))
+    recurrent = impala.Config(recurrent="lstm").resolved(novel)
+    assert (recurrent.epochs, recurrent.segment_length, recurrent.norm_adv, recurrent.lr, recurrent.gamma,
+            recurrent.vtrace_lambda, recurrent.entropy_cost, recurrent.max_grad_norm) == (20, 32, True, 1e-3, 0.98,
+                                                                                          0.8, 0.0, 0.5)
+    assert (recurrent.cell_first, recurrent.normalize_obs, recurrent.hidden_block) == (
+        True, True, MLPBlockConfig((64,), "relu"))
+    assert recurrent.clip_ratio == 0.1  # not a preset: it bounds the 20 steps as it bounds one
+    for config, env in ((impala.Config(), "CartPole-v1"), (impala.Config(recurrent="lstm"), "srl/PendulumNoVel-v1"),
+                        (impala.Config(), "Pendulum-v1")):
+        paper = config.resolved(env_spec(EnvConfig(env)))
+        assert (paper.epochs, paper.segment_length, paper.norm_adv, paper.lr, paper.gamma, paper.vtrace_lambda,
+                paper.entropy_cost, paper.max_grad_norm, paper.cell_first, paper.hidden_block) == (
+                    1, 16, False, 2e-3, 0.99, 1.0, 0.01, 40.0, False, MLPBlockConfig((64, 64), "tanh")), env
+    mine = impala.Config(recurrent="gru", epochs=4, segment_length=20, cell_first=False).resolved(novel)
+    assert (mine.epochs, mine.segment_length, mine.cell_first, mine.norm_adv) == (4, 20, False, True)
+    assert impala.Config(recurrent="lstm").data_path().segment_length == 0  # not known before the env is
+    assert impala.Config(recurrent="lstm").resolved(novel).data_path().segment_length == 32
+    with caplog.at_level("INFO", logger="srl.impala"):
+        impala.Config(recurrent="lstm", lr=3e-4).settled(EnvConfig("srl/CartPoleNoVel-v1"))
+    assert ("the recurrent discrete preset for 'srl/CartPoleNoVel-v1': normalize_obs True, normalize_reward False, "
+            "hidden_block 64 relu, "
+            "cell_first True, segment_length 32, epochs 20, norm_adv True, gamma 0.98, vtrace_lambda 0.8, "
+            "entropy_cost 0, max_grad_norm 0.5 (set them") in caplog.text, caplog.text
+    with pytest.raises(ValueError, match="entropy_cost, epochs, gamma, lr, max_grad_norm, norm_adv, vtrace_lambda "
+                                         r"left to the preset: give it config.resolved\(spec\)"):
+        impala.IMPALALearner(impala.Config(), None, None)  # type: ignore[arg-type]
+
+
 def test_scaled_rewards_train_and_their_statistics_travel_with_a_takeover() -> None:
     """With rewards scaled (the Box preset), a learner's return statistics move as it trains, are in its
     checkpoint state and its takeover state, and a successor that loads them scales as it did."""
@@ -189,13 +228,13 @@ def one_batch(config: impala.Config, env: str) -> tuple[EnvSpec, dict[str, np.nd
 def test_epochs_step_on_one_batch_as_the_same_batch_taken_that_many_times_would(recurrent: str | None) -> None:
     """``epochs=3`` is three gradient steps on one batch, each with π, V and the V-trace targets recomputed
     from the weights as they are: the weights end where three batches of the same segments take them, and the
-    train count counts the gradient steps."""
-    config = impala.Config(seed=0, envs_per_actor=4, batch_segments=4, segment_length=8, recurrent=recurrent)
+    train count counts the gradient steps. (The observations' statistics stay out: they move once a batch.)"""
+    config = impala.Config(seed=0, envs_per_actor=4, batch_segments=4, segment_length=8, recurrent=recurrent,
+                           normalize_obs=False)
     spec, rows = one_batch(config, "srl/CartPoleNoVel-v1")
     ends = []
     for epochs, batches in ((3, 1), (1, 3)):
-        each = impala.Config(seed=0, envs_per_actor=4, batch_segments=4, segment_length=8, recurrent=recurrent,
-                             epochs=epochs)
+        each = dataclasses.replace(config, epochs=epochs)
         torch.manual_seed(0)
         parameter = each.make_parameter(spec, torch.device("cpu"))
         learner = each.make_learner(spec, parameter, each.make_buffer(spec))

@@ -18,6 +18,7 @@ how far behind (in versions and in train steps) what it learns from is, and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -37,6 +38,8 @@ from srl.base.rl import (
 from srl.base.schema import Schema
 from srl.rl.actor_critic import (
     ACTION_FAMILIES,
+    MLP_64_64_TANH,
+    MLP_64_RELU,
     ActorCriticParameter,
     FamilyPresets,
     LinearAnneal,
@@ -59,10 +62,39 @@ from srl.rl.recurrent import check_recurrent
 # Per-family presets for the fields a Config leaves at None: (Discrete / MultiDiscrete, Box, images, grids).
 # Box normalizes observations and rewards, as CleanRL's continuous-action PPO does (ppo_continuous_action.py,
 # made for MuJoCo); chosen on InvertedDoublePendulum and Hopper, judged on Pendulum (docs/benchmarks.md,
-# "IMPALA's Box preset"). The others keep IMPALA's raw observations and rewards.
+# "IMPALA's Box preset"). The others keep IMPALA's raw observations and rewards. The rest is the paper's
+# learner for every family (one pass over each batch), with TorchBeast's unroll and rates.
 PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "normalize_obs": (False, True, False, False),
     "normalize_reward": (False, True, False, False),
+    "hidden_block": (MLP_64_64_TANH,) * 4,
+    "cell_first": (False,) * 4,
+    "segment_length": (16,) * 4,
+    "epochs": (1,) * 4,
+    "norm_adv": (False,) * 4,
+    "lr": (2e-3,) * 4,
+    "gamma": (0.99,) * 4,
+    "vtrace_lambda": (1.0,) * 4,
+    "entropy_cost": (0.01,) * 4,
+    "max_grad_norm": (40.0,) * 4,
+}
+# A recurrent config's own columns over Discrete vectors: recurrent PPO's preset there (its network, RL Zoo's
+# ppo_lstm for the NoVel envs, and its Discrete settings: 20 clipped steps on each batch of T = 32 with the
+# advantages centred and scaled, γ 0.98, λ 0.8). With the paper's one pass the LSTM's policy collapses to one
+# action in most runs whatever the rates (25 probes); chosen on Acrobot-v1 and srl/AcrobotNoVel-v1, judged on
+# srl/CartPoleNoVel-v1 (docs/benchmarks.md, "Recurrent IMPALA"). Box, images and grids keep the columns above.
+RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
+    "normalize_obs": (True, True, False, False),
+    "hidden_block": (MLP_64_RELU, MLP_64_64_TANH, MLP_64_64_TANH, MLP_64_64_TANH),
+    "cell_first": (True, False, False, False),
+    "segment_length": (32, 16, 16, 16),
+    "epochs": (20, 1, 1, 1),
+    "norm_adv": (True, False, False, False),
+    "lr": (1e-3, 2e-3, 2e-3, 2e-3),
+    "gamma": (0.98, 0.99, 0.99, 0.99),
+    "vtrace_lambda": (0.8, 1.0, 1.0, 1.0),
+    "entropy_cost": (0.0, 0.01, 0.01, 0.01),
+    "max_grad_norm": (0.5, 40.0, 40.0, 40.0),
 }
 FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -74,14 +106,16 @@ class Config(FamilyPresets, RLConfig):
 
     algorithm: ClassVar[str] = "impala"
     presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
+    recurrent_presets: ClassVar[dict[str, tuple[Any, ...]]] = RECURRENT_PRESETS
     saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "cell_first": False,
                                               "adam_eps": 1e-8, "clip_ratio": None, "normalize_reward": False,
                                               "epochs": 1, "norm_adv": False}
 
     envs_per_actor: int = 8
     """envs each actor steps at once (one segment per env per T steps)"""
-    hidden_block: MLPBlockConfig = field(default_factory=lambda: MLPBlockConfig((64, 64), "tanh"))
-    """the layers of the policy and of the value network over vector observations"""
+    hidden_block: MLPBlockConfig | None = None
+    """the layers of the policy and of the value network over vector observations (preset: two tanh layers of
+    64, and one ReLU layer of 64 for a recurrent config over Discrete actions)"""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """the network from observation to features (``srl.rl.networks``): "auto" is ``hidden_block`` for vectors
     and a CNN both heads share for images ("impala_cnn": the paper's residual network)"""
@@ -92,29 +126,33 @@ class Config(FamilyPresets, RLConfig):
     per env and send it with each segment; the learner unrolls it over the segment from that state"""
     recurrent_size: int = 128
     """units of the recurrent cell"""
-    cell_first: bool = False
+    cell_first: bool | None = None
     """over vectors with ``recurrent``: the cells read the observations and ``hidden_block`` comes after each
-    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). True elsewhere (no
-    cell, or image observations) is refused"""
+    (SB3-contrib RecurrentPPO's order); False: ``hidden_block`` before the cells (CleanRL's). Preset: True for a
+    recurrent config over Discrete actions, False otherwise; True set elsewhere (no cell, or image observations)
+    is refused"""
     normalize_obs: bool | None = None
     """normalize observations by running statistics (updated by the learner, published with the params;
-    preset: off Discrete, on Box)"""
+    preset: off Discrete, on Box and for a recurrent config)"""
     normalize_reward: bool | None = None
     """scale rewards by the running std of the discounted return (preset: off Discrete, on Box)"""
-    segment_length: int = 16
-    """T: steps per segment (the unroll length)"""
+    segment_length: int | None = None
+    """T: steps per segment (the unroll length; preset: 16, and 32 for a recurrent config over Discrete actions)"""
     batch_segments: int = 8
     """segments per batch (each batch is taken from the FIFO once: smaller batches, more steps per env step)"""
-    epochs: int = 1
+    epochs: int | None = None
     """gradient steps on each batch. Each recomputes π, V and the V-trace targets with the weights as they are
     then, and ``clip_ratio`` bounds how far the steps move π from the acting policy, as APPO's epochs (1: the
-    paper's one pass). Train counts, ``publish_every`` and params versions count gradient steps"""
-    norm_adv: bool = False
-    """centre and scale the V-trace advantages of each gradient step's batch (PPO's ``norm_adv``)"""
+    paper's one pass). Train counts, ``publish_every`` and params versions count gradient steps (preset: 1,
+    and 20 for a recurrent config over Discrete actions)"""
+    norm_adv: bool | None = None
+    """centre and scale the V-trace advantages of each gradient step's batch (PPO's ``norm_adv``; preset: off,
+    on for a recurrent config over Discrete actions)"""
     buffer_segments: int = 64
     """the learner's FIFO: when it is full the learner stops reading the queue and actors wait"""
-    lr: float = 2e-3
-    """Adam learning rate (held, unless anneal_lr)"""
+    lr: float | None = None
+    """Adam learning rate (held, unless anneal_lr; preset: 2e-3, and 1e-3 for a recurrent config over Discrete
+    actions)"""
     adam_eps: float = 1e-3
     """Adam's ε. Large enough that steps shrink with the gradients once the advantages are mere noise (a
     solved task), instead of Adam rescaling that noise to steps of about ``lr`` that walk a good policy
@@ -124,20 +162,20 @@ class Config(FamilyPresets, RLConfig):
     by default it is held, as RLlib's and Sample Factory's IMPALA hold it: a run whose rows come late learns
     more slowly per env step, and a schedule that ends at zero can freeze it before it got there (the study:
     docs/benchmarks.md)"""
-    gamma: float = 0.99
-    """discount factor"""
-    vtrace_lambda: float = 1.0
-    """λ of the V-trace targets (1: the paper's)"""
+    gamma: float | None = None
+    """discount factor (preset: 0.99, and 0.98 for a recurrent config over Discrete actions)"""
+    vtrace_lambda: float | None = None
+    """λ of the V-trace targets (preset: 1, the paper's, and 0.8 for a recurrent config over Discrete actions)"""
     rho_bar: float = 1.0
     """ρ̄: clip of the importance weights in the value targets and the policy gradient"""
     c_bar: float = 1.0
     """c̄: clip of the trace-cutting coefficients"""
     baseline_cost: float = 0.5
     """value loss weight"""
-    entropy_cost: float = 0.01
-    """entropy bonus weight"""
-    max_grad_norm: float = 40.0
-    """gradient norm clip"""
+    entropy_cost: float | None = None
+    """entropy bonus weight (preset: 0.01, and 0 for a recurrent config over Discrete actions)"""
+    max_grad_norm: float | None = None
+    """gradient norm clip (preset: 40, and 0.5 for a recurrent config over Discrete actions)"""
     publish_every: int = 4
     """train steps between params publications"""
     max_policy_lag: int | None = None
@@ -152,27 +190,29 @@ class Config(FamilyPresets, RLConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.hidden_block.validate()
+        if self.hidden_block is not None:
+            self.hidden_block.validate()
         self.encoder.validate()
         check_recurrent(self.recurrent, self.recurrent_size)
         check_cell_first(self.cell_first, self.recurrent)
-        check_int("segment_length", self.segment_length, 1, 1 << 16)
+        if self.segment_length is not None:
+            check_int("segment_length", self.segment_length, 1, 1 << 16)
         check_int("batch_segments", self.batch_segments, 1, 1 << 16)
-        check_int("epochs", self.epochs, 1, 1000)
-        if self.epochs > 1 and self.clip_ratio is None:
+        if self.epochs is not None:
+            check_int("epochs", self.epochs, 1, 1000)
+        if self.epochs is not None and self.epochs > 1 and self.clip_ratio is None:
             raise ValueError(f"epochs={self.epochs} takes several steps on each batch, and with clip_ratio=None "
                              "nothing bounds how far they move the policy from the one that acted: set clip_ratio "
                              "(0.1, the default) or epochs=1")
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
         check_int("publish_every", self.publish_every, 1, 1 << 30)
-        check_number("lr", self.lr, 0.0, 1.0, low_open=True)
         check_number("adam_eps", self.adam_eps, 0.0, 1.0, low_open=True)
-        check_number("gamma", self.gamma, 0.0, 1.0, low_open=True)
-        for name in ("vtrace_lambda", "rho_bar", "c_bar"):
-            check_number(name, getattr(self, name), 0.0, 100.0)
-        check_number("baseline_cost", self.baseline_cost, 0.0, 1e3)
-        check_number("entropy_cost", self.entropy_cost, 0.0, 1e3)
-        check_number("max_grad_norm", self.max_grad_norm, 0.0, 1e9, low_open=True)
+        for name, low, high, low_open in (("lr", 0.0, 1.0, True), ("gamma", 0.0, 1.0, True),
+                                          ("vtrace_lambda", 0.0, 100.0, False), ("rho_bar", 0.0, 100.0, False),
+                                          ("c_bar", 0.0, 100.0, False), ("baseline_cost", 0.0, 1e3, False),
+                                          ("entropy_cost", 0.0, 1e3, False), ("max_grad_norm", 0.0, 1e9, True)):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), low, high, low_open=low_open)
         if self.max_policy_lag is not None:
             check_int("max_policy_lag", self.max_policy_lag, 0, 1 << 30)
         if self.clip_ratio is not None:
@@ -187,10 +227,11 @@ class Config(FamilyPresets, RLConfig):
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag,
                         lead_versions=DataPath.lead_of(self.max_policy_lag),
-                        version_segments=self.batch_segments * self.publish_every, segment_length=self.segment_length)
+                        version_segments=self.batch_segments * self.publish_every,
+                        segment_length=int(self.segment_length or 0))
 
     def schema(self, spec: EnvSpec) -> Schema:
-        return config_segment_schema(self, spec, self.segment_length)
+        return config_segment_schema(self, spec, int(self.resolved(spec).segment_length or 1))
 
     def make_parameter(self, spec: EnvSpec, device: torch.device) -> ActorCriticParameter:
         return ActorCriticParameter(self.resolved(spec), spec, device)
@@ -199,7 +240,9 @@ class Config(FamilyPresets, RLConfig):
         self, spec: EnvSpec, parameter: Parameter, actor_index: int, actor_num: int, seed: int | None
     ) -> SegmentWorker:
         assert isinstance(parameter, ActorCriticParameter)
-        return SegmentWorker(parameter, self.segment_length, self.gamma, self.envs_per_actor, seed)
+        config = self.resolved(spec)
+        return SegmentWorker(parameter, int(config.segment_length or 1), float(config.gamma or 0.0),
+                             self.envs_per_actor, seed)
 
     def make_buffer(self, spec: EnvSpec, actor_num: int = 1) -> SegmentBuffer:
         # room for a batch plus every actor's next message, so no actor's segments wait on another's
@@ -268,18 +311,41 @@ class IMPALAStats(TrainStats):
     lr: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Steps:
+    """The settings of a gradient step, as a resolved config (``Config.resolved``) gives them."""
+
+    lr: float
+    gamma: float
+    vtrace_lambda: float
+    entropy_cost: float
+    max_grad_norm: float
+    epochs: int
+    norm_adv: bool
+
+    @classmethod
+    def of(cls, config: Config) -> _Steps:
+        values = {name: getattr(config, name) for name in (f.name for f in dataclasses.fields(cls))}
+        left = sorted(name for name, value in values.items() if value is None)
+        if left:
+            raise ValueError(f"the IMPALA learner was given a config with {', '.join(left)} left to the preset: "
+                             "give it config.resolved(spec)")
+        return cls(**values)
+
+
 class IMPALALearner(ReturnScaledLearner):
-    """``train()`` takes ``batch_segments`` segments (None until that many arrived) and makes one step."""
+    """``train()`` takes ``batch_segments`` segments (None until that many arrived) and makes ``epochs`` steps."""
 
     optimizer: torch.optim.Optimizer
 
     def __init__(self, config: Config, parameter: ActorCriticParameter, buffer: SegmentBuffer) -> None:
         super().__init__()
         self.config = config
+        self.steps = _Steps.of(config)
         self.parameter = parameter
         self.buffer = buffer
         self.device = parameter.device
-        self.optimizer = make_adam(parameter.net.parameters(), config.lr, eps=config.adam_eps)
+        self.optimizer = make_adam(parameter.net.parameters(), self.steps.lr, eps=config.adam_eps)
         self.train_count = 0
         self.anneal = LinearAnneal()
         self.compute = LearnerCompute.of(config, self.device)
@@ -289,7 +355,7 @@ class IMPALALearner(ReturnScaledLearner):
         self.anneal.plan(max_steps, max_train_count, env_steps)
 
     def _scaled(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
-        return self.scale_rewards(reward, done, self.config.gamma)
+        return self.scale_rewards(reward, done, self.steps.gamma)
 
     def train(self) -> IMPALAStats | None:
         segments = self.buffer.take(self.config.batch_segments)
@@ -298,7 +364,7 @@ class IMPALALearner(ReturnScaledLearner):
         config, net, dev = self.config, self.parameter.net, self.device
         n, horizon = segments["reward"].shape
         frac = self.anneal.advance(n * horizon, self.train_count)
-        lr = config.lr * (frac if config.anneal_lr else 1.0)
+        lr = self.steps.lr * (frac if config.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         observations, last_obs = segment_observations(segments, self.parameter.frames)
         if net.recurrent is not None:
@@ -309,10 +375,10 @@ class IMPALALearner(ReturnScaledLearner):
                        to_device(segments["logprob"], dev),
                        # the env's rewards (scaled once a batch) and a time limit's bootstrap
                        to_device(segment_rewards(segments, self._scaled if config.normalize_reward else None), dev),
-                       config.gamma * (1.0 - to_device(segments["done"], dev).float()),
+                       self.steps.gamma * (1.0 - to_device(segments["done"], dev).float()),
                        segment_states(segments, dev) if net.recurrent is not None else None)
         steps = 0
-        for _ in range(config.epochs):
+        for _ in range(self.steps.epochs):
             numbers, stepped = self._step(batch)
             steps += stepped
         if self.parameter.net.normalize_obs:
@@ -327,7 +393,7 @@ class IMPALALearner(ReturnScaledLearner):
     def _step(self, batch: _Batch) -> tuple[torch.Tensor, int]:
         """One gradient step on ``batch``: its statistics (on the device, for one host copy) and 1, or 0 where
         the loss was not finite and the weights were left as they were."""
-        config, net = self.config, self.parameter.net
+        config, steps, net = self.config, self.steps, self.parameter.net
         n, horizon = batch.rewards.shape
         with self.compute.autocast():  # the outputs back to float32 before V-trace and the losses use them
             if batch.states is not None:  # each segment unrolled from the state its actor started it with
@@ -345,19 +411,19 @@ class IMPALALearner(ReturnScaledLearner):
         with torch.no_grad():
             log_rhos = logprob.detach() - batch.behaviour
             vs, advantages = vtrace(log_rhos, batch.discounts, batch.rewards, value.detach(), bootstrap,
-                                    config.rho_bar, config.c_bar, config.vtrace_lambda,
+                                    config.rho_bar, config.c_bar, steps.vtrace_lambda,
                                     rho_weighted=config.clip_ratio is None)
-            if config.norm_adv:
+            if steps.norm_adv:
                 advantages = normalized_advantages(advantages)
         policy_loss = policy_term(logprob, batch.behaviour, advantages, config.clip_ratio)
         value_loss = 0.5 * ((vs - value) ** 2).mean()
         entropy_mean = entropy.mean()
-        loss = policy_loss + config.baseline_cost * value_loss - config.entropy_cost * entropy_mean
+        loss = policy_loss + config.baseline_cost * value_loss - steps.entropy_cost * entropy_mean
         stepped = 0
         if torch.isfinite(loss):  # one diverged batch must not poison the weights
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            nn.utils.clip_grad_norm_(net.parameters(), config.max_grad_norm)
+            nn.utils.clip_grad_norm_(net.parameters(), steps.max_grad_norm)
             self.optimizer.step()
             stepped = 1
         rhos = log_rhos.exp()

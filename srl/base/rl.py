@@ -34,7 +34,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -163,6 +163,9 @@ class DataPath:
         return None if max_policy_lag is None else max(1, max_policy_lag // 2)
 
 
+_C = TypeVar("_C", bound="RLConfig")
+
+
 @dataclass
 class RLConfig(Settings, ABC):
     """Settings shared by every algorithm; each algorithm's ``Config`` extends it."""
@@ -259,9 +262,15 @@ class RLConfig(Settings, ABC):
     def check_spec(self, spec: EnvSpec) -> None:
         """Raise EnvError when this algorithm cannot act in ``spec``'s spaces (say which it takes)."""
 
+    def resolved(self: _C, spec: EnvSpec) -> _C:
+        """A copy with the fields this config leaves to the env's family (``None``) set for ``spec``: what
+        the learner, the worker and ``data_path`` (a segment's length) use on a node. Itself by default."""
+        return self
+
     @abstractmethod
     def data_path(self) -> DataPath:
-        """How this algorithm's rows travel and when its trainer publishes (see ``DataPath``)."""
+        """How this algorithm's rows travel and when its trainer publishes (see ``DataPath``); call it on
+        ``resolved(spec)`` where a field it reads may be left to a preset (a segment's length)."""
 
     @abstractmethod
     def schema(self, spec: EnvSpec) -> Schema:

@@ -354,8 +354,10 @@ class FamilyPresets:
 
     def settled(self: P, env_config: EnvConfig) -> P:
         """Itself: the fields left at None stay None (``resolved`` sets them where the config is used); it says
-        which preset they take."""
-        left = [name for name in self.preset_columns() if getattr(self, name) is None]
+        which preset they take, where it depends on the family (a field with one value for every family is the
+        algorithm's default, as its docstring says)."""
+        left = [name for name, column in self.preset_columns().items()
+                if getattr(self, name) is None and any(value != column[0] for value in column)]
         if left:
             spec = env_spec(env_config)
             resolved, family = self.resolved(spec), self.family(spec)

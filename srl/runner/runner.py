@@ -186,7 +186,7 @@ class Runner:
         learner.plan(*planned, self.env_steps)
         if (note := budget_note(config, *planned)) is not None:
             logger.info("%s", note)
-        data_path = config.data_path()
+        data_path = config.resolved(self.spec).data_path()
         parameter.version = max(parameter.version, DataPath.FIRST_VERSION)  # as a trainer's first publication
         seed = continued_seed(config.seed, self.env_steps)
         worker = config.make_worker(self.spec, parameter, 0, 1, seed)

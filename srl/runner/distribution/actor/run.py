@@ -98,13 +98,13 @@ class ActorRun:
         self.counters = CounterDeltas()
         self.board_work = BoardWork("actor", self.stop)
         config = task.rl_config
-        self.data_path = config.data_path()
         torch.set_num_threads(max(1, config.torch_threads))
         seed = None if config.seed is None else config.seed + 1000 * (slot + 1)
         seed_everything(seed)
         allow = allowed_env_modules(options.allow_env_modules)
         self.spec = env_spec(task.env_config, allow)
         config.check_spec(self.spec)
+        self.data_path = config.resolved(self.spec).data_path()
         self.batch_rows = batch_rows(task, options.batch_size)  # the rows a batch is sent at (once, not every step)
         self.pacing = Pacing(self.data_path, task.actor_num, task.max_steps, self.batch_rows,
                              self.data_path.first_rows_steps(config.envs_per_actor), config.envs_per_actor)

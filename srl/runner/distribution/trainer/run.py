@@ -101,11 +101,11 @@ class TrainerRun:
         self.queue_params = queue_params
         self.stop = StopFlag()
         config = task.rl_config
-        self.data_path = config.data_path()
         torch.set_num_threads(max(1, config.torch_threads))
         seed_everything(config.seed)
         self.spec = env_spec(task.env_config, allowed_env_modules(options.allow_env_modules))
         config.check_spec(self.spec)
+        self.data_path = config.resolved(self.spec).data_path()
         self.schema: Schema = config.schema(self.spec)
         max_rows = max_message_rows(task)
         self.device = config.resolve_device()
