@@ -123,7 +123,7 @@ def test_on_policy_rows_train_the_same_with_and_without_the_clip() -> None:
     """One process acts with the learner's own weights (π = μ): the clip never binds, so the weights after
     a few steps match the paper's loss (up to float rounding), and they did move."""
     initial, trained = [], []
-    for clip_ratio in (0.1, None):
+    for clip_ratio in (0.1, 0.0):
         config = impala.Config(seed=3, envs_per_actor=4, batch_segments=4, segment_length=8, clip_ratio=clip_ratio)
         runner = srl.Runner("CartPole-v1", config)
         initial.append(runner.parameter.to_arrays())
@@ -158,7 +158,7 @@ def test_presets_follow_the_action_family_and_a_field_set_wins(caplog: pytest.Lo
 def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_and_the_run_says_so(
     caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Recurrent over Discrete vectors: recurrent PPO's preset (its network, 20 clipped steps a batch of T = 32,
+    """Recurrent over Discrete vectors: recurrent PPO's preset (its network, 20 steps clipped at 0.2 a batch of 32,
     advantages centred and scaled, γ 0.98, λ 0.8); recurrent over Box, and feed-forward anywhere, the paper's
     learner as before; a field set wins; the data path's segment length is the preset's once resolved (actors'
     pacing counts served segments by it); the run's first line names every value that depends on the family."""
@@ -169,13 +169,13 @@ def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_an
                                                                                           0.8, 0.0, 0.5)
     assert (recurrent.cell_first, recurrent.normalize_obs, recurrent.hidden_block) == (
         True, True, MLPBlockConfig((64,), "relu"))
-    assert recurrent.clip_ratio == 0.1  # not a preset: it bounds the 20 steps as it bounds one
+    assert recurrent.clip_ratio == 0.2
     for config, env in ((impala.Config(), "CartPole-v1"), (impala.Config(recurrent="lstm"), "srl/PendulumNoVel-v1"),
                         (impala.Config(), "Pendulum-v1")):
         paper = config.resolved(env_spec(EnvConfig(env)))
         assert (paper.epochs, paper.segment_length, paper.norm_adv, paper.lr, paper.gamma, paper.vtrace_lambda,
-                paper.entropy_cost, paper.max_grad_norm, paper.cell_first, paper.hidden_block) == (
-                    1, 16, False, 2e-3, 0.99, 1.0, 0.01, 40.0, False, MLPBlockConfig((64, 64), "tanh")), env
+                paper.entropy_cost, paper.max_grad_norm, paper.cell_first, paper.hidden_block, paper.clip_ratio) == (
+                    1, 16, False, 2e-3, 0.99, 1.0, 0.01, 40.0, False, MLPBlockConfig((64, 64), "tanh"), 0.1), env
     mine = impala.Config(recurrent="gru", epochs=4, segment_length=20, cell_first=False).resolved(novel)
     assert (mine.epochs, mine.segment_length, mine.cell_first, mine.norm_adv) == (4, 20, False, True)
     assert impala.Config(recurrent="lstm").data_path().segment_length == 0  # not known before the env is
@@ -185,9 +185,9 @@ def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_an
     assert ("the recurrent discrete preset for 'srl/CartPoleNoVel-v1': normalize_obs True, normalize_reward False, "
             "hidden_block 64 relu, "
             "cell_first True, segment_length 32, epochs 20, norm_adv True, gamma 0.98, vtrace_lambda 0.8, "
-            "entropy_cost 0, max_grad_norm 0.5 (set them") in caplog.text, caplog.text
-    with pytest.raises(ValueError, match="entropy_cost, epochs, gamma, lr, max_grad_norm, norm_adv, vtrace_lambda "
-                                         r"left to the preset: give it config.resolved\(spec\)"):
+            "entropy_cost 0, max_grad_norm 0.5, clip_ratio 0.2 (set them") in caplog.text, caplog.text
+    with pytest.raises(ValueError, match="clip_ratio, entropy_cost, epochs, gamma, lr, max_grad_norm, norm_adv, "
+                                         r"vtrace_lambda left to the preset: give it config.resolved\(spec\)"):
         impala.IMPALALearner(impala.Config(), None, None)  # type: ignore[arg-type]
 
 
@@ -269,6 +269,11 @@ def test_norm_adv_centres_each_batch_s_advantages() -> None:
 
 
 def test_several_epochs_without_the_clip_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"epochs=4 .*clip_ratio=None.*set clip_ratio"):
-        impala.Config(epochs=4, clip_ratio=None).validate()
+    with pytest.raises(ValueError, match=r"epochs=4 takes .*clip_ratio=0 .*set clip_ratio"):
+        impala.Config(epochs=4, clip_ratio=0.0).validate()
+    config = impala.Config(recurrent="lstm", clip_ratio=0.0)
+    config.validate()  # its epochs are the preset's: known once the env is
+    config.check_spec(env_spec(EnvConfig("srl/PendulumNoVel-v1")))  # one a batch over Box
+    with pytest.raises(ValueError, match=r"epochs=20 \(the discrete preset's\) takes .*clip_ratio=0 .*or epochs=1"):
+        config.check_spec(env_spec(EnvConfig("srl/CartPoleNoVel-v1")))
     impala.Config(epochs=4).validate()

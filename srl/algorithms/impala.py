@@ -5,7 +5,8 @@ segments of ``segment_length`` steps with the behaviour policy's
 log-probabilities, each consumed once from a bounded FIFO, params published
 every ``publish_every`` train steps, no version waited for), ``vtrace`` (the
 paper's recursion, six lines), and ``Learner`` (``epochs`` gradient steps per batch of
-segments, one by default: V-trace targets with the current network, the policy-gradient term
+segments, one as the paper's, twenty in the recurrent preset over Discrete vectors: V-trace targets with
+the current network, the policy-gradient term
 with the V-trace advantage, PPO-clipped where π has moved away from the acting
 policy, the value loss and the entropy bonus). The
 policy network and the actors' segment worker are the ones PPO uses
@@ -77,10 +78,11 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "vtrace_lambda": (1.0,) * 4,
     "entropy_cost": (0.01,) * 4,
     "max_grad_norm": (40.0,) * 4,
+    "clip_ratio": (0.1,) * 4,
 }
 # A recurrent config's own columns over Discrete vectors: recurrent PPO's preset there (its network, RL Zoo's
-# ppo_lstm for the NoVel envs, and its Discrete settings: 20 clipped steps on each batch of T = 32 with the
-# advantages centred and scaled, γ 0.98, λ 0.8). With the paper's one pass the LSTM's policy collapses to one
+# ppo_lstm for the NoVel envs, and its Discrete settings: 20 steps clipped at 0.2 on each batch of T = 32 with
+# the advantages centred and scaled, γ 0.98, λ 0.8). With the paper's one pass the LSTM's policy collapses to one
 # action in most runs whatever the rates (25 probes); chosen on Acrobot-v1 and srl/AcrobotNoVel-v1, judged on
 # srl/CartPoleNoVel-v1 (docs/benchmarks.md, "Recurrent IMPALA"). Box, images and grids keep the columns above.
 RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
@@ -95,6 +97,7 @@ RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "vtrace_lambda": (0.8, 1.0, 1.0, 1.0),
     "entropy_cost": (0.0, 0.01, 0.01, 0.01),
     "max_grad_norm": (0.5, 40.0, 40.0, 40.0),
+    "clip_ratio": (0.2, 0.1, 0.1, 0.1),
 }
 FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -108,7 +111,7 @@ class Config(FamilyPresets, RLConfig):
     presets: ClassVar[dict[str, tuple[Any, ...]]] = PRESETS
     recurrent_presets: ClassVar[dict[str, tuple[Any, ...]]] = RECURRENT_PRESETS
     saved_before: ClassVar[dict[str, Any]] = {"recurrent": None, "recurrent_size": 128, "cell_first": False,
-                                              "adam_eps": 1e-8, "clip_ratio": None, "normalize_reward": False,
+                                              "adam_eps": 1e-8, "clip_ratio": 0.0, "normalize_reward": False,
                                               "epochs": 1, "norm_adv": False}
 
     envs_per_actor: int = 8
@@ -181,12 +184,12 @@ class Config(FamilyPresets, RLConfig):
     max_policy_lag: int | None = None
     """refuse segments acted with params more than this many versions old (None: accept any; V-trace
     corrects the off-policy part)"""
-    clip_ratio: float | None = 0.1
+    clip_ratio: float | None = None
     """bound each update's move away from the acting policy μ: the policy term is PPO's clipped surrogate of
     π/μ (clipped to 1 ± this) on the V-trace advantages, as APPO's. Rows that sit in a queue while the
     learner moves on otherwise let it push one way for as many steps as they are late, to a one-action
-    policy it cannot leave (docs/benchmarks.md). On-policy rows (π = μ) train as without it. None: the
-    paper's ρ̄-clipped policy gradient"""
+    policy it cannot leave (docs/benchmarks.md). On-policy rows (π = μ) train as without it. 0: no clip, the
+    paper's ρ̄-clipped policy gradient (preset: 0.1, and 0.2 for a recurrent config over Discrete actions)"""
 
     def validate(self) -> None:
         super().validate()
@@ -200,10 +203,7 @@ class Config(FamilyPresets, RLConfig):
         check_int("batch_segments", self.batch_segments, 1, 1 << 16)
         if self.epochs is not None:
             check_int("epochs", self.epochs, 1, 1000)
-        if self.epochs is not None and self.epochs > 1 and self.clip_ratio is None:
-            raise ValueError(f"epochs={self.epochs} takes several steps on each batch, and with clip_ratio=None "
-                             "nothing bounds how far they move the policy from the one that acted: set clip_ratio "
-                             "(0.1, the default) or epochs=1")
+        _check_bounded(self.epochs, self.clip_ratio, "")
         check_int("buffer_segments", self.buffer_segments, 1, 1 << 20)
         check_int("publish_every", self.publish_every, 1, 1 << 30)
         check_number("adam_eps", self.adam_eps, 0.0, 1.0, low_open=True)
@@ -216,13 +216,15 @@ class Config(FamilyPresets, RLConfig):
         if self.max_policy_lag is not None:
             check_int("max_policy_lag", self.max_policy_lag, 0, 1 << 30)
         if self.clip_ratio is not None:
-            check_number("clip_ratio", self.clip_ratio, 0.0, 1.0, low_open=True)
+            check_number("clip_ratio", self.clip_ratio, 0.0, 1.0)
         if self.buffer_segments < self.batch_segments:
             raise ValueError(f"buffer_segments ({self.buffer_segments}) must hold a batch ({self.batch_segments})")
 
     def check_spec(self, spec: EnvSpec) -> None:
         check_actions(spec, "impala")
         check_cell_first(self.cell_first, self.recurrent, spec, self.encoder.check(spec))
+        resolved = self.resolved(spec)
+        _check_bounded(resolved.epochs, resolved.clip_ratio, f" (the {self.family(spec)} preset's)")
 
     def data_path(self) -> DataPath:
         return DataPath(rows="segments", publish_every=self.publish_every, max_policy_lag=self.max_policy_lag,
@@ -252,6 +254,14 @@ class Config(FamilyPresets, RLConfig):
     def make_learner(self, spec: EnvSpec, parameter: Parameter, buffer: Buffer, actor_num: int = 1) -> IMPALALearner:
         assert isinstance(parameter, ActorCriticParameter) and isinstance(buffer, SegmentBuffer)
         return IMPALALearner(self.resolved(spec), parameter, buffer)
+
+
+def _check_bounded(epochs: int | None, clip_ratio: float | None, whose: str) -> None:
+    """ValueError for several gradient steps on a batch with nothing to bound how far they move the policy."""
+    if epochs is not None and epochs > 1 and clip_ratio == 0:
+        raise ValueError(f"epochs={epochs}{whose} takes several steps on each batch, and with clip_ratio=0 (the "
+                         "paper's policy gradient) nothing bounds how far they move the policy from the one that "
+                         "acted: set clip_ratio (0.1, or leave it to the preset) or epochs=1")
 
 
 def vtrace(
@@ -322,6 +332,13 @@ class _Steps:
     max_grad_norm: float
     epochs: int
     norm_adv: bool
+    clip_ratio: float
+    """0: the paper's policy gradient (``clip`` None)"""
+
+    @property
+    def clip(self) -> float | None:
+        """The surrogate's clip (``policy_term``'s ``clip_ratio``): None for the paper's policy gradient."""
+        return self.clip_ratio or None
 
     @classmethod
     def of(cls, config: Config) -> _Steps:
@@ -412,10 +429,10 @@ class IMPALALearner(ReturnScaledLearner):
             log_rhos = logprob.detach() - batch.behaviour
             vs, advantages = vtrace(log_rhos, batch.discounts, batch.rewards, value.detach(), bootstrap,
                                     config.rho_bar, config.c_bar, steps.vtrace_lambda,
-                                    rho_weighted=config.clip_ratio is None)
+                                    rho_weighted=steps.clip is None)
             if steps.norm_adv:
                 advantages = normalized_advantages(advantages)
-        policy_loss = policy_term(logprob, batch.behaviour, advantages, config.clip_ratio)
+        policy_loss = policy_term(logprob, batch.behaviour, advantages, steps.clip)
         value_loss = 0.5 * ((vs - value) ** 2).mean()
         entropy_mean = entropy.mean()
         loss = policy_loss + config.baseline_cost * value_loss - steps.entropy_cost * entropy_mean
@@ -427,7 +444,7 @@ class IMPALALearner(ReturnScaledLearner):
             self.optimizer.step()
             stepped = 1
         rhos = log_rhos.exp()
-        outside = (rhos - 1.0).abs() > config.clip_ratio if config.clip_ratio is not None else torch.zeros_like(rhos)
+        outside = (rhos - 1.0).abs() > steps.clip if steps.clip is not None else torch.zeros_like(rhos)
         return torch.stack([loss.detach(), policy_loss.detach(), value_loss.detach(), entropy_mean.detach(),
                             rhos.mean(), (rhos > config.rho_bar).float().mean(), outside.float().mean()]), stepped
 
