@@ -14,6 +14,7 @@ from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.base.schema import Schema
 from srl.rl.actor_critic import bootstrapped_values, segment_states
+from srl.rl.blocks import MLPBlockConfig
 from srl.rl.memories import MemoryConfig
 from srl.rl.memories.proportional import ProportionalMemory
 from srl.runner.distribution.wire.codec import BatchHeader, Codec, DecodeError
@@ -290,6 +291,32 @@ def test_a_recurrent_checkpoint_restores_and_resumes(algorithm: str, tmp_path: P
     count = again.train_count
     again.train(max_steps=300)
     assert again.train_count > count
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "impala"])
+def test_a_checkpoint_made_under_another_network_is_refused_naming_the_setting(algorithm: str,
+                                                                                tmp_path: Path) -> None:
+    """A recurrent Discrete checkpoint made with the layer before the cells (the network before the preset
+    changed) loaded into a config left to today's preset: refused before any weight is touched, naming the
+    setting, whose value each side resolves to and what to do; loaded where the settings match (set, or
+    left to the same preset), it is the same policy."""
+    module = {"ppo": ppo, "impala": impala}[algorithm]
+    old = module.Config(recurrent="lstm", envs_per_actor=2, seed=1, cell_first=False, normalize_obs=False,
+                        hidden_block=MLPBlockConfig((64, 64), "tanh"))
+    runner = srl.Runner(CARTPOLE, old)
+    runner.save(tmp_path / "old.safetensors")
+    today = srl.Runner(CARTPOLE, module.Config(recurrent="lstm"))
+    before = today.parameter.to_arrays()
+    with pytest.raises(ValueError, match=r"was trained with cell_first=False, this config has cell_first=True \(as "
+                                         r"the presets resolve for this env\).*Set cell_first as the checkpoint"):
+        today.load(tmp_path / "old.safetensors")
+    assert all(np.array_equal(v, before[k]) for k, v in today.parameter.to_arrays().items())
+    same = srl.Runner(CARTPOLE, module.Config(recurrent="lstm", cell_first=False, normalize_obs=False,
+                                              hidden_block=MLPBlockConfig((64, 64), "tanh")))
+    same.load(tmp_path / "old.safetensors")
+    assert same.evaluate(max_episodes=2, seed=7) == runner.evaluate(max_episodes=2, seed=7)
+    srl.Runner(CARTPOLE, module.Config(recurrent="lstm", seed=1)).save(tmp_path / "preset.safetensors")
+    srl.Runner(CARTPOLE, module.Config(recurrent="lstm")).load(tmp_path / "preset.safetensors")
 
 
 # ------------------------------------------------------------------ distributed

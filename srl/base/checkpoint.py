@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from srl.base.config import config_to_dict
-from srl.base.env import EnvConfig
+from srl.base.config import config_from_dict, config_to_dict, setting_data
+from srl.base.env import EnvConfig, EnvSpec
 from srl.base.rl import Learner, Parameter, RLConfig
 
 CHECKPOINT_FORMAT = "srl-checkpoint"
@@ -62,11 +62,12 @@ def build_checkpoint(
 
 
 def split_checkpoint(
-    meta: dict[str, Any], arrays: dict[str, np.ndarray], rl_config: RLConfig, source: str = "checkpoint"
+    meta: dict[str, Any], arrays: dict[str, np.ndarray], rl_config: RLConfig, source: str = "checkpoint",
+    spec: EnvSpec | None = None,
 ) -> tuple[dict[str, np.ndarray], tuple[dict[str, np.ndarray], dict[str, Any]] | None]:
     """The weights and the trainer state (None if it holds none) of a checkpoint made for ``rl_config``'s
-    algorithm under the same settings that change what weights mean; ValueError saying what is wrong
-    otherwise."""
+    algorithm under the same settings that change what weights mean (with ``spec``, as both configs resolve
+    their presets for it); ValueError saying what is wrong otherwise."""
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{source} is not an srl checkpoint (format {str(meta.get('format'))[:40]!r})")
     algorithm = rl_config.algorithm
@@ -74,7 +75,7 @@ def split_checkpoint(
         raise ValueError(f"{source} holds {str(meta.get('algorithm'))[:40]!r} weights; this task is {algorithm!r}")
     for name in ("version", "train_count", "env_steps", "episodes"):
         count_field(meta, name)
-    check_weights_match(meta, rl_config, source)
+    check_weights_match(meta, rl_config, source, spec)
     weights = {k: v for k, v in arrays.items() if not k.startswith((TRAINER_PREFIX, MEMORY_PREFIX))}
     state = meta.get("trainer_state")
     if not isinstance(state, dict):
@@ -101,18 +102,47 @@ def saved_rl_config(meta: dict[str, Any], config_cls: type[RLConfig]) -> dict[st
     return {**config_cls.saved_before, **raw}
 
 
-def check_weights_match(meta: dict[str, Any], rl_config: RLConfig, source: str = "checkpoint") -> None:
+def check_weights_match(meta: dict[str, Any], rl_config: RLConfig, source: str = "checkpoint",
+                        spec: EnvSpec | None = None) -> None:
     """ValueError when a checkpoint's weights were made under other values of the settings that change
-    what weights mean (``weights_depend_on``) than ``rl_config``'s."""
-    saved = saved_rl_config(meta, type(rl_config))
-    for name in type(rl_config).weights_depend_on:
-        ours = getattr(rl_config, name)
-        if name in saved and saved[name] != ours:
+    what weights mean (``weights_depend_on``) than ``rl_config``'s. With ``spec`` both are compared as they
+    resolve for it (a field left to a preset is the preset's); without, a field left to a preset on either
+    side is not compared."""
+    config_cls = type(rl_config)
+    names = config_cls.weights_depend_on
+    if not names:
+        return
+    saved: dict[str, Any] = saved_rl_config(meta, config_cls)
+    ours: Any = rl_config
+    whose = ""
+    if spec is not None:
+        ours = rl_config.resolved(spec)
+        whose = " (as the presets resolve for this env)"
+        try:
+            theirs = config_from_dict(config_cls, saved, where=source).resolved(spec)
+            saved = {name: getattr(theirs, name) for name in names}
+        except (ValueError, TypeError, KeyError):  # settings this version cannot build: compare them as stored
+            pass
+    for name in names:
+        mine = getattr(ours, name)
+        if name not in saved or saved[name] is None or mine is None:
+            continue
+        if _stored(saved[name]) != _stored(mine):
             raise ValueError(
-                f"{source} was trained with {name}={str(saved[name])[:40]}, this config has {name}={ours!r}: the "
-                f"weights mean something else under it. Set {name} as the checkpoint has it, or rebuild with "
-                "Runner.from_checkpoint"
+                f"{source} was trained with {name}={_shown(saved[name])}, this config has {name}={_shown(mine)}"
+                f"{whose}: the weights mean something else under it. Set {name} as the checkpoint has it, or "
+                "rebuild with Runner.from_checkpoint"
             )
+
+
+def _stored(value: Any) -> Any:
+    """A setting as a checkpoint stores it (a nested config as a dict, tuples as lists): a stored value and a
+    built one compare equal when they are the same setting."""
+    return setting_data(value)
+
+
+def _shown(value: Any) -> str:
+    return str(value)[:60]
 
 
 def count_field(meta: dict[str, Any], name: str) -> int:

@@ -62,6 +62,11 @@ def config_to_dict(obj: Any) -> dict[str, Any]:
     return out
 
 
+def setting_data(value: Any) -> Any:
+    """One setting's value as ``config_to_dict`` stores it (a nested config as a dict, tuples as lists)."""
+    return _to_data(value)
+
+
 def _to_data(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return config_to_dict(value)

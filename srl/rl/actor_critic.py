@@ -330,6 +330,9 @@ class FamilyPresets:
 
     presets: ClassVar[dict[str, tuple[Any, ...]]] = {}
     recurrent_presets: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    weights_depend_on: ClassVar[tuple[str, ...]] = ("recurrent", "recurrent_size", "cell_first", "hidden_block",
+                                                    "normalize_obs", "encoder")
+    """the settings that shape the network (a checkpoint made under others is refused, saying which)"""
     algorithm: ClassVar[str]
     encoder: EncoderConfig
     recurrent: str | None

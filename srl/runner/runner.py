@@ -354,7 +354,7 @@ class Runner:
 
     def load_checkpoint(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], source: str = "checkpoint") -> None:
         """Apply a checkpoint's ``(meta, arrays)`` (see :meth:`load`)."""
-        weights, state = split_checkpoint(meta, arrays, self.rl_config, source)
+        weights, state = split_checkpoint(meta, arrays, self.rl_config, source, self.spec)
         self.set_parameter_arrays(weights, count_field(meta, "version"), count_field(meta, "train_count"))
         self.env_steps, self.episodes = count_field(meta, "env_steps"), count_field(meta, "episodes")
         if state is not None:

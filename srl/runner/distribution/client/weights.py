@@ -110,7 +110,7 @@ class BoardCheckpoints:
             meta = envelope.get("checkpoint")
             if not isinstance(meta, dict):
                 raise DecodeError("the checkpoint message carries no checkpoint meta")
-            split_checkpoint(meta, arrays, self.runner.rl_config, "the trainer's checkpoint")
+            split_checkpoint(meta, arrays, self.runner.rl_config, "the trainer's checkpoint", self.runner.spec)
             path = write_checkpoint(self.directory, train_count, arrays, meta, self.keep)
         except (DecodeError, BoardError, ValueError, OSError) as e:  # a damaged or forged one: the next may do
             self._complain(e)
