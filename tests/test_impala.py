@@ -159,9 +159,10 @@ def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_an
     caplog: pytest.LogCaptureFixture
 ) -> None:
     """Recurrent over Discrete vectors: recurrent PPO's preset (its network, 20 steps clipped at 0.2 a batch of 32,
-    advantages centred and scaled, γ 0.98, λ 0.8); recurrent over Box, and feed-forward anywhere, the paper's
-    learner as before; a field set wins; the data path's segment length is the preset's once resolved (actors'
-    pacing counts served segments by it); the run's first line names every value that depends on the family."""
+    the learning rate annealed, advantages centred and scaled, γ 0.98, λ 0.8); recurrent over Box, and
+    feed-forward anywhere, the paper's learner as before; a field set wins; the data path's segment length is
+    the preset's once resolved (actors' pacing counts served segments by it); the run's first line names every
+    value that depends on the family."""
     novel = env_spec(EnvConfig("srl/CartPoleNoVel-v1"))
     recurrent = impala.Config(recurrent="lstm").resolved(novel)
     assert (recurrent.epochs, recurrent.segment_length, recurrent.norm_adv, recurrent.lr, recurrent.gamma,
@@ -169,13 +170,14 @@ def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_an
                                                                                           0.8, 0.0, 0.5)
     assert (recurrent.cell_first, recurrent.normalize_obs, recurrent.hidden_block) == (
         True, True, MLPBlockConfig((64,), "relu"))
-    assert recurrent.clip_ratio == 0.2
+    assert (recurrent.clip_ratio, recurrent.anneal_lr) == (0.2, True)
     for config, env in ((impala.Config(), "CartPole-v1"), (impala.Config(recurrent="lstm"), "srl/PendulumNoVel-v1"),
                         (impala.Config(), "Pendulum-v1")):
         paper = config.resolved(env_spec(EnvConfig(env)))
         assert (paper.epochs, paper.segment_length, paper.norm_adv, paper.lr, paper.gamma, paper.vtrace_lambda,
-                paper.entropy_cost, paper.max_grad_norm, paper.cell_first, paper.hidden_block, paper.clip_ratio) == (
-                    1, 16, False, 2e-3, 0.99, 1.0, 0.01, 40.0, False, MLPBlockConfig((64, 64), "tanh"), 0.1), env
+                paper.entropy_cost, paper.max_grad_norm, paper.cell_first, paper.hidden_block, paper.clip_ratio,
+                paper.anneal_lr) == (1, 16, False, 2e-3, 0.99, 1.0, 0.01, 40.0, False, MLPBlockConfig((64, 64), "tanh"),
+                                     0.1, False), env
     mine = impala.Config(recurrent="gru", epochs=4, segment_length=20, cell_first=False).resolved(novel)
     assert (mine.epochs, mine.segment_length, mine.cell_first, mine.norm_adv) == (4, 20, False, True)
     assert impala.Config(recurrent="lstm").data_path().segment_length == 0  # not known before the env is
@@ -185,9 +187,9 @@ def test_a_recurrent_config_over_discrete_vectors_takes_recurrent_ppos_preset_an
     assert ("the recurrent discrete preset for 'srl/CartPoleNoVel-v1': normalize_obs True, normalize_reward False, "
             "hidden_block 64 relu, "
             "cell_first True, segment_length 32, epochs 20, norm_adv True, gamma 0.98, vtrace_lambda 0.8, "
-            "entropy_cost 0, max_grad_norm 0.5, clip_ratio 0.2 (set them") in caplog.text, caplog.text
-    with pytest.raises(ValueError, match="clip_ratio, entropy_cost, epochs, gamma, lr, max_grad_norm, norm_adv, "
-                                         r"vtrace_lambda left to the preset: give it config.resolved\(spec\)"):
+            "entropy_cost 0, max_grad_norm 0.5, clip_ratio 0.2, anneal_lr True (set them") in caplog.text, caplog.text
+    with pytest.raises(ValueError, match="anneal_lr, clip_ratio, entropy_cost, epochs, gamma, lr, max_grad_norm, "
+                                         r"norm_adv, vtrace_lambda left to the preset: give it config\.resolved"):
         impala.IMPALALearner(impala.Config(), None, None)  # type: ignore[arg-type]
 
 

@@ -79,12 +79,14 @@ PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "entropy_cost": (0.01,) * 4,
     "max_grad_norm": (40.0,) * 4,
     "clip_ratio": (0.1,) * 4,
+    "anneal_lr": (False,) * 4,
 }
 # A recurrent config's own columns over Discrete vectors: recurrent PPO's preset there (its network, RL Zoo's
 # ppo_lstm for the NoVel envs, and its Discrete settings: 20 steps clipped at 0.2 on each batch of T = 32 with
-# the advantages centred and scaled, γ 0.98, λ 0.8). With the paper's one pass the LSTM's policy collapses to one
-# action in most runs whatever the rates (25 probes); chosen on Acrobot-v1 and srl/AcrobotNoVel-v1, judged on
-# srl/CartPoleNoVel-v1 (docs/benchmarks.md, "Recurrent IMPALA"). Box, images and grids keep the columns above.
+# the advantages centred and scaled, γ 0.98, λ 0.8, the learning rate annealed to 0 over the run). With the
+# paper's one pass the LSTM's policy collapses to one action in most runs whatever the rates (25 probes);
+# chosen on Acrobot-v1 and srl/AcrobotNoVel-v1, judged on srl/CartPoleNoVel-v1 (docs/benchmarks.md, "Recurrent
+# IMPALA's Discrete preset"). Box, images and grids keep the columns above.
 RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "normalize_obs": (True, True, False, False),
     "hidden_block": (MLP_64_RELU, MLP_64_64_TANH, MLP_64_64_TANH, MLP_64_64_TANH),
@@ -98,6 +100,7 @@ RECURRENT_PRESETS: dict[str, tuple[Any, Any, Any, Any]] = {
     "entropy_cost": (0.0, 0.01, 0.01, 0.01),
     "max_grad_norm": (0.5, 40.0, 40.0, 40.0),
     "clip_ratio": (0.2, 0.1, 0.1, 0.1),
+    "anneal_lr": (True, False, False, False),
 }
 FAMILIES = ACTION_FAMILIES
 """the columns of ``PRESETS``, as ``Config.family`` names them"""
@@ -160,11 +163,12 @@ class Config(FamilyPresets, RLConfig):
     """Adam's ε. Large enough that steps shrink with the gradients once the advantages are mere noise (a
     solved task), instead of Adam rescaling that noise to steps of about ``lr`` that walk a good policy
     away (TorchBeast's IMPALA: RMSProp with ε 0.01; the study: docs/benchmarks.md)"""
-    anneal_lr: bool = False
+    anneal_lr: bool | None = None
     """decay the learning rate linearly to 0 over the run's max_steps (else max_train_count), as the paper;
     by default it is held, as RLlib's and Sample Factory's IMPALA hold it: a run whose rows come late learns
     more slowly per env step, and a schedule that ends at zero can freeze it before it got there (the study:
-    docs/benchmarks.md)"""
+    docs/benchmarks.md). Preset: held, and annealed for a recurrent config over Discrete actions, as recurrent
+    PPO's is: with 20 steps on each batch a held rate walks a solved policy away again"""
     gamma: float | None = None
     """discount factor (preset: 0.99, and 0.98 for a recurrent config over Discrete actions)"""
     vtrace_lambda: float | None = None
@@ -334,6 +338,7 @@ class _Steps:
     norm_adv: bool
     clip_ratio: float
     """0: the paper's policy gradient (``clip`` None)"""
+    anneal_lr: bool
 
     @property
     def clip(self) -> float | None:
@@ -381,7 +386,7 @@ class IMPALALearner(ReturnScaledLearner):
         config, net, dev = self.config, self.parameter.net, self.device
         n, horizon = segments["reward"].shape
         frac = self.anneal.advance(n * horizon, self.train_count)
-        lr = self.steps.lr * (frac if config.anneal_lr else 1.0)
+        lr = self.steps.lr * (frac if self.steps.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         observations, last_obs = segment_observations(segments, self.parameter.frames)
         if net.recurrent is not None:
