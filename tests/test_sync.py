@@ -13,7 +13,7 @@ import pytest
 
 import srl
 from srl.algorithms import ppo
-from srl.base.env import EnvConfig
+from srl.base.env import EnvConfig, env_spec
 from srl.base.rollout import Rollout
 from srl.runner.distribution import RedisParameters
 from srl.runner.distribution.board.board import Board, TaskState
@@ -261,8 +261,14 @@ def test_an_asynchronous_actor_makes_no_more_than_its_lead_of_versions_ahead_of_
     # a central actor's segments are the server's: one per segment_length steps of each of its envs
     central = Pacing(ppo.Config(sync=False, segment_length=32, envs_per_actor=8).data_path(), 2, None, 8, 0, 8)
     assert central.served_segments(8 * (3 * 32 + 5), 8) == 3 * 8
-    assert Pacing(impala_path := impala.Config().data_path(), 2, None, 8, 0, 8).served_segments(800, 8) == 8 * 6
+    # a segment length left to the preset is known once the config is resolved for the env, as nodes resolve it
+    cartpole = env_spec(EnvConfig("CartPole-v1"))
+    assert Pacing(impala.Config().data_path(), 2, None, 8, 0, 8).served_segments(800, 8) is None
+    impala_path = impala.Config().resolved(cartpole).data_path()
+    assert Pacing(impala_path, 2, None, 8, 0, 8).served_segments(800, 8) == 8 * 6
     assert impala_path.segment_length == 16
+    appo = ppo.Config(sync=False, envs_per_actor=8).resolved(cartpole).data_path()
+    assert Pacing(appo, 2, None, 8, 0, 8).served_segments(8 * (2 * 32 + 5), 8) == 2 * 8  # the Discrete preset's 32
 
     assert not Pacing(ppo.Config().data_path(), 2, None, 8, 0, 8).paced
     assert impala.Config().data_path().lead_versions is None
