@@ -127,18 +127,12 @@ def check_weights_match(meta: dict[str, Any], rl_config: RLConfig, source: str =
         mine = getattr(ours, name)
         if name not in saved or saved[name] is None or mine is None:
             continue
-        if _stored(saved[name]) != _stored(mine):
+        if setting_data(saved[name]) != setting_data(mine):  # as stored: a built value equals its dict
             raise ValueError(
                 f"{source} was trained with {name}={_shown(saved[name])}, this config has {name}={_shown(mine)}"
                 f"{whose}: the weights mean something else under it. Set {name} as the checkpoint has it, or "
                 "rebuild with Runner.from_checkpoint"
             )
-
-
-def _stored(value: Any) -> Any:
-    """A setting as a checkpoint stores it (a nested config as a dict, tuples as lists): a stored value and a
-    built one compare equal when they are the same setting."""
-    return setting_data(value)
 
 
 def _shown(value: Any) -> str:
